@@ -1,0 +1,82 @@
+"""A network plus its loss, and the Replica that the trainers drive.
+
+    loss, ctx = model.forward(P, (inputs, targets), scale)
+    model.backward(P, ctx, grad_ready)      # accumulates into P.grads
+
+A Replica is one copy of the model as this process sees it: its FlatParams
+and a `compute_grads(micro_batches)` step. The single-process trainer, the
+sync data-parallel trainer and the async parameter-server worker all drive a
+Replica; that is what makes the topologies interchangeable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from models import backend
+from models.layers import Sequential
+from models.loss import softmax_cross_entropy
+from models.params import FlatParams
+
+
+class Model:
+    """`body` maps inputs to logits; the loss is softmax cross-entropy."""
+
+    name = "model"
+
+    def __init__(self, config, body: Sequential):
+        self.config, self.body = config, body
+
+    def specs(self):
+        return self.body.specs()
+
+    def prepare(self, batch, P: FlatParams):
+        """Move a host batch to the parameters' device and dtype."""
+        inputs, targets = batch
+        xp = P.xp
+        if inputs.dtype.kind == "f":
+            inputs = xp.asarray(inputs, dtype=P.dtype)
+        else:
+            inputs = xp.asarray(inputs)
+        return inputs, xp.asarray(targets)
+
+    def forward(self, P: FlatParams, batch, scale: float = 1.0):
+        inputs, targets = self.prepare(batch, P)
+        logits, ctxs = self.body.forward(P, inputs)
+        loss, dlogits = softmax_cross_entropy(logits, targets, scale)
+        return loss, (ctxs, dlogits)
+
+    def backward(self, P: FlatParams, ctx, grad_ready: Callable[[int], None] | None = None):
+        ctxs, dlogits = ctx
+        self.body.backward(P, ctxs, dlogits, grad_ready)
+
+    def loss_and_grad(self, P: FlatParams, batch, scale: float = 1.0, grad_ready=None) -> float:
+        loss, ctx = self.forward(P, batch, scale)
+        self.backward(P, ctx, grad_ready)
+        return loss
+
+    def init_params(self, seed: int, dtype="float32", xp=None) -> FlatParams:
+        return FlatParams(self.specs(), seed=seed, dtype=dtype, xp=xp or backend.xp())
+
+
+class Replica:
+    """One copy of the model in this process: parameters, gradients, one step."""
+
+    def __init__(self, model: Model, params: FlatParams):
+        self.model, self.params = model, params
+
+    def compute_grads(self, micro_batches: Sequence, grad_ready=None) -> float:
+        """Zero the gradients, accumulate the mean gradient over the micro-batches.
+
+        Each micro-batch's loss is scaled by 1/k, so k micro-batches of size b
+        give the gradient of one batch of size k*b. `grad_ready` is passed to
+        the last backward only: earlier ones are not final (cf. DDP no_sync).
+        Returns the mean loss.
+        """
+        P, k = self.params, len(micro_batches)
+        P.zero_grad()
+        total = 0.0
+        for i, mb in enumerate(micro_batches):
+            ready = grad_ready if i == k - 1 else None
+            total += self.model.loss_and_grad(P, mb, scale=1.0 / k, grad_ready=ready)
+        return total / k

@@ -1,0 +1,196 @@
+"""Optimizers, gradient clipping and learning-rate schedules on flat buffers.
+
+Each optimizer updates one flat parameter array in place from a flat
+gradient array of the same size; it may be a whole model or one parameter
+server shard's range of it. The same code runs in the single-process, sync
+and async trainers. State (moments, step) is exposed for checkpoints.
+
+    SGD:   v <- mu v + g;  p <- p - lr (g + mu v if nesterov else v)   (Sutskever et al. 2013)
+    Adam:  m <- b1 m + (1-b1) g;  v <- b2 v + (1-b2) g^2
+           p <- p - lr m/(1-b1^t) / (sqrt(v/(1-b2^t)) + eps)           (Kingma & Ba 2015)
+    AdamW: as Adam, with decay applied to p directly: p <- p - lr wd p (Loshchilov & Hutter 2019)
+
+SGD and Adam add weight decay to the gradient (L2); AdamW decouples it.
+`decay_mask` (1 where decay applies, 0 for biases and norm gains) restricts it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from models.backend import array_module
+from models.config import ConfigError, choice, non_negative, positive
+
+
+@dataclass
+class OptimConfig:
+    optimizer: str = choice("adamw", "sgd", "adam", "adamw", help="update rule")
+    lr: float = 3e-3
+    momentum: float = 0.0
+    nesterov: bool = False
+    beta1: float = 0.9
+    beta2: float = 0.99
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    warmup: int = 20
+    schedule: str = choice("cosine", "cosine", "constant", help="lr after warm-up")
+    min_lr_ratio: float = 0.1
+
+    def validate(self):
+        positive(self, "lr", "eps")
+        non_negative(self, "momentum", "weight_decay", "clip", "warmup", "min_lr_ratio")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be in [0, 1) (got {getattr(self, name)})")
+        if self.nesterov and self.momentum == 0:
+            raise ConfigError("--nesterov needs --momentum > 0")
+        if self.min_lr_ratio > 1:
+            raise ConfigError(f"--min-lr-ratio must be at most 1 (got {self.min_lr_ratio})")
+
+
+class Optimizer:
+    """Base: holds lr, weight decay, the decay mask and a scratch buffer."""
+
+    state_names: tuple[str, ...] = ()
+
+    def __init__(self, param_template, lr: float, weight_decay: float = 0.0, decay_mask=None):
+        xp = array_module(param_template)
+        self.lr, self.weight_decay, self.decay_mask = lr, weight_decay, decay_mask
+        self.steps = 0
+        self._tmp = xp.empty_like(param_template)
+        for name in self.state_names:
+            setattr(self, name, xp.zeros_like(param_template))
+
+    def _decay(self, p):
+        """wd * p (masked) in the scratch buffer."""
+        t = self._tmp
+        array_module(p).multiply(p, self.weight_decay, out=t)
+        if self.decay_mask is not None:
+            t *= self.decay_mask
+        return t
+
+    def step(self, param, grad, lr: float | None = None) -> None:
+        if param.shape != grad.shape:
+            raise ValueError(f"param shape {param.shape} != grad shape {grad.shape}")
+        self.steps += 1
+        self._update(param, grad, self.lr if lr is None else lr)
+
+    def _update(self, p, g, lr):
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, **{n: getattr(self, n) for n in self.state_names}}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in self.state_names:
+            buf = getattr(self, name)
+            if state[name].shape != buf.shape:
+                raise ValueError(
+                    f"optimizer state {name}: shape {state[name].shape} != {buf.shape}")
+            buf[...] = array_module(buf).asarray(state[name])
+        self.steps = int(state["steps"])
+
+
+class SGD(Optimizer):
+    def __init__(self, param_template, lr, momentum=0.0, nesterov=False, **kw):
+        self.state_names = ("velocity",) if momentum else ()
+        super().__init__(param_template, lr, **kw)
+        self.momentum, self.nesterov = momentum, nesterov
+
+    def _update(self, p, g, lr):
+        xp = array_module(p)
+        if self.weight_decay:
+            g = g + self._decay(p)
+        if not self.momentum:
+            p -= xp.multiply(g, lr, out=self._tmp)
+            return
+        v = self.velocity
+        v *= self.momentum
+        v += g
+        if self.nesterov:  # p -= lr (g + mu v)
+            xp.multiply(v, self.momentum, out=self._tmp)
+            self._tmp += g
+        else:
+            self._tmp[...] = v
+        self._tmp *= lr
+        p -= self._tmp
+
+
+class Adam(Optimizer):
+    state_names = ("m", "v")
+    decoupled = False
+
+    def __init__(self, param_template, lr, beta1=0.9, beta2=0.999, eps=1e-8, **kw):
+        super().__init__(param_template, lr, **kw)
+        self.beta1, self.beta2, self.eps = beta1, beta2, eps
+
+    def _update(self, p, g, lr):
+        xp = array_module(p)
+        if self.weight_decay and self.decoupled:
+            decay = self._decay(p)
+            decay *= lr
+            p -= decay
+        elif self.weight_decay:
+            g = g + self._decay(p)
+        b1, b2, t = self.beta1, self.beta2, self.steps
+        self.m *= b1
+        self.m += xp.multiply(g, 1 - b1, out=self._tmp)
+        self.v *= b2
+        xp.multiply(g, g, out=self._tmp)
+        self._tmp *= 1 - b2
+        self.v += self._tmp
+        # p -= lr_t * m / (sqrt(v) + eps_t), bias corrections folded into lr_t and eps_t
+        lr_t = lr * math.sqrt(1 - b2**t) / (1 - b1**t)
+        xp.sqrt(self.v, out=self._tmp)
+        self._tmp += self.eps * math.sqrt(1 - b2**t)
+        xp.divide(self.m, self._tmp, out=self._tmp)
+        self._tmp *= lr_t
+        p -= self._tmp
+
+
+class AdamW(Adam):
+    decoupled = True
+
+
+def make_optimizer(cfg: OptimConfig, param_template, decay_mask=None) -> Optimizer:
+    """The optimizer `cfg` names, for a flat array shaped like `param_template`."""
+    kw = {"weight_decay": cfg.weight_decay, "decay_mask": decay_mask}
+    if cfg.optimizer == "sgd":
+        return SGD(param_template, cfg.lr, cfg.momentum, cfg.nesterov, **kw)
+    cls = Adam if cfg.optimizer == "adam" else AdamW
+    return cls(param_template, cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, **kw)
+
+
+def clip_grad_norm(grad, max_norm: float) -> float:
+    """Scale `grad` in place so its global L2 norm is at most `max_norm`.
+
+    Returns the norm before clipping. max_norm <= 0 disables clipping.
+    """
+    xp = array_module(grad)
+    norm = float(xp.sqrt(xp.dot(grad, grad)))
+    if max_norm > 0 and norm > max_norm:
+        grad *= max_norm / (norm + 1e-6)
+    return norm
+
+
+class Schedule:
+    """Linear warm-up to `lr`, then cosine decay to `min_lr_ratio * lr` at `total` steps.
+
+        lr(t) = lr * (t + 1) / warmup                                  t < warmup
+        lr(t) = lr_min + (lr - lr_min) (1 + cos(pi p)) / 2,  p = (t - warmup) / (total - warmup)
+    """
+
+    def __init__(self, cfg: OptimConfig, total_steps: int):
+        self.cfg, self.total = cfg, total_steps
+
+    def __call__(self, step: int) -> float:
+        c = self.cfg
+        if step < c.warmup:
+            return c.lr * (step + 1) / c.warmup
+        if c.schedule == "constant" or self.total <= c.warmup:
+            return c.lr
+        progress = min(1.0, (step - c.warmup) / (self.total - c.warmup))
+        lr_min = c.lr * c.min_lr_ratio
+        return lr_min + (c.lr - lr_min) * 0.5 * (1 + math.cos(math.pi * progress))

@@ -1,0 +1,152 @@
+"""Flat parameter and gradient buffers with named views.
+
+Every model replica (or one rank's shard of it) keeps all its parameters in
+one contiguous buffer and its gradients in a second buffer of the same
+layout:
+
+    data: [ embed.W | pos.W | h0.ln1.g | h0.ln1.b | h0.attn.qkv.W | ... ]
+    grad: [   same offsets, same shapes, zeroed before each step       ]
+
+so that a gradient can be all-reduced in buckets, a parameter server can own
+a byte range of it, and a checkpoint can write it in one piece.
+
+Initial values depend only on (run seed, parameter name, element index in the
+full tensor): a tensor-split shard or a pipeline stage initialises exactly
+the slice of its dense twin, whatever the topology.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from models import backend
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One named tensor of a model.
+
+    shape: the tensor this process holds.
+    init: "normal" (mean 0, `std`), "zeros" or "ones".
+    decay: whether weight decay applies (matrices yes; biases, gains no).
+    full_shape, index: for a shard of a larger logical tensor, the logical
+        shape and the index (a tuple of slices) this shard takes from it, so
+        the shard starts from the dense tensor's values.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    init: str = "normal"
+    std: float = 0.02
+    decay: bool = True
+    full_shape: tuple[int, ...] | None = None
+    index: tuple[slice, ...] | None = None
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+def initial_value(spec: ParamSpec, seed: int) -> np.ndarray:
+    """The seeded initial value of `spec` as a float64 host array."""
+    shape = spec.full_shape or spec.shape
+    if spec.init == "zeros":
+        full = np.zeros(shape)
+    elif spec.init == "ones":
+        full = np.ones(shape)
+    elif spec.init == "normal":
+        rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode())])
+        full = rng.standard_normal(shape) * spec.std
+    else:
+        raise ValueError(f"parameter {spec.name}: unknown init {spec.init!r}")
+    value = full[spec.index] if spec.index is not None else full
+    if value.shape != tuple(spec.shape):
+        raise ValueError(
+            f"parameter {spec.name}: index gives shape {value.shape}, spec says {spec.shape}"
+        )
+    return value
+
+
+class FlatParams:
+    """Parameters and gradients of one model (or shard) in two flat buffers.
+
+    params[name] / grads[name] are views into `data` / `grad`; writing to a
+    view writes the buffer. Backward passes accumulate (+=) into grads.
+    """
+
+    def __init__(
+        self,
+        specs: Iterable[ParamSpec],
+        seed: int = 0,
+        dtype=np.float32,
+        xp=None,
+    ):
+        self.specs: list[ParamSpec] = list(specs)
+        self.dtype = np.dtype(dtype)
+        self.xp = xp or backend.xp()
+        names = [s.name for s in self.specs]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"duplicate parameter names: {dup}")
+
+        self.offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for spec in self.specs:
+            self.offsets[spec.name] = (start, start + spec.size)
+            start += spec.size
+        self.size = start
+
+        host = np.empty(self.size, dtype=self.dtype)
+        for spec in self.specs:
+            lo, hi = self.offsets[spec.name]
+            host[lo:hi] = initial_value(spec, seed).ravel()
+        self.data = self.xp.asarray(host)
+        self.grad = self.xp.zeros(self.size, dtype=self.dtype)
+        self.params = self._views(self.data)
+        self.grads = self._views(self.grad)
+
+    def _views(self, buf) -> dict:
+        return {
+            s.name: buf[self.offsets[s.name][0] : self.offsets[s.name][1]].reshape(s.shape)
+            for s in self.specs
+        }
+
+    def __getitem__(self, name: str):
+        return self.params[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.params
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def zero_grad(self) -> None:
+        self.grad.fill(0)
+
+    def decay_mask(self):
+        """1.0 where weight decay applies, 0.0 elsewhere, in the buffer layout."""
+        mask = np.zeros(self.size, dtype=self.dtype)
+        for spec in self.specs:
+            if spec.decay:
+                lo, hi = self.offsets[spec.name]
+                mask[lo:hi] = 1
+        return self.xp.asarray(mask)
+
+    def load(self, values) -> None:
+        """Overwrite all parameters from a flat array of the same size."""
+        if values.shape != (self.size,):
+            raise ValueError(f"expected a flat array of {self.size} values, got {values.shape}")
+        self.data[...] = self.xp.asarray(values, dtype=self.dtype)
+
+    def checksum(self) -> int:
+        """CRC32 of the parameter bytes, to check that replicas agree."""
+        return zlib.crc32(backend.to_host(self.data).tobytes())
+
+    def first_offset(self, names: Sequence[str]) -> int:
+        """The lowest buffer offset among `names` (for bucket readiness)."""
+        return min(self.offsets[n][0] for n in names)

@@ -1,0 +1,84 @@
+"""Decoder-only, pre-norm, GPT-style language model (Radford et al. 2019).
+
+    tokens (B, T) -> Embedding + learned positions (B, T, d)
+      -> n_layers x Block:  x = x + Attn(Norm(x));  x = x + FFN(Norm(x))
+      -> Norm -> Linear head (no bias) -> logits (B, T, vocab)
+
+FFN is GELU (d -> d_ff -> d) or SwiGLU; Norm is LayerNorm or RMSNorm. The
+output projections of each block start with std 0.02 / sqrt(2 n_layers), as
+in GPT-2. The head is not tied to the embedding, so parameters are laid out
+in the order backward finishes them (see Sequential.grad_ready).
+
+    python -m models.train --model transformer --d-model 128 --n-heads 4 --n-layers 2
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from models.attention import CausalSelfAttention
+from models.config import ConfigError, choice, positive
+from models.layers import (
+    GELU,
+    Embedding,
+    LayerNorm,
+    Linear,
+    Module,
+    Recompute,
+    Residual,
+    RMSNorm,
+    Sequential,
+    SwiGLU,
+)
+from models.model import Model
+
+
+@dataclass
+class TransformerConfig:
+    vocab: int = 16
+    seq_len: int = 32
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 2
+    d_ff: int = 256
+    ffn: str = choice("gelu", "gelu", "swiglu", help="feed-forward type")
+    norm: str = choice("layernorm", "layernorm", "rmsnorm", help="normalisation")
+    recompute: bool = False
+
+    def validate(self):
+        positive(self, "vocab", "seq_len", "d_model", "n_heads", "n_layers", "d_ff")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"--d-model {self.d_model} is not divisible by --n-heads {self.n_heads}")
+
+
+def norm_layer(c: TransformerConfig, name: str) -> Module:
+    return LayerNorm(name, c.d_model) if c.norm == "layernorm" else RMSNorm(name, c.d_model)
+
+
+def ffn_layer(c: TransformerConfig, name: str, out_std: float) -> Module:
+    if c.ffn == "swiglu":
+        return SwiGLU(name, c.d_model, c.d_ff, out_std=out_std)
+    return Sequential([Linear(f"{name}.fc", c.d_model, c.d_ff), GELU(),
+                       Linear(f"{name}.proj", c.d_ff, c.d_model, std=out_std)])
+
+
+def block(c: TransformerConfig, i: int) -> Module:
+    out_std = 0.02 / math.sqrt(2 * c.n_layers)
+    attn = Sequential([norm_layer(c, f"h{i}.ln1"),
+                       CausalSelfAttention(f"h{i}.attn", c.d_model, c.n_heads, out_std=out_std)])
+    ffn = Sequential([norm_layer(c, f"h{i}.ln2"), ffn_layer(c, f"h{i}.ffn", out_std)])
+    b = Sequential([Residual(attn), Residual(ffn)])
+    return Recompute(b) if c.recompute else b
+
+
+class Transformer(Model):
+    name = "transformer"
+
+    def __init__(self, config: TransformerConfig):
+        c = config
+        modules = [Embedding("wte", c.vocab, c.d_model, max_len=c.seq_len)]
+        modules += [block(c, i) for i in range(c.n_layers)]
+        modules += [norm_layer(c, "ln_f"), Linear("head", c.d_model, c.vocab, bias=False)]
+        super().__init__(config, Sequential(modules))

@@ -91,11 +91,17 @@ def as_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:
-    """Run an entry point, turning ConfigError into `error: ...` and exit 2."""
+def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None,
+            user_errors: tuple[type[BaseException], ...] = ()) -> int:
+    """Run an entry point; a bad config prints `error: ...` and returns 2, any
+    of `user_errors` (a corrupt checkpoint, a diverged run) prints and returns 1.
+    Neither shows a traceback: the message names the problem."""
+    prog = sys.argv[0].rsplit("/", 1)[-1]
     try:
         return main(sys.argv[1:] if argv is None else argv) or 0
     except ConfigError as e:
-        prog = sys.argv[0].rsplit("/", 1)[-1]
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except user_errors as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1

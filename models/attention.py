@@ -4,13 +4,20 @@
 
 M is the causal mask (-inf above the diagonal), so position t sees 0..t.
 Q, K and V come from one fused projection x @ W_qkv, the heads are
-concatenated and projected back with W_o, as in GPT-2.
+concatenated and projected back with W_o, as in GPT-2. The full (T, T)
+score matrix is computed (masked entries included), which is what
+models/cost.py counts: 4 B T^2 d FLOPs forward, 8 B T^2 d backward.
 
-Backward, per head, with S = Q K^T * scale and A = softmax(S):
+Backward, per head, with S = Q K^T * scale, A = softmax(S), Y = A V:
     dV = A^T dY
     dA = dY V^T
-    dS = A * (dA - rowsum(dA * A))       (softmax Jacobian)
+    dS = A * (dA - rowsum(dA * A)),   rowsum(dA * A) = rowsum(dY * Y)
     dQ = dS K * scale,  dK = dS^T Q * scale
+The row sum is taken over (T, d_head) rather than (T, T) through the
+identity sum_j dA_ij A_ij = dY_i . sum_j A_ij V_j = dY_i . Y_i (as in
+FlashAttention, Dao et al. 2022). The per-head products are written straight
+into the (B, T, heads, d_head) layout the projections use, so no transposed
+copies are made.
 """
 
 from __future__ import annotations
@@ -37,16 +44,17 @@ class CausalSelfAttention(Module):
     def forward(self, P, x):
         xp = array_module(x)
         B, T, C = x.shape
+        nh, hs = self.h, self.hs
         qkv, qkv_ctx = self.qkv.forward(P, x)  # (B, T, 3C)
-        q, k, v = qkv.reshape(B, T, 3, self.h, self.hs).transpose(2, 0, 3, 1, 4)  # (B, nh, T, hs)
-        scale = 1.0 / math.sqrt(self.hs)
-        s = (q @ k.swapaxes(-1, -2)) * scale  # (B, nh, T, T)
-        s += _causal_mask(xp, T, s.dtype)
-        s -= s.max(axis=-1, keepdims=True)
-        a = xp.exp(s, out=s)
-        a /= a.sum(axis=-1, keepdims=True)  # (B, nh, T, T)
-        y = (a @ v).transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C)
-        out, proj_ctx = self.proj.forward(P, y)
+        q, k, v = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)  # 3 x (B, nh, T, hs)
+        a = (q * (1.0 / math.sqrt(hs))) @ k.swapaxes(-1, -2)  # (B, nh, T, T) scores S
+        a += _causal_mask(xp, T, a.dtype)
+        a -= a.max(axis=-1, keepdims=True)
+        xp.exp(a, out=a)
+        a *= 1.0 / a.sum(axis=-1, keepdims=True)  # A = softmax(S)
+        y = xp.empty((B, T, nh, hs), dtype=a.dtype)
+        xp.matmul(a, v, out=y.transpose(0, 2, 1, 3))  # (B, nh, T, hs) view: Y = A V
+        out, proj_ctx = self.proj.forward(P, y.reshape(B, T, C))
         return out, (qkv_ctx, q, k, v, a, proj_ctx)
 
     def backward(self, P, ctx, dout):
@@ -54,17 +62,18 @@ class CausalSelfAttention(Module):
         qkv_ctx, q, k, v, a, proj_ctx = ctx
         B, nh, T, hs = q.shape
         dy = self.proj.backward(P, proj_ctx, dout)  # (B, T, C)
-        dy = dy.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
-        scale = 1.0 / math.sqrt(hs)
-        dv = a.swapaxes(-1, -2) @ dy  # (B, nh, T, hs)
-        da = dy @ v.swapaxes(-1, -2)  # (B, nh, T, T)
-        ds = a * (da - (da * a).sum(axis=-1, keepdims=True))
-        ds *= scale
-        dq = ds @ k  # (B, nh, T, hs)
-        dk = ds.swapaxes(-1, -2) @ q  # (B, nh, T, hs)
-        dqkv = xp.stack([dq, dk, dv])  # (3, B, nh, T, hs)
-        dqkv = dqkv.transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * self.d)  # (B, T, 3C)
-        return self.qkv.backward(P, qkv_ctx, dqkv)
+        dy = dy.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # (B, nh, T, hs) dY
+        y = proj_ctx.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # (B, nh, T, hs) Y
+        dqkv = xp.empty((B, T, 3, nh, hs), dtype=dout.dtype)
+        dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)  # 3 x (B, nh, T, hs) views
+        xp.matmul(a.swapaxes(-1, -2), dy, out=dv)  # dV = A^T dY
+        ds = dy @ v.swapaxes(-1, -2)  # (B, nh, T, T) dA
+        ds -= xp.einsum("bhtd,bhtd->bht", dy, y)[..., None]  # - rowsum(dY * Y)
+        ds *= a  # dS
+        xp.matmul(ds, k, out=dq)
+        xp.matmul(ds.swapaxes(-1, -2), q, out=dk)
+        dqkv[:, :, :2] *= 1.0 / math.sqrt(hs)
+        return self.qkv.backward(P, qkv_ctx, dqkv.reshape(B, T, 3 * self.d))
 
 
 _MASKS: dict = {}

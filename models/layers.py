@@ -11,6 +11,15 @@ so several micro-batches can be in flight at once (pipeline schedules) and a
 wrapper can drop it and recompute it (activation recomputation). Arrays may
 have any leading batch shape `(..., d)`; the namespace (NumPy or CuPy) is the
 one of the input array.
+
+Speed on the CPU comes from doing less memory traffic, since NumPy runs each
+elementwise operation as a separate pass: one GEMM per Linear whatever the
+batch shape, elementwise math in place in as few buffers as possible,
+einsum for row-wise dot products (no temporary), and float32 throughout
+(Python float scalars do not promote under NumPy 2). Backward never writes
+into `dy` (Residual hands the same `dy` to its branch and its skip path) nor
+into the context, only into arrays it allocated itself. models/cost.py
+counts what each context keeps; keep the two in step.
 """
 
 from __future__ import annotations
@@ -47,10 +56,10 @@ class Linear(Module):
         return out
 
     def forward(self, P, x):
-        y = x @ P[f"{self.name}.W"]  # (..., d_out)
+        y = x.reshape(-1, self.d_in) @ P[f"{self.name}.W"]  # (N, d_out): one GEMM, any batch shape
         if self.bias:
             y += P[f"{self.name}.b"]
-        return y, x
+        return y.reshape(*x.shape[:-1], self.d_out), x
 
     def backward(self, P, x, dy):
         x2 = x.reshape(-1, self.d_in)  # (N, d_in)
@@ -58,7 +67,7 @@ class Linear(Module):
         P.grads[f"{self.name}.W"] += x2.T @ dy2  # (d_in, d_out)
         if self.bias:
             P.grads[f"{self.name}.b"] += dy2.sum(axis=0)
-        return dy @ P[f"{self.name}.W"].T  # (..., d_in)
+        return (dy2 @ P[f"{self.name}.W"].T).reshape(x.shape)  # (..., d_in)
 
 
 class Embedding(Module):
@@ -78,7 +87,7 @@ class Embedding(Module):
         return out
 
     def forward(self, P, tokens):
-        y = P[f"{self.name}.W"][tokens]  # (B, T, d)
+        y = P[f"{self.name}.W"].take(tokens, axis=0)  # (B, T, d) gather
         if self.max_len:
             T = tokens.shape[-1]
             if T > self.max_len:
@@ -88,8 +97,11 @@ class Embedding(Module):
 
     def backward(self, P, tokens, dy):
         xp = array_module(dy)
-        flat = tokens.reshape(-1)
-        xp.add.at(P.grads[f"{self.name}.W"], flat, dy.reshape(flat.size, self.d))
+        # Scatter-add rows dy[i] into dW[tokens[i]]; repeated tokens accumulate. ufunc.at
+        # on the flat buffer with one offset per element runs several times faster in
+        # NumPy than the row-indexed form (its 1-D fast path); CuPy does it with atomics.
+        offsets = (tokens.reshape(-1, 1) * self.d + xp.arange(self.d)).reshape(-1)  # (N d,)
+        xp.add.at(P.grads[f"{self.name}.W"].reshape(-1), offsets, dy.reshape(-1))
         if self.max_len:
             T = tokens.shape[-1]
             P.grads[f"{self.name}.pos"][:T] += dy.reshape(-1, T, self.d).sum(axis=0)
@@ -97,7 +109,12 @@ class Embedding(Module):
 
 
 class LayerNorm(Module):
-    """y = (x - mean) / sqrt(var + eps) * g + b over the last axis (Ba et al. 2016)."""
+    """y = (x - mean) / sqrt(var + eps) * g + b over the last axis (Ba et al. 2016).
+
+    Backward, with xhat = (x - mean) * rstd and dxhat = dy * g:
+        dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+    Row sums of products go through einsum, which needs no (..., d) temporary.
+    """
 
     def __init__(self, name: str, d: int, eps: float = 1e-5):
         self.name, self.d, self.eps = name, d, eps
@@ -110,27 +127,39 @@ class LayerNorm(Module):
 
     def forward(self, P, x):
         xp = array_module(x)
-        mu = x.mean(axis=-1, keepdims=True)
-        xc = x - mu
-        rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + self.eps)  # (..., 1)
-        xhat = xc * rstd
-        return xhat * P[f"{self.name}.g"] + P[f"{self.name}.b"], (xhat, rstd)
+        xhat = x - x.mean(axis=-1, keepdims=True)  # (..., d) centred
+        var = xp.einsum("...i,...i->...", xhat, xhat)[..., None]  # (..., 1) sum of squares
+        var /= self.d
+        var += self.eps
+        rstd = 1.0 / xp.sqrt(var)  # (..., 1)
+        xhat *= rstd
+        y = xhat * P[f"{self.name}.g"]
+        y += P[f"{self.name}.b"]
+        return y, (xhat, rstd)
 
     def backward(self, P, ctx, dy):
+        xp = array_module(dy)
         xhat, rstd = ctx
-        P.grads[f"{self.name}.g"] += (dy * xhat).reshape(-1, self.d).sum(axis=0)
+        tmp = dy * xhat  # (..., d)
+        P.grads[f"{self.name}.g"] += tmp.reshape(-1, self.d).sum(axis=0)
         P.grads[f"{self.name}.b"] += dy.reshape(-1, self.d).sum(axis=0)
-        dxhat = dy * P[f"{self.name}.g"]
-        # dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
-        return rstd * (
-            dxhat
-            - dxhat.mean(axis=-1, keepdims=True)
-            - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
-        )
+        dx = dy * P[f"{self.name}.g"]  # dxhat, (..., d)
+        m1 = dx.mean(axis=-1, keepdims=True)  # (..., 1)
+        m2 = xp.einsum("...i,...i->...", dx, xhat)[..., None]  # (..., 1)
+        m2 /= self.d
+        xp.multiply(xhat, m2, out=tmp)
+        tmp += m1
+        dx -= tmp
+        dx *= rstd
+        return dx
 
 
 class RMSNorm(Module):
-    """y = x / sqrt(mean(x^2) + eps) * g (Zhang & Sennrich 2019)."""
+    """y = x / sqrt(mean(x^2) + eps) * g (Zhang & Sennrich 2019).
+
+    Backward, with xhat = x * rrms and dxhat = dy * g:
+        dx = rrms * (dxhat - xhat * mean(dxhat * xhat))
+    """
 
     def __init__(self, name: str, d: int, eps: float = 1e-6):
         self.name, self.d, self.eps = name, d, eps
@@ -140,51 +169,85 @@ class RMSNorm(Module):
 
     def forward(self, P, x):
         xp = array_module(x)
-        rrms = 1.0 / xp.sqrt((x * x).mean(axis=-1, keepdims=True) + self.eps)  # (..., 1)
-        xhat = x * rrms
+        ms = xp.einsum("...i,...i->...", x, x)[..., None]  # (..., 1) sum of squares
+        ms /= self.d
+        ms += self.eps
+        rrms = 1.0 / xp.sqrt(ms)  # (..., 1)
+        xhat = x * rrms  # (..., d)
         return xhat * P[f"{self.name}.g"], (xhat, rrms)
 
     def backward(self, P, ctx, dy):
+        xp = array_module(dy)
         xhat, rrms = ctx
-        P.grads[f"{self.name}.g"] += (dy * xhat).reshape(-1, self.d).sum(axis=0)
-        dxhat = dy * P[f"{self.name}.g"]
-        return rrms * (dxhat - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+        tmp = dy * xhat  # (..., d)
+        P.grads[f"{self.name}.g"] += tmp.reshape(-1, self.d).sum(axis=0)
+        dx = dy * P[f"{self.name}.g"]  # dxhat, (..., d)
+        m = xp.einsum("...i,...i->...", dx, xhat)[..., None]  # (..., 1)
+        m /= self.d
+        xp.multiply(xhat, m, out=tmp)
+        dx -= tmp
+        dx *= rrms
+        return dx
 
 
 _GELU_C = math.sqrt(2.0 / math.pi)
+_GELU_K = 0.044715
 
 
 class GELU(Module):
     """tanh approximation of GELU (Hendrycks & Gimpel 2016), as in GPT-2:
-    gelu(x) = 0.5 x (1 + tanh(c (x + 0.044715 x^3))),  c = sqrt(2/pi)."""
+
+        gelu(x) = 0.5 x (1 + t),   t = tanh(u),   u = c (x + k x^3),  c = sqrt(2/pi), k = 0.044715
+        gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) u',   u' = c (1 + 3 k x^2)
+
+    Computed in place in two (..., d) buffers each way; the context is (x, t).
+    """
 
     def forward(self, P, x):
         xp = array_module(x)
-        t = xp.tanh(_GELU_C * (x + 0.044715 * x * x * x))
-        return 0.5 * x * (1.0 + t), (x, t)
+        t = x * x  # (..., d)
+        t *= _GELU_C * _GELU_K
+        t += _GELU_C
+        t *= x  # u
+        xp.tanh(t, out=t)
+        y = t + 1.0
+        y *= x
+        y *= 0.5
+        return y, (x, t)
 
     def backward(self, P, ctx, dy):
         x, t = ctx
-        dt = _GELU_C * (1.0 + 3 * 0.044715 * x * x)
-        return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dt)
+        dx = x * x  # (..., d)
+        dx *= 3 * _GELU_C * _GELU_K
+        dx += _GELU_C  # u'
+        dx *= x
+        tt = t * t
+        tt *= dx
+        dx -= tt  # x (1 - t^2) u'
+        dx += t
+        dx += 1.0
+        dx *= 0.5
+        dx *= dy
+        return dx
 
 
 class ReLU(Module):
     def forward(self, P, x):
-        mask = x > 0
+        mask = x > 0  # (..., d) bool
         return x * mask, mask
 
     def backward(self, P, mask, dy):
         return dy * mask
 
 
-def _silu(xp, a):
-    s = 1.0 / (1.0 + xp.exp(-a))
-    return a * s, s
-
-
 class SwiGLU(Module):
-    """Gated feed-forward y = (silu(x W1) * (x W3)) W2 (Shazeer 2020)."""
+    """Gated feed-forward y = (silu(x W1) * (x W3)) W2 (Shazeer 2020).
+
+    With a = x W1, b = x W3, s = sigmoid(a), h = a s b:
+        db = dh * a s,   da = dh * b * s (1 + a (1 - s))     (silu'(a))
+    The context keeps (x, a, b, s); h is rebuilt in backward (two products)
+    rather than kept.
+    """
 
     def __init__(self, name: str, d: int, d_ff: int, std: float = 0.02, out_std: float = 0.02):
         self.name = name
@@ -199,16 +262,33 @@ class SwiGLU(Module):
         xp = array_module(x)
         a, _ = self.w1.forward(P, x)  # (..., d_ff)
         b, _ = self.w3.forward(P, x)  # (..., d_ff)
-        sa, s = _silu(xp, a)
-        y, _ = self.w2.forward(P, sa * b)  # (..., d)
-        return y, (x, a, s, sa, b)
+        s = xp.negative(a)
+        xp.exp(s, out=s)
+        s += 1.0
+        xp.reciprocal(s, out=s)  # sigmoid(a)
+        h = a * s
+        h *= b  # silu(a) * b
+        y, _ = self.w2.forward(P, h)  # (..., d)
+        return y, (x, a, b, s)
 
     def backward(self, P, ctx, dy):
-        x, a, s, sa, b = ctx
-        dh = self.w2.backward(P, sa * b, dy)  # (..., d_ff)
-        db = dh * sa
-        da = dh * b * (s * (1.0 + a * (1.0 - s)))  # silu'(a) = s (1 + a (1 - s))
-        return self.w1.backward(P, x, da) + self.w3.backward(P, x, db)
+        xp = array_module(dy)
+        x, a, b, s = ctx
+        sa = a * s  # silu(a), (..., d_ff)
+        h = sa * b
+        dh = self.w2.backward(P, h, dy)  # (..., d_ff)
+        db = sa
+        db *= dh
+        da = h
+        xp.subtract(1.0, s, out=da)
+        da *= a
+        da += 1.0
+        da *= s  # silu'(a)
+        da *= b
+        da *= dh
+        dx = self.w1.backward(P, x, da)
+        dx += self.w3.backward(P, x, db)
+        return dx
 
 
 class Sequential(Module):

@@ -4,6 +4,8 @@
     dloss/dz_i = (softmax(z_i) - onehot(y_i)) / N
 
 The max is subtracted before exponentiating, so large logits cannot overflow.
+One (N, C) buffer is allocated: shifted logits, then probabilities, then the
+gradient, in place.
 """
 
 from __future__ import annotations
@@ -24,12 +26,12 @@ def softmax_cross_entropy(logits, targets, scale: float = 1.0):
     z = logits.reshape(-1, C)  # (N, C)
     t = targets.reshape(-1)  # (N,)
     N = z.shape[0]
-    z = z - z.max(axis=1, keepdims=True)
-    p = xp.exp(z)
-    sum_p = p.sum(axis=1, keepdims=True)  # (N, 1)
     rows = xp.arange(N)
-    loss = float((xp.log(sum_p[:, 0]) - z[rows, t]).mean())
-    p /= sum_p  # softmax
-    p[rows, t] -= 1.0
-    p *= scale / N
+    p = z - z.max(axis=1, keepdims=True)  # (N, C) shifted logits, then probabilities
+    zt = p[rows, t]  # (N,) shifted logit of the target
+    xp.exp(p, out=p)
+    sum_p = p.sum(axis=1, keepdims=True)  # (N, 1)
+    loss = float((xp.log(sum_p[:, 0]) - zt).mean())
+    p *= (scale / N) / sum_p  # softmax * scale / N
+    p[rows, t] -= scale / N
     return loss, p.reshape(logits.shape)

@@ -1,0 +1,398 @@
+"""What one training step of a model costs: parameters, FLOPs, memory, tokens.
+
+    python -m models.cost --model transformer --vocab 50257 --seq-len 1024 \\
+        --d-model 1024 --n-heads 16 --n-layers 24 --d-ff 4096 --batch-size 8
+
+Counted for *this* implementation, layer by layer (one `Part` per kind of
+layer, times how often it occurs), N = rows in the batch (B T tokens for the
+transformer, B samples for the MLP):
+
+- FLOPs are matmul FLOPs, 2 m k n per (m, k) @ (k, n), as executed. A Linear
+  costs 2 N d_in d_out forward and twice that backward (dW = x^T dy,
+  dx = dy W^T). Attention computes the full (T, T) scores, masked half
+  included: Q K^T and A V are 2 B T^2 d each forward, dV, dA, dQ, dK
+  8 B T^2 d backward. The embedding is a gather (0 FLOPs). Elementwise work
+  (norms, softmax, GELU, loss, optimizer) is O(N d) against O(N d^2) and is
+  not counted, as in PaLM and Megatron. Recomputation adds one block
+  forward per block to the step (hardware FLOPs); MFU uses the model FLOPs
+  (forward + backward), as Chowdhery et al. (2022) define it.
+- PaLM's per-token count (Chowdhery et al. 2022, appendix B) is given
+  beside it: 6 N + 12 L H Q T, with N the parameters that take part in
+  matmuls (all but the gathered embedding tables; our head is untied) and
+  H Q = d_model. It equals ours up to 6 x (biases + norm gains) per token.
+- Activation bytes are the bytes the forward context keeps for backward:
+  exactly what `models.memory.context_bytes` measures on the context
+  `Model.forward` returns (float32, int64 token ids, bool ReLU masks),
+  including the (N, vocab) logit gradient the loss keeps.
+- Parameter, gradient and optimizer-state bytes follow ZeRO's accounting
+  (Rajbhandari et al. 2020): fp32 keeps 4 + 4 bytes per parameter; mixed
+  precision (bf16 or fp16, Micikevicius et al. 2018) keeps 2 + 2 plus a
+  4-byte fp32 master copy; optimizer states are fp32 (SGD none, momentum
+  one buffer, Adam/AdamW two). Mixed-precision activations are the float
+  elements at 2 bytes (an estimate: this code runs float32).
+- Compute-optimal tokens: 20 per parameter (Hoffmann et al. 2022).
+
+The seed exercise (GPT-2-ish d = n = 1024, B = 8, L = 24; 16 heads,
+d_ff = 4d, vocab 50257 where ours needs them):
+
+    figure                       seed's formula     ours
+    layer forward FLOPs          240.5 G            240.5 G (same matmuls)
+    step FLOPs, 24 layers        17.32 T            17.32 T + head 2.53 T = 19.85 T
+    parameters                   302.3 M            302.3 M + 104.0 M embeddings, head, ln_f
+    activations / layer          134 MB (bf16)      1,208 MB (fp32), 604 MB at 2 bytes
+    activations, whole model     3.22 GB (bf16)     30.7 GB (fp32), logit gradient included
+
+Where we differ: the seed counts the transformer layers only (no embedding
+table, position table or LM head); its activation estimate keeps Q, K, V,
+one (n, n) map per sequence and the 4d FFN hidden state, while our
+implementation keeps, per layer, the attention probabilities of every head
+(B heads n^2: 16x the seed's term, the largest), both norms' normalised
+inputs, the input of every matmul, and GELU's input and tanh beside its
+output: 8 N d + 2 N + 3 N d_ff + B heads n^2 floats. The seed's memory total
+adds no logit gradient (N x vocab floats: 1.65 GB here). Both take a
+step as 3 x forward for matmuls, and recomputation as +1 forward of the
+blocks (the seed's "about 33%"): ours is exact, not approximate, there.
+
+Extending it: a new model registers a `Recipe` (its Parts, tokens per
+sample, PaLM count) in `_RECIPES`. A mixture-of-experts FFN is a Part whose `params_active` is
+top_k / n_experts of its `params`; a tensor- or pipeline-split model builds
+the Parts one rank holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from models.config import ConfigError, add_flags, as_dict, from_namespace, run_cli
+from models.mlp import MLPConfig
+from models.transformer import TransformerConfig
+from models.zoo import MODELS, config_class
+
+FLOAT_BYTES = 4  # this implementation computes in float32
+TOKEN_BYTES = 8  # int64 token ids (NumPy's default integer)
+TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022
+
+# precision -> (bytes per weight, per fp32 master weight, per gradient, per activation float)
+PRECISIONS = {"fp32": (4, 0, 4, 4), "bf16": (2, 4, 2, 2), "fp16": (2, 4, 2, 2)}
+# optimizer -> fp32 state buffers per parameter
+OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
+
+
+@dataclass(frozen=True)
+class Part:
+    """One kind of layer, occurring `count` times; all figures are per copy.
+
+    act_floats: float elements its forward context keeps for backward.
+    act_other_bytes: other bytes kept (int64 token ids, bool masks).
+    embedding: its parameters are gathered, not multiplied (not in PaLM's N).
+    """
+
+    name: str
+    count: int = 1
+    params: int = 0
+    params_active: int | None = None
+    embedding: bool = False
+    flops_forward: int = 0
+    flops_backward: int = 0
+    flops_recompute: int = 0
+    act_floats: int = 0
+    act_other_bytes: int = 0
+
+    @property
+    def active(self) -> int:
+        return self.params if self.params_active is None else self.params_active
+
+    def act_bytes(self, float_bytes: int = FLOAT_BYTES) -> int:
+        return self.act_floats * float_bytes + self.act_other_bytes
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes held during a step at one precision."""
+
+    weights: int  # the copy forward and backward read
+    master: int  # fp32 master weights (mixed precision)
+    grads: int
+    optimizer: int  # fp32 optimizer states
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.master + self.grads + self.optimizer + self.activations
+
+
+@dataclass(frozen=True)
+class Cost:
+    """The cost of one training step of `batch_size` samples; see the module docstring."""
+
+    model: str
+    batch_size: int
+    optimizer: str
+    tokens_per_step: int
+    parts: tuple[Part, ...]
+    params_total: int
+    params_active: int
+    params_embedding: int
+    flops_forward: int
+    flops_backward: int
+    flops_recompute: int
+    flops_step: int  # forward + backward + recompute: the matmul FLOPs executed
+    flops_per_token_palm: int
+    activation_bytes: int  # fp32, as measured by models.memory
+    memory: dict[str, Memory]  # precision -> bytes
+    optimal_tokens: int
+    config: dict
+
+    @property
+    def flops_model(self) -> int:
+        """Forward + backward without recomputation: the FLOPs MFU divides by."""
+        return self.flops_forward + self.flops_backward
+
+    @property
+    def flops_palm_step(self) -> int:
+        return self.flops_per_token_palm * self.tokens_per_step
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["parts"] = [dataclasses.asdict(p) for p in self.parts]
+        out["memory"] = {k: {**dataclasses.asdict(m), "total": m.total}
+                         for k, m in self.memory.items()}
+        out.update(flops_model=self.flops_model, flops_palm_step=self.flops_palm_step)
+        return out
+
+    def table(self) -> str:
+        cfg = " ".join(f"{k}={v}" for k, v in self.config.items())
+        per = self.tokens_per_step // self.batch_size
+        shape = f"{self.batch_size} x {per} = {self.tokens_per_step:,} tokens" if per > 1 \
+            else f"{self.batch_size} samples"
+        lines = [
+            f"{self.model}: {cfg}",
+            f"batch {shape} per step, optimizer {self.optimizer}",
+            "",
+            f"{'part':<16}{'count':>6}{'params':>10}{'fwd GFLOP':>12}{'bwd GFLOP':>12}"
+            f"{'recomp GFLOP':>14}{'act MB':>10}",
+        ]
+        for p in self.parts:
+            lines.append(
+                f"{p.name:<16}{p.count:>6}{_si(p.params):>10}{_fmt(p.flops_forward / 1e9):>12}"
+                f"{_fmt(p.flops_backward / 1e9):>12}{_fmt(p.flops_recompute / 1e9):>14}"
+                f"{_fmt(p.act_bytes() / 1e6):>10}")
+        lines += [
+            f"{'total':<22}{_si(self.params_total):>10}{_fmt(self.flops_forward / 1e9):>12}"
+            f"{_fmt(self.flops_backward / 1e9):>12}{_fmt(self.flops_recompute / 1e9):>14}"
+            f"{_fmt(self.activation_bytes / 1e6):>10}",
+            "(figures per copy, totals over all copies; matmul FLOPs; act = fp32 bytes kept)",
+            "",
+            f"parameters       {self.params_total:,} total, {self.params_active:,} active, "
+            f"{self.params_embedding:,} in gathered embedding tables",
+            f"FLOPs per step   {_si(self.flops_step)}FLOP executed, "
+            f"{_si(self.flops_model)}FLOP model (forward + backward, for MFU)",
+            f"PaLM 6N + 12LHQT {_si(self.flops_per_token_palm)}FLOP per token x "
+            f"{self.tokens_per_step:,} = {_si(self.flops_palm_step)}FLOP per step",
+            f"compute-optimal  {_si(self.optimal_tokens)} tokens "
+            f"({TOKENS_PER_PARAM} per parameter, Hoffmann et al. 2022)",
+            "",
+            f"{'memory (GB)':<12}{'weights':>9}{'master':>9}{'grads':>9}"
+            f"{'optim':>9}{'activ':>9}{'total':>9}",
+        ]
+        for name, m in self.memory.items():
+            lines.append(f"{name:<12}" + "".join(
+                f"{_fmt(v / 1e9):>9}" for v in (m.weights, m.master, m.grads, m.optimizer,
+                                             m.activations, m.total)))
+        return "\n".join(lines)
+
+
+def _fmt(x: float) -> str:
+    """A table cell: thousands separated, else 4 significant digits."""
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}"
+
+
+def _si(n: float) -> str:
+    """4 significant digits and a decimal prefix: 406.3 M, 19.85 T."""
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.4g} {unit}"
+    return f"{int(n)} "
+
+
+# ---- parts: one function per module of models/layers.py and attention.py ----
+
+def linear(name: str, N: int, d_in: int, d_out: int, bias: bool = True) -> Part:
+    """y = x W + b on N rows: 2 N d_in d_out forward, 4 N d_in d_out backward; keeps x."""
+    f = 2 * N * d_in * d_out
+    return Part(name, params=d_in * d_out + (d_out if bias else 0), flops_forward=f,
+                flops_backward=2 * f, act_floats=N * d_in)
+
+
+def norm(name: str, kind: str, N: int, d: int) -> Part:
+    """LayerNorm (g, b) or RMSNorm (g): keeps xhat (N, d) and 1/std (N, 1)."""
+    return Part(name, params=2 * d if kind == "layernorm" else d, act_floats=N * d + N)
+
+
+def attention(name: str, B: int, T: int, d: int, n_heads: int) -> Part:
+    """Causal self-attention, full (T, T) scores per head.
+
+    Forward 2 N d 3d (qkv) + 2 B T^2 d (Q K^T) + 2 B T^2 d (A V) + 2 N d^2 (proj);
+    backward twice that. Keeps x, qkv (3 N d), A (B h T^2) and the heads' output.
+    """
+    N = B * T
+    f = 2 * N * d * 3 * d + 4 * B * T * T * d + 2 * N * d * d
+    return Part(name, params=3 * d * d + 3 * d + d * d + d, flops_forward=f,
+                flops_backward=2 * f, act_floats=N * d + 3 * N * d + B * n_heads * T * T + N * d)
+
+
+def gelu_ffn(name: str, N: int, d: int, d_ff: int) -> Part:
+    """Linear -> GELU -> Linear: keeps x, GELU's input and tanh, and its output."""
+    fc, proj = linear("fc", N, d, d_ff), linear("proj", N, d_ff, d)
+    return Part(name, params=fc.params + proj.params,
+                flops_forward=fc.flops_forward + proj.flops_forward,
+                flops_backward=fc.flops_backward + proj.flops_backward,
+                act_floats=N * d + 3 * N * d_ff)
+
+
+def swiglu_ffn(name: str, N: int, d: int, d_ff: int) -> Part:
+    """(silu(x W1) * x W3) W2, no biases: 3 matmuls; keeps x, a, b, sigmoid(a)."""
+    f = 3 * 2 * N * d * d_ff
+    return Part(name, params=3 * d * d_ff, flops_forward=f, flops_backward=2 * f,
+                act_floats=N * d + 3 * N * d_ff)
+
+
+def recomputed(p: Part) -> Part:
+    """Under Recompute the part keeps nothing and runs its forward again in backward."""
+    return dataclasses.replace(p, flops_recompute=p.flops_forward, act_floats=0,
+                               act_other_bytes=0)
+
+
+def transformer_parts(c: TransformerConfig, B: int) -> list[Part]:
+    """models/transformer.py: embedding, n_layers x (ln1, attention, ln2, ffn), ln_f, head.
+
+    Per layer the context keeps 8 N d + 2 N + 3 N d_ff + B heads T^2 floats; under
+    Recompute only the block's input (N d). The loss keeps dlogits (N vocab).
+    """
+    N, d, L = B * c.seq_len, c.d_model, c.n_layers
+    layer = [
+        norm("ln1", c.norm, N, d),
+        attention("attention", B, c.seq_len, d, c.n_heads),
+        norm("ln2", c.norm, N, d),
+        (swiglu_ffn if c.ffn == "swiglu" else gelu_ffn)(f"ffn ({c.ffn})", N, d, c.d_ff),
+    ]
+    if c.recompute:
+        layer = [recomputed(p) for p in layer] + [Part("block input", act_floats=N * d)]
+    head = linear("head", N, d, c.vocab, bias=False)
+    return [
+        Part("embedding", params=c.vocab * d + c.seq_len * d, embedding=True,
+             act_other_bytes=N * TOKEN_BYTES),
+        *(dataclasses.replace(p, name="h." + p.name, count=L) for p in layer),
+        norm("ln_f", c.norm, N, d),
+        head,
+        Part("loss (dlogits)", act_floats=N * c.vocab),
+    ]
+
+
+def mlp_parts(c: MLPConfig, B: int) -> list[Part]:
+    """models/mlp.py: n_layers x (Linear, activation), Linear out; one row per sample."""
+    widths = [c.d_in] + [c.d_hidden] * c.n_layers
+    parts = []
+    for i in range(c.n_layers):
+        parts.append(linear(f"l{i}", B, widths[i], widths[i + 1]))
+        h = widths[i + 1]
+        if c.activation == "gelu":
+            parts.append(Part(f"gelu{i}", act_floats=2 * B * h))
+        else:
+            parts.append(Part(f"relu{i}", act_other_bytes=B * h))  # bool mask
+    parts.append(linear("out", B, widths[-1], c.n_classes))
+    parts.append(Part("loss (dlogits)", act_floats=B * c.n_classes))
+    return parts
+
+
+def transformer_palm_flops(c: TransformerConfig, n_matmul_params: int) -> int:
+    """6 N + 12 L H Q T per token (Chowdhery et al. 2022, appendix B); H Q = d_model."""
+    return 6 * n_matmul_params + 12 * c.n_layers * c.d_model * c.seq_len
+
+
+def mlp_palm_flops(c: MLPConfig, n_matmul_params: int) -> int:
+    """6 N per sample: no attention term."""
+    return 6 * n_matmul_params
+
+
+class Recipe(NamedTuple):
+    """How to cost one model: its parts, tokens per sample, PaLM FLOPs per token."""
+
+    parts: Callable[[Any, int], list[Part]]
+    tokens_per_sample: Callable[[Any], int]
+    palm_flops_per_token: Callable[[Any, int], int]
+
+
+_RECIPES = {
+    "mlp": Recipe(mlp_parts, lambda c: 1, mlp_palm_flops),
+    "transformer": Recipe(transformer_parts, lambda c: c.seq_len, transformer_palm_flops),
+}
+
+
+def estimate(model_name: str, model_cfg, batch_size: int, optimizer: str = "adamw") -> Cost:
+    """The cost of one training step of `batch_size` samples of `model_name`."""
+    if model_name not in _RECIPES:
+        raise ConfigError(f"--model must be one of {', '.join(_RECIPES)}, got {model_name!r}")
+    if batch_size <= 0:
+        raise ConfigError(f"--batch-size must be positive (got {batch_size})")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ConfigError(
+            f"--optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
+    model_cfg.validate()
+    recipe = _RECIPES[model_name]
+    parts = tuple(recipe.parts(model_cfg, batch_size))
+
+    def total(attr: str, parts=parts) -> int:
+        return sum(p.count * getattr(p, attr) for p in parts)
+
+    params = total("params")
+    params_embedding = sum(p.count * p.params for p in parts if p.embedding)
+    act_floats, act_other = total("act_floats"), total("act_other_bytes")
+    memory = {}
+    for name, (w, master, g, a) in PRECISIONS.items():
+        memory[name] = Memory(weights=w * params, master=master * params, grads=g * params,
+                              optimizer=4 * OPTIMIZER_STATES[optimizer] * params,
+                              activations=a * act_floats + act_other)
+    fwd, bwd, rec = total("flops_forward"), total("flops_backward"), total("flops_recompute")
+    return Cost(
+        model=model_name, batch_size=batch_size, optimizer=optimizer,
+        tokens_per_step=batch_size * recipe.tokens_per_sample(model_cfg), parts=parts,
+        params_total=params, params_active=total("active"), params_embedding=params_embedding,
+        flops_forward=fwd, flops_backward=bwd, flops_recompute=rec, flops_step=fwd + bwd + rec,
+        flops_per_token_palm=recipe.palm_flops_per_token(model_cfg, params - params_embedding),
+        activation_bytes=FLOAT_BYTES * act_floats + act_other, memory=memory,
+        optimal_tokens=TOKENS_PER_PARAM * params, config=as_dict(model_cfg),
+    )
+
+
+def main(argv: list[str]) -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model", choices=sorted(MODELS), default="transformer",
+                     help="which model (default: transformer)")
+    model = pre.parse_known_args(argv)[0].model
+    parser = argparse.ArgumentParser(prog="python -m models.cost", description=__doc__.split(
+        "\n")[0], parents=[pre])
+    parser.add_argument("--batch-size", type=int, default=8, help="samples per step (default: 8)")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw",
+                        help="decides the optimizer-state bytes (default: adamw)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    add_flags(parser, config_class(model), f"{model} config")
+    args = parser.parse_args(argv)
+    cost = estimate(model, from_namespace(config_class(model), args), args.batch_size,
+                    args.optimizer)
+    print(json.dumps(cost.as_dict(), indent=1) if args.json else cost.table())
+    return 0
+
+
+def cli() -> int:
+    return run_cli(main)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -26,7 +26,7 @@ from models.config import ConfigError, choice, non_negative, positive
 @dataclass
 class OptimConfig:
     optimizer: str = choice("adamw", "sgd", "adam", "adamw", help="update rule")
-    lr: float = 3e-3
+    lr: float = 1e-2
     momentum: float = 0.0
     nesterov: bool = False
     beta1: float = 0.9
@@ -34,7 +34,7 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     clip: float = 1.0
-    warmup: int = 20
+    warmup: int = 50
     schedule: str = choice("cosine", "cosine", "constant", help="lr after warm-up")
     min_lr_ratio: float = 0.1
 

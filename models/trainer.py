@@ -1,0 +1,117 @@
+"""The training loop shared by the single-process and sync data-parallel trainers.
+
+One step:  micro-batches -> Replica.compute_grads -> (reduce across ranks)
+           -> clip global norm -> optimizer step at the scheduled lr
+
+A `reducer` (collective/ supplies one for data parallelism) sees gradient
+ranges become final during backward (`ready(offset)`), finishes averaging in
+`wait()` and averages scalars for logging; without one the loop is plain
+single-process training. Rank 0 (`is_main`) writes metrics and checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from models import checkpoint
+from models.checkpoint import CheckpointError
+from models.metrics import MetricsLog
+from models.optim import clip_grad_norm
+from models.progress import Progress
+from models.session import Session
+
+
+class GradReducer(Protocol):
+    def ready(self, offset: int) -> None: ...
+
+    def wait(self) -> dict: ...
+
+    def average(self, value: float) -> float: ...
+
+
+@dataclass
+class Summary:
+    steps: int
+    seconds: float
+    final_loss: float
+    floor: float | None
+    samples_per_s: float
+
+    @property
+    def gap(self) -> float | None:
+        return None if self.floor is None else self.final_loss - self.floor
+
+
+class Trainer:
+    def __init__(self, session: Session, log: MetricsLog, reducer: GradReducer | None = None,
+                 is_main: bool = True):
+        self.s, self.log, self.reducer, self.is_main = session, log, reducer, is_main
+        run = session.setup.run
+        self.progress = Progress(run.steps, run.log_every, enabled=is_main)
+        self.start_step = self._resume() if run.resume else 0
+        self.samples_per_step = run.batch_size * run.grad_accum * session.world
+        self.losses: list[float] = []
+
+    def step(self, step: int) -> dict:
+        s, reducer = self.s, self.reducer
+        t0 = time.perf_counter()
+        micro_batches = s.loader.next()
+        loss = s.replica.compute_grads(micro_batches, reducer.ready if reducer else None)
+        t1 = time.perf_counter()
+        comm = reducer.wait() if reducer else {}
+        if reducer:
+            loss = reducer.average(loss)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or enable --clip")
+        t2 = time.perf_counter()
+        grad_norm = clip_grad_norm(s.params.grad, s.setup.optim.clip)
+        lr = s.schedule(step)
+        s.optimizer.step(s.params.data, s.params.grad, lr)
+        t3 = time.perf_counter()
+        return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                "step_s": t3 - t0, "compute_s": (t1 - t0) + (t3 - t2), **comm}
+
+    def run(self) -> Summary:
+        run = self.s.setup.run
+        start = time.perf_counter()
+        for step in range(self.start_step, run.steps):
+            record = self.step(step)
+            record["elapsed_s"] = time.perf_counter() - start
+            self.losses.append(record["loss"])
+            if self.is_main:
+                self.log.write(record)
+                speed = f"lr {record['lr']:.2e}  {record['step_s'] * 1e3:6.1f} ms/step"
+                self.progress.update(step, record["loss"], speed)
+                if run.checkpoint_every and (step + 1) % run.checkpoint_every == 0:
+                    self.save(step + 1)
+        seconds = time.perf_counter() - start
+        done = run.steps - self.start_step
+        tail = self.losses[-max(1, done // 10):] or [math.nan]
+        return Summary(done, seconds, sum(tail) / len(tail), self.s.dataset.floor,
+                       done * self.samples_per_step / seconds if seconds else 0.0)
+
+    def save(self, next_step: int) -> str:
+        s = self.s
+        arrays = {"params": s.params.data}
+        arrays.update({f"opt.{k}": v for k, v in s.optimizer.state_dict().items() if k != "steps"})
+        meta = {"config": s.setup.as_dict(), "n_params": s.params.size,
+                "optimizer_steps": s.optimizer.steps, "loader": s.loader.state_dict()}
+        return checkpoint.save(s.setup.run.checkpoint_dir, next_step, arrays, meta)
+
+    def _resume(self) -> int:
+        s = self.s
+        path = checkpoint.latest(s.setup.run.checkpoint_dir)
+        if path is None:
+            return 0
+        arrays, meta = checkpoint.load(path)
+        wanted = s.setup.as_dict()
+        if meta.get("n_params") != s.params.size or meta["config"]["model"] != wanted["model"]:
+            raise CheckpointError(f"{path}: written for a different model config")
+        s.params.load(arrays["params"])
+        state = {k[len("opt."):]: v for k, v in arrays.items() if k.startswith("opt.")}
+        s.optimizer.load_state_dict({**state, "steps": meta["optimizer_steps"]})
+        s.loader.load_state_dict(meta["loader"])
+        return int(meta["step"])

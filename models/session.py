@@ -73,16 +73,16 @@ def parse(argv: list[str], prog: str, description: str = "",
     """Parse `argv` into a Setup. Bad values raise ConfigError; unknown flags exit 2.
 
     `configs` selects which config groups this entry point accepts (the
-    parameter-server daemon has no data or run flags, for instance).
+    parameter-server daemon has no data or run flags, for instance); the
+    others keep their defaults.
     """
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--model", choices=sorted(MODELS), default="transformer")
     known, _ = pre.parse_known_args(argv)
 
-    parser = argparse.ArgumentParser(prog=prog, description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--model", choices=sorted(MODELS), default="transformer",
-                        help="which model to train (its flags follow)")
+                        help="which model to train (its flags follow) (default: transformer)")
     model_cls = MODELS[known.model][0]
     add_flags(parser, model_cls, f"{known.model} model")
     groups = {"data": DataConfig, "optim": OptimConfig, "run": RunConfig}
@@ -91,7 +91,8 @@ def parse(argv: list[str], prog: str, description: str = "",
     if add_extra is not None:
         add_extra(parser)
     ns = parser.parse_args(argv)
-    built = {name: from_namespace(cls, ns) for name, cls in groups.items()}
+    built = {name: from_namespace(cls, ns) if name in configs else cls()
+             for name, cls in groups.items()}
     return Setup(known.model, from_namespace(model_cls, ns), built["data"], built["optim"],
                  built["run"], ns)
 

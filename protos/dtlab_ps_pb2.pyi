@@ -1,0 +1,265 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT64: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+
+class Consistency(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CONSISTENCY_UNSPECIFIED: _ClassVar[Consistency]
+    ASP: _ClassVar[Consistency]
+    SSP: _ClassVar[Consistency]
+    BSP: _ClassVar[Consistency]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT64: DType
+FLOAT16: DType
+CONSISTENCY_UNSPECIFIED: Consistency
+ASP: Consistency
+SSP: Consistency
+BSP: Consistency
+
+class TensorMeta(_message.Message):
+    __slots__ = ("dtype", "shape", "offset", "version")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    version: int
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("start", "data")
+    START_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    data: bytes
+    def __init__(self, start: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Trailer(_message.Message):
+    __slots__ = ("crc32", "chunks")
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    crc32: int
+    chunks: int
+    def __init__(self, crc32: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("worker_id", "model", "model_size", "layout_crc32")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_CRC32_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    model: str
+    model_size: int
+    layout_crc32: int
+    def __init__(self, worker_id: _Optional[int] = ..., model: _Optional[str] = ..., model_size: _Optional[int] = ..., layout_crc32: _Optional[int] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("shard", "num_shards", "model_size", "meta", "consistency", "staleness_bound", "next_step", "max_message_bytes")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
+    CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_BOUND_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    num_shards: int
+    model_size: int
+    meta: TensorMeta
+    consistency: Consistency
+    staleness_bound: int
+    next_step: int
+    max_message_bytes: int
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., model_size: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., staleness_bound: _Optional[int] = ..., next_step: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
+class DeregisterRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
+
+class DeregisterReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("worker_id", "shard", "known_version")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    shard: int
+    known_version: int
+    def __init__(self, worker_id: _Optional[int] = ..., shard: _Optional[int] = ..., known_version: _Optional[int] = ...) -> None: ...
+
+class PullHeader(_message.Message):
+    __slots__ = ("meta", "not_modified")
+    META_FIELD_NUMBER: _ClassVar[int]
+    NOT_MODIFIED_FIELD_NUMBER: _ClassVar[int]
+    meta: TensorMeta
+    not_modified: bool
+    def __init__(self, meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., not_modified: _Optional[bool] = ...) -> None: ...
+
+class PullReply(_message.Message):
+    __slots__ = ("header", "chunk", "trailer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    header: PullHeader
+    chunk: Chunk
+    trailer: Trailer
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("worker_id", "step", "shard", "meta")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    step: int
+    shard: int
+    meta: TensorMeta
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., shard: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("header", "chunk", "trailer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunk: Chunk
+    trailer: Trailer
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("duplicate", "staleness", "version", "pending", "lr")
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    duplicate: bool
+    staleness: int
+    version: int
+    pending: bool
+    lr: float
+    def __init__(self, duplicate: _Optional[bool] = ..., staleness: _Optional[int] = ..., version: _Optional[int] = ..., pending: _Optional[bool] = ..., lr: _Optional[float] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Histogram(_message.Message):
+    __slots__ = ("counts", "total", "sum", "max")
+    class CountsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    counts: _containers.ScalarMap[int, int]
+    total: int
+    sum: int
+    max: int
+    def __init__(self, counts: _Optional[_Mapping[int, int]] = ..., total: _Optional[int] = ..., sum: _Optional[int] = ..., max: _Optional[int] = ...) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("clock", "next_step", "active", "staleness")
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    clock: int
+    next_step: int
+    active: bool
+    staleness: Histogram
+    def __init__(self, clock: _Optional[int] = ..., next_step: _Optional[int] = ..., active: _Optional[bool] = ..., staleness: _Optional[_Union[Histogram, _Mapping]] = ...) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("shard", "num_shards", "consistency", "version", "updates", "pushes", "duplicates", "rejected", "pulls", "pulls_not_modified", "bytes_received", "bytes_sent", "staleness", "workers", "max_clock_lead", "lr", "apply_seconds", "pushes_in_flight")
+    class RejectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class WorkersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: WorkerStats
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[WorkerStats, _Mapping]] = ...) -> None: ...
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    PULLS_NOT_MODIFIED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CLOCK_LEAD_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    num_shards: int
+    consistency: Consistency
+    version: int
+    updates: int
+    pushes: int
+    duplicates: int
+    rejected: _containers.ScalarMap[str, int]
+    pulls: int
+    pulls_not_modified: int
+    bytes_received: int
+    bytes_sent: int
+    staleness: Histogram
+    workers: _containers.MessageMap[int, WorkerStats]
+    max_clock_lead: int
+    lr: float
+    apply_seconds: float
+    pushes_in_flight: int
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., version: _Optional[int] = ..., updates: _Optional[int] = ..., pushes: _Optional[int] = ..., duplicates: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., pulls: _Optional[int] = ..., pulls_not_modified: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., staleness: _Optional[_Union[Histogram, _Mapping]] = ..., workers: _Optional[_Mapping[int, WorkerStats]] = ..., max_clock_lead: _Optional[int] = ..., lr: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckpointReply(_message.Message):
+    __slots__ = ("path", "version")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    version: int
+    def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...

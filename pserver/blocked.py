@@ -1,0 +1,65 @@
+"""The shard's optimizer, run block by block: the same arithmetic, in cache-sized pieces.
+
+SGD (with or without momentum), Adam and AdamW (models.optim) are
+elementwise given the learning rate and the step count. Running one
+models.optim instance per block of ~1 MiB of the shard, all stepped together,
+therefore gives bit-identical parameters to a single instance over the whole
+shard, while each block's temporaries stay in the CPU cache: on a 64 MB shard
+here an SGD step takes ~0.8x and an Adam step ~0.65x the time of one
+whole-shard call. With `threads` > 1 the blocks are split into that many
+contiguous groups stepped in parallel (NumPy releases the GIL in its loops):
+down to ~0.7x again when 2 cores are idle, no gain when they are not.
+Checkpoints see one state, as if it were a single optimizer.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from models.optim import OptimConfig, make_optimizer
+
+BLOCK = 1 << 18  # elements per block (1 MiB of float32)
+
+
+class BlockedOptimizer:
+    def __init__(self, cfg: OptimConfig, params: np.ndarray, decay_mask=None, block: int = BLOCK,
+                 threads: int = 1):
+        n = params.size
+        self.bounds = [(lo, min(n, lo + block)) for lo in range(0, n, block)]
+        self.parts = [make_optimizer(cfg, params[lo:hi],
+                                     None if decay_mask is None else decay_mask[lo:hi])
+                      for lo, hi in self.bounds]
+        m, t = len(self.parts), max(1, min(threads, len(self.parts)))
+        self._groups = [(k * m // t, (k + 1) * m // t) for k in range(t)]
+        self._pool = ThreadPoolExecutor(t, thread_name_prefix="apply") if t > 1 else None
+
+    @property
+    def steps(self) -> int:
+        return self.parts[0].steps
+
+    def _run(self, first: int, last: int, param: np.ndarray, grad: np.ndarray, lr: float) -> None:
+        for (lo, hi), part in zip(self.bounds[first:last], self.parts[first:last], strict=True):
+            part.step(param[lo:hi], grad[lo:hi], lr)
+
+    def step(self, param: np.ndarray, grad: np.ndarray, lr: float) -> None:
+        if param.shape != grad.shape:
+            raise ValueError(f"param shape {param.shape} != grad shape {grad.shape}")
+        if self._pool is None:
+            self._run(0, len(self.parts), param, grad, lr)
+        else:
+            list(self._pool.map(lambda g: self._run(*g, param, grad, lr), self._groups))
+
+    def state_dict(self) -> dict:
+        states = [p.state_dict() for p in self.parts]
+        names = [k for k in states[0] if k != "steps"]
+        return {"steps": self.steps, **{k: np.concatenate([s[k] for s in states]) for k in names}}
+
+    def load_state_dict(self, state: dict) -> None:
+        n = self.bounds[-1][1]
+        for k, v in state.items():
+            if k != "steps" and v.shape != (n,):
+                raise ValueError(f"optimizer state {k}: shape {v.shape} != ({n},)")
+        for (lo, hi), part in zip(self.bounds, self.parts, strict=True):
+            part.load_state_dict({k: v if k == "steps" else v[lo:hi] for k, v in state.items()})

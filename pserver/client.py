@@ -1,0 +1,269 @@
+"""Client for S parameter-server shards: parallel pull and push, deadlines, retries.
+
+    client = PSClient(ClientConfig(servers="127.0.0.1:50051,127.0.0.1:50052"))
+    client.connect(0, "mlp", params.size, wire.layout_crc(params.specs))  # health wait + Register
+    client.pull(params.data)             # every shard in parallel, into the flat buffer
+    replies = client.push(params.grad, step)
+
+Shards may be listed in any order; Register tells each one's index and
+element range, and `connect` checks that they tile [0, n) exactly. Pulls
+land straight in the caller's flat parameter buffer (no intermediate copy);
+a shard whose version has not moved answers "not modified" and sends
+nothing. Every call has a deadline; only UNAVAILABLE is retried, with
+exponential backoff (a push is safe to retry: the server applies each
+(worker, step) once; Li et al. 2014 make the same choice in ps-lite).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import dtlab_ps_pb2 as pb
+from pserver import auth, wire
+from pserver.config import ClientConfig
+from pserver.errors import DataLoss, InvalidArgument
+from pserver.wire import SERVICE
+
+log = logging.getLogger(__name__)
+
+_MAX_BACKOFF_S = 2.0
+
+
+class ShardClient:
+    """One shard's channel and calls."""
+
+    def __init__(self, address: str, cfg: ClientConfig, max_message_bytes: int = 64 << 20):
+        self.address, self.cfg = address, cfg
+        self._metadata = auth.call_metadata(auth.read_token(cfg.token_file, cfg.token_env))
+        # reconnect within ~0.1-2 s (gRPC's default backoff starts at 1 s, grows to 120 s),
+        # so that retries find a restarted shard
+        options = [*wire.transport_options(max_message_bytes),
+                   ("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", int(_MAX_BACKOFF_S * 1000))]
+        if cfg.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", cfg.tls_server_name))
+        if cfg.use_tls():
+            creds = auth.channel_credentials(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
+            self.channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        ch, path = self.channel, f"/{SERVICE}/"
+        self._register = ch.unary_unary(path + "Register", pb.RegisterRequest.SerializeToString,
+                                        pb.RegisterReply.FromString)
+        self._deregister = ch.unary_unary(path + "Deregister",
+                                          pb.DeregisterRequest.SerializeToString,
+                                          pb.DeregisterReply.FromString)
+        self._stats = ch.unary_unary(path + "Stats", pb.StatsRequest.SerializeToString,
+                                     pb.StatsReply.FromString)
+        self._checkpoint = ch.unary_unary(path + "SaveCheckpoint",
+                                          pb.CheckpointRequest.SerializeToString,
+                                          pb.CheckpointReply.FromString)
+        self._pull = ch.unary_stream(path + "Pull", pb.PullRequest.SerializeToString)
+        self._push = ch.stream_unary(path + "Push", None, pb.PushReply.FromString)
+        self._health = health_pb2_grpc.HealthStub(ch)
+        self.info: pb.RegisterReply | None = None
+
+    def _retry(self, attempt, what: str):
+        """Run `attempt()`, retrying UNAVAILABLE with exponential backoff and jitter."""
+        for i in range(self.cfg.retries + 1):
+            try:
+                return attempt()
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or i == self.cfg.retries:
+                    raise
+                delay = min(_MAX_BACKOFF_S, self.cfg.backoff_s * 2**i) * random.uniform(0.5, 1)
+                log.info("%s %s: UNAVAILABLE (%s), retry %d in %.2f s", self.address, what,
+                         e.details(), i + 1, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def wait_ready(self) -> None:
+        """Block until the health service reports the shard SERVING (bounded)."""
+        deadline = time.monotonic() + self.cfg.connect_timeout_s
+        request = health_pb2.HealthCheckRequest(service=SERVICE)
+        delay, last = self.cfg.backoff_s, "no answer"
+        while time.monotonic() < deadline:
+            try:
+                timeout = min(2.0, self.cfg.rpc_timeout_s)
+                status = self._health.Check(request, timeout=timeout).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+            except grpc.RpcError as e:
+                last = f"{e.code().name}: {e.details()}"
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(_MAX_BACKOFF_S, delay * 2)
+        raise TimeoutError(f"{self.address}: not serving after {self.cfg.connect_timeout_s} s "
+                           f"({last})")
+
+    def register(self, worker: int, model: str, model_size: int,
+                 layout_crc: int) -> pb.RegisterReply:
+        req = pb.RegisterRequest(worker_id=worker, model=model, model_size=model_size,
+                                 layout_crc32=layout_crc)
+        self.info = self._retry(lambda: self._register(
+            req, timeout=self.cfg.rpc_timeout_s, metadata=self._metadata), "Register")
+        return self.info
+
+    def deregister(self, worker: int) -> None:
+        self._retry(lambda: self._deregister(pb.DeregisterRequest(worker_id=worker),
+                                             timeout=self.cfg.rpc_timeout_s,
+                                             metadata=self._metadata), "Deregister")
+
+    def stats(self) -> pb.StatsReply:
+        return self._retry(lambda: self._stats(pb.StatsRequest(), timeout=self.cfg.rpc_timeout_s,
+                                               metadata=self._metadata), "Stats")
+
+    def save_checkpoint(self) -> pb.CheckpointReply:
+        return self._checkpoint(pb.CheckpointRequest(), timeout=self.cfg.rpc_timeout_s,
+                                metadata=self._metadata)
+
+    def _check_meta(self, meta: pb.TensorMeta, values: np.ndarray) -> None:
+        want = self.info.meta
+        if (meta.dtype, list(meta.shape), meta.offset) != (want.dtype, list(want.shape),
+                                                           want.offset):
+            raise InvalidArgument(f"{self.address}: pulled meta {meta} does not match the "
+                                  f"registered shard {want}")
+        if wire.dtype_code(values.dtype) != meta.dtype or values.shape != tuple(meta.shape):
+            raise InvalidArgument(f"{self.address}: shard is {wire.dtype_of(meta.dtype)} "
+                                  f"{tuple(meta.shape)}, local buffer is {values.dtype} "
+                                  f"{values.shape}")
+
+    def pull_into(self, out: np.ndarray, worker: int,
+                  known_version: int | None) -> tuple[int, bool]:
+        """Fill `out` with the shard's values; returns (version, whether `out` changed).
+
+        If this raises, `out` may hold a mix of old and new values.
+        """
+        req = pb.PullRequest(worker_id=worker, shard=self.info.shard)
+        if known_version is not None:
+            req.known_version = known_version
+
+        def attempt():
+            call = self._pull(req, timeout=self.cfg.rpc_timeout_s, metadata=self._metadata)
+            try:
+                return self._receive(call, out)
+            finally:
+                call.cancel()
+
+        return self._retry(attempt, "Pull")
+
+    def _receive(self, call, out: np.ndarray) -> tuple[int, bool]:
+        field, body = wire.split(next(call))
+        if field != wire.HEADER:
+            raise InvalidArgument(f"{self.address}: pull stream did not start with a header")
+        header = wire.parse(pb.PullHeader, body)
+        self._check_meta(header.meta, out)
+        if header.not_modified:
+            return header.meta.version, False
+        asm = wire.Assembler(out)
+        for raw in call:
+            field, body = wire.split(raw)
+            if field == wire.CHUNK:
+                asm.add(*wire.parse_chunk(body))
+            elif field == wire.TRAILER:
+                asm.finish(wire.parse(pb.Trailer, body))
+                return header.meta.version, True
+            else:
+                raise InvalidArgument(f"{self.address}: second header in a pull stream")
+        raise DataLoss(f"{self.address}: pull stream ended without a trailer")
+
+    def push(self, grad: np.ndarray, worker: int, step: int, version: int) -> pb.PushReply:
+        """Stream one gradient for this shard, computed from `version`."""
+        info = self.info
+        meta = pb.TensorMeta(dtype=wire.dtype_code(grad.dtype), shape=list(grad.shape),
+                             offset=info.meta.offset, version=version)
+        header = pb.PushHeader(worker_id=worker, step=step, shard=info.shard, meta=meta)
+        chunk = min(self.cfg.chunk_bytes, info.max_message_bytes - 1024)
+        return self._retry(lambda: self._push(wire.stream(header, grad, chunk),
+                                              timeout=self.cfg.rpc_timeout_s,
+                                              metadata=self._metadata), "Push")
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class PSClient:
+    """All shards of one model: connect, pull and push to every shard in parallel."""
+
+    def __init__(self, cfg: ClientConfig):
+        self.cfg = cfg
+        self.shards = [ShardClient(a, cfg) for a in cfg.addresses()]
+        self._pool = ThreadPoolExecutor(len(self.shards), thread_name_prefix="ps-client")
+        self.versions: list[int | None] = [None] * len(self.shards)
+        self.worker = -1
+
+    def _each(self, fn) -> list:
+        return list(self._pool.map(fn, self.shards))
+
+    def connect(self, worker: int, model: str, model_size: int, layout_crc: int = 0) -> int:
+        """Wait for every shard, register, check the layout; returns the step to start at.
+
+        layout_crc: wire.layout_crc of the model's parameter specs.
+        """
+        self.worker = worker
+        self._each(ShardClient.wait_ready)
+        infos = self._each(lambda s: s.register(worker, model, model_size, layout_crc))
+        order = sorted(range(len(infos)), key=lambda i: infos[i].shard)
+        self.shards = [self.shards[i] for i in order]
+        infos = [infos[i] for i in order]
+        n = len(infos)
+        if [i.shard for i in infos] != list(range(n)) or any(i.num_shards != n for i in infos):
+            found = ", ".join(f"{s.address}: shard {i.shard} of {i.num_shards}"
+                              for s, i in zip(self.shards, infos, strict=True))
+            raise InvalidArgument(f"--servers must list shards 0..{n - 1} of {n} once each "
+                                  f"({found})")
+        end = 0
+        for s, i in zip(self.shards, infos, strict=True):
+            if i.meta.offset != end:
+                raise InvalidArgument(f"{s.address}: shard {i.shard} starts at {i.meta.offset}, "
+                                      f"expected {end}")
+            end += i.meta.shape[0]
+        if end != model_size:
+            raise InvalidArgument(f"shards cover {end} elements, the model has {model_size}")
+        self.versions = [None] * n
+        return min(i.next_step for i in infos)
+
+    def _slice(self, shard: ShardClient, flat: np.ndarray) -> np.ndarray:
+        lo = shard.info.meta.offset
+        return flat[lo : lo + shard.info.meta.shape[0]]
+
+    def pull(self, flat: np.ndarray) -> int:
+        """Pull every shard into `flat` in parallel; returns how many shards changed."""
+
+        def one(k: int) -> bool:
+            s = self.shards[k]
+            known, self.versions[k] = self.versions[k], None  # unknown until the pull succeeds
+            self.versions[k], changed = s.pull_into(self._slice(s, flat), self.worker, known)
+            return changed
+
+        return sum(self._pool.map(one, range(len(self.shards))))
+
+    def push(self, flat_grad: np.ndarray, step: int) -> list[pb.PushReply]:
+        """Push every shard's slice of `flat_grad` in parallel, each with the version it read."""
+        if any(v is None for v in self.versions):
+            raise RuntimeError("push before a successful pull of every shard")
+
+        def one(k: int) -> pb.PushReply:
+            s = self.shards[k]
+            return s.push(self._slice(s, flat_grad), self.worker, step, self.versions[k])
+
+        return list(self._pool.map(one, range(len(self.shards))))
+
+    def stats(self) -> list[pb.StatsReply]:
+        return self._each(ShardClient.stats)
+
+    def leave(self) -> None:
+        self._each(lambda s: s.deregister(self.worker))
+
+    def close(self) -> None:
+        for s in self.shards:
+            s.close()
+        self._pool.shutdown(wait=True)

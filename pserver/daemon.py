@@ -1,0 +1,173 @@
+"""Assemble one parameter-server shard daemon: store, gRPC server, health, metrics.
+
+The shard starts from the model's seeded initialisation,
+FlatParams(model.specs(), seed), sliced to its element range, so that sync
+and async runs start from identical weights; or, with --resume, from the
+newest checkpoint in --checkpoint-dir. Shutdown (SIGTERM, see
+pserver.__main__) reports NOT_SERVING on the health service, fails pulls
+that wait on the consistency policy with UNAVAILABLE, lets in-flight pushes
+finish (up to --grace-s), writes a checkpoint when configured and returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from models.checkpoint import CheckpointError
+from models.config import ConfigError
+from models.optim import OptimConfig, Schedule
+from models.params import FlatParams
+from models.zoo import build_model
+from pserver import auth, checkpoint, wire
+from pserver.blocked import BlockedOptimizer
+from pserver.config import ServerConfig
+from pserver.consistency import Consistency
+from pserver.metrics import MetricsServer
+from pserver.servicer import ParameterServerServicer, handler
+from pserver.store import ShardLayout, ShardStore
+from pserver.wire import SERVICE
+
+log = logging.getLogger(__name__)
+
+
+def host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def build_store(cfg: ServerConfig, model_name: str, model_cfg,
+                optim_cfg: OptimConfig) -> ShardStore:
+    """The shard's store at its seeded initial values (host NumPy, whatever the device)."""
+    model = build_model(model_name, model_cfg)
+    flat = FlatParams(model.specs(), seed=cfg.seed, dtype=cfg.dtype, xp=np)
+    if cfg.num_shards > flat.size:
+        raise ConfigError(f"--num-shards {cfg.num_shards} exceeds the model's {flat.size} "
+                          "parameters")
+    layout = ShardLayout(model_name, flat.size, cfg.shard, cfg.num_shards,
+                         wire.layout_crc(flat.specs))
+    lo, hi = layout.offset, layout.offset + layout.length
+    params = flat.data[lo:hi].copy()
+    optimizer = BlockedOptimizer(optim_cfg, params, flat.decay_mask()[lo:hi].copy(),
+                                 threads=cfg.apply_threads)
+    policy = Consistency(cfg.consistency, cfg.staleness)
+    return ShardStore(layout, params, optimizer, Schedule(optim_cfg, cfg.schedule_steps), policy,
+                      staleness_lr=cfg.staleness_lr, expected_workers=cfg.num_workers,
+                      chunk_bytes=cfg.chunk_bytes, log_every=cfg.log_every)
+
+
+def config_record(cfg: ServerConfig, model_name: str, model_cfg,
+                  optim_cfg: OptimConfig) -> dict:
+    """The full configuration, as checkpoints record it."""
+    return {"server": dataclasses.asdict(cfg), "model_name": model_name,
+            "model": dataclasses.asdict(model_cfg), "optim": dataclasses.asdict(optim_cfg)}
+
+
+class Daemon:
+    """A gRPC server for `store`, with health, optional reflection, metrics and TLS.
+
+    `config` is the record checkpoints keep (see config_record); `handlers`
+    adds further generic RPC handlers to the same server (the benchmark's
+    ceiling service).
+    """
+
+    def __init__(self, cfg: ServerConfig, store: ShardStore, config: dict,
+                 handlers: tuple[grpc.GenericRpcHandler, ...] = ()):
+        self.cfg, self.store, self.config_record = cfg, store, config
+        if cfg.resume:
+            path = checkpoint.latest(cfg.checkpoint_dir, store.layout)
+            if path is None:
+                log.info("--resume: no checkpoint in %s, starting fresh", cfg.checkpoint_dir)
+            else:
+                state = checkpoint.load(path, store.layout, config["optim"]["optimizer"])
+                try:
+                    store.load_state(state)
+                except (ValueError, KeyError) as e:
+                    raise CheckpointError(f"{path}: does not fit this shard ({e})") from None
+                log.info("resumed from %s (version %d)", path, store.version)
+        self._ckpt_lock = threading.Lock()
+        token = auth.read_token(cfg.token_file, cfg.token_env)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(cfg.threads, thread_name_prefix="ps"),
+            interceptors=[auth.TokenInterceptor(token)] if token else [],
+            options=[*wire.transport_options(cfg.max_message_bytes), ("grpc.so_reuseport", 0)])
+        self.servicer = ParameterServerServicer(
+            self.store, cfg.max_message_bytes,
+            checkpoint=self.save_checkpoint if cfg.checkpoint_dir else None)
+        self.server.add_generic_rpc_handlers((handler(self.servicer), *handlers))
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if cfg.reflection:
+            reflection.enable_server_reflection(
+                (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                 reflection.SERVICE_NAME), self.server)
+        address = host_port(cfg.bind, cfg.port)
+        try:
+            if cfg.tls_cert:
+                creds = auth.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+                self.port = self.server.add_secure_port(address, creds)
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError:
+            raise ConfigError(f"--bind {cfg.bind} --port {cfg.port}: cannot listen there "
+                              "(in use, or not an address of this host)") from None
+        self.metrics = None
+        if cfg.metrics_port >= 0:
+            try:
+                self.metrics = MetricsServer(cfg.bind, cfg.metrics_port, self.store.stats)
+            except OSError as e:
+                raise ConfigError(f"--metrics-port {cfg.metrics_port}: {e.strerror}") from None
+
+    def start(self) -> None:
+        self.server.start()
+        if self.metrics is not None:
+            self.metrics.start()
+        for name in ("", SERVICE):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        lay = self.store.layout
+        log.info("shard %d/%d of %s: elements [%d, %d) of %d, %s, version %d, listening on %s%s",
+                 lay.shard, lay.num_shards, lay.model, lay.offset, lay.offset + lay.length,
+                 lay.model_size, self.store.policy.mode, self.store.version,
+                 host_port(self.cfg.bind, self.port),
+                 f", metrics on :{self.metrics.port}" if self.metrics else "")
+        if self.cfg.ready_file:
+            self._write_ready(Path(self.cfg.ready_file))
+
+    def _write_ready(self, path: Path) -> None:
+        info = {"pid": os.getpid(), "port": self.port,
+                "metrics_port": self.metrics.port if self.metrics else None}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, path)
+
+    def save_checkpoint(self) -> tuple[str, int]:
+        """Write the shard's checkpoint now; (its path, its version)."""
+        with self._ckpt_lock:
+            state = self.store.state()
+            path = checkpoint.save(self.cfg.checkpoint_dir, self.store.layout, state,
+                                   self.config_record)
+        log.info("checkpoint %s (version %d)", path, state["version"])
+        return path, state["version"]
+
+    def shutdown(self) -> None:
+        """NOT_SERVING, finish in-flight pushes, checkpoint if configured."""
+        log.info("shutting down: finishing in-flight calls (up to %.1f s)", self.cfg.grace_s)
+        self.health.enter_graceful_shutdown()
+        self.store.close()
+        self.server.stop(self.cfg.grace_s).wait()
+        if self.cfg.checkpoint_dir:
+            self.save_checkpoint()
+        if self.metrics is not None:
+            self.metrics.stop()
+        h = self.store.staleness.shard
+        log.info("stopped at version %d: %d gradients applied, staleness mean %.2f max %d",
+                 self.store.version, h.total, h.sum / max(1, h.total), h.max)

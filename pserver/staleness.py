@@ -1,0 +1,60 @@
+"""Histograms of gradient staleness, per shard and per worker.
+
+The staleness of an applied gradient is the number of updates the shard took
+between the worker's read and this apply:
+
+    staleness = version at apply - version the gradient was computed from
+
+(Zhang et al. 2016, "Staleness-aware Async-SGD for Distributed Deep
+Learning"; Dean et al. 2012 report the same quantity for DistBelief's
+Downpour SGD). The shard store records it under the lock that guards the
+update, so the histograms hold exactly one entry per applied gradient.
+Counts are exact (one bin per value); Prometheus export folds them into
+cumulative power-of-two buckets.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from protos import dtlab_ps_pb2 as pb
+
+PROMETHEUS_BOUNDS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Histogram:
+    """Exact counts of gradients by staleness."""
+
+    def __init__(self):
+        self.counts: Counter[int] = Counter()
+        self.total = self.sum = self.max = 0
+
+    def record(self, staleness: int) -> None:
+        self.counts[staleness] += 1
+        self.total += 1
+        self.sum += staleness
+        self.max = max(self.max, staleness)
+
+    def cumulative(self, bounds=PROMETHEUS_BOUNDS) -> list[tuple[str, int]]:
+        """Prometheus buckets: (le, gradients with staleness <= le), ending with +Inf."""
+        out = [(str(b), sum(c for s, c in self.counts.items() if s <= b)) for b in bounds]
+        return out + [("+Inf", self.total)]
+
+    def to_proto(self) -> pb.Histogram:
+        return pb.Histogram(counts=dict(self.counts), total=self.total, sum=self.sum,
+                            max=self.max)
+
+
+class StalenessLog:
+    """The shard's histogram and one per worker, updated together."""
+
+    def __init__(self):
+        self.shard = Histogram()
+        self.workers: dict[int, Histogram] = {}
+
+    def record(self, worker: int, staleness: int) -> None:
+        self.shard.record(staleness)
+        self.workers.setdefault(worker, Histogram()).record(staleness)
+
+    def worker(self, worker: int) -> Histogram:
+        return self.workers.get(worker) or Histogram()

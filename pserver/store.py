@@ -1,0 +1,361 @@
+"""One parameter-server shard: its parameters, optimizer and version, behind one lock.
+
+The shard owns the contiguous, balanced element range
+
+    [shard * n // S, (shard + 1) * n // S)
+
+of the model's flat parameter vector (n elements, S shards) and runs the
+same optimizer code as single-process training on it (Li et al. 2014,
+ps-lite: servers own key ranges and apply the updates). Every method that
+reads or changes the state takes `self._cond`'s lock, and everything an
+update describes (its staleness, the version it produced, the histograms,
+the worker's clock and dedup step) is computed inside that same lock:
+
+    staleness = version at apply - version read        (Zhang et al. 2016)
+
+A push is all or nothing: the servicer assembles and validates the whole
+gradient first (finite values, checksum), then calls `push`, which applies it
+(or, under BSP, adds it to the round) under the lock, or raises and changes
+nothing. Pushes are idempotent by (worker, step): steps below the worker's
+next expected step are answered as duplicates and not applied again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from models.optim import Optimizer, Schedule
+from protos import dtlab_ps_pb2 as pb
+from pserver.blocked import BlockedOptimizer
+from pserver.consistency import Clocks, Consistency, Round, WorkerState
+from pserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from pserver.staleness import StalenessLog
+from pserver.wire import CHUNK_BYTES, Snapshot
+
+log = logging.getLogger(__name__)
+
+_POOL_SIZE = 4  # arrays kept for reuse of each kind (fresh 64 MB arrays cost page faults)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where this shard sits in the model's flat parameter vector."""
+
+    model: str
+    model_size: int
+    shard: int
+    num_shards: int
+    layout_crc: int = 0  # wire.layout_crc of the model's specs
+
+    @property
+    def offset(self) -> int:
+        return self.shard * self.model_size // self.num_shards
+
+    @property
+    def length(self) -> int:
+        return (self.shard + 1) * self.model_size // self.num_shards - self.offset
+
+
+@dataclass(frozen=True)
+class PushResult:
+    duplicate: bool
+    staleness: int
+    version: int
+    pending: bool = False
+    lr: float = 0.0
+
+
+@dataclass(frozen=True)
+class Read:
+    """What a pull gets: the version, and the encoded values (None: not modified)."""
+
+    version: int
+    tensor: Snapshot | None
+
+
+class ShardStore:
+    def __init__(self, layout: ShardLayout, params: np.ndarray,
+                 optimizer: Optimizer | BlockedOptimizer,
+                 schedule: Schedule, policy: Consistency, staleness_lr: str = "none",
+                 expected_workers: int = 0, chunk_bytes: int = CHUNK_BYTES,
+                 log_every: int = 100):
+        if params.shape != (layout.length,):
+            raise ValueError(f"shard {layout.shard} holds {layout.length} elements, "
+                             f"params has shape {params.shape}")
+        self.layout, self.params = layout, params
+        self.optimizer, self.schedule = optimizer, schedule
+        self.policy, self.staleness_lr, self.chunk_bytes = policy, staleness_lr, chunk_bytes
+        self.log_every = log_every
+        self._cond = threading.Condition()
+        self.version = 0
+        self.clocks = Clocks(expected_workers)
+        self._round = Round(np.zeros_like(params)) if policy.aggregate else None
+        self._replies: dict[int, tuple[int, PushResult]] = {}  # worker -> (step, reply)
+        self.staleness = StalenessLog()
+        self.counters: Counter[str] = Counter()
+        self.rejected: Counter[str] = Counter()
+        self.max_lead = 0
+        self.last_lr = 0.0
+        self.apply_seconds = 0.0
+        self._snapshot: Read | None = None
+        self._spare: list[np.ndarray] = []  # snapshot arrays nobody reads any more
+        self._pool: list[np.ndarray] = []  # gradient buffers
+        self._closed = False
+
+    # -- workers ---------------------------------------------------------------------------
+
+    def register(self, worker: int, model: str, model_size: int,
+                 layout_crc: int) -> tuple[WorkerState, int]:
+        """Join (or rejoin) worker; returns its state and the current version."""
+        lay = self.layout
+        if (model, model_size, layout_crc) != (lay.model, lay.model_size, lay.layout_crc):
+            raise FailedPrecondition(
+                f"worker {worker} runs model {model!r} with {model_size} parameters (layout "
+                f"{layout_crc:#010x}); this server holds {lay.model!r} with {lay.model_size} "
+                f"({lay.layout_crc:#010x}): give both the same model flags", reason="model")
+        with self._cond:
+            state = self.clocks.register(worker)
+            self._cond.notify_all()
+            log.info("worker %d registered (clock %d, next step %d)", worker, state.clock,
+                     state.next_step)
+            return state, self.version
+
+    def deregister(self, worker: int) -> None:
+        with self._cond:
+            self._known(worker)
+            self.clocks.deregister(worker)
+            if self._round is not None and self._round.complete(self.clocks):
+                self._apply_round()
+            self._cond.notify_all()
+            log.info("worker %d left", worker)
+
+    def _known(self, worker: int) -> WorkerState:
+        state = self.clocks.workers.get(worker)
+        if state is None:
+            raise FailedPrecondition(f"worker {worker} is not registered with shard "
+                                     f"{self.layout.shard}; call Register first", reason="worker")
+        return state
+
+    # -- pull ------------------------------------------------------------------------------
+
+    def read(self, worker: int, known_version: int | None, timeout: float | None,
+             alive: Callable[[], bool] = lambda: True) -> Read:
+        """The shard's values once `worker` may read them under the consistency policy."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._known(worker)
+            if known_version is not None and known_version > self.version:
+                raise InvalidArgument(f"known_version {known_version} is from the future: "
+                                      f"shard version is {self.version}", reason="version")
+            while True:
+                if self._closed:
+                    raise Unavailable("server is shutting down", reason="shutdown")
+                if self.clocks.may_read(self.policy, worker):
+                    break
+                if not alive():
+                    raise DeadlineExceeded("pull cancelled while waiting", reason="cancelled")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise DeadlineExceeded(f"gave up waiting: {self.clocks.blocker(worker)}",
+                                           reason="wait")
+                self._cond.wait(left)
+            self.max_lead = max(self.max_lead, self.clocks.lead(worker))
+            self.counters["pulls"] += 1
+            if known_version == self.version:
+                self.counters["pulls_not_modified"] += 1
+                return Read(self.version, None)
+            if self._snapshot is None or self._snapshot.version != self.version:
+                self._freeze()
+            self._snapshot.tensor.readers += 1
+            self.counters["bytes_sent"] += self._snapshot.tensor.nbytes
+            return self._snapshot
+
+    def _freeze(self) -> None:
+        """Copy the parameters into the current snapshot (lock held), into a spare array."""
+        old = self._snapshot
+        values = self._spare.pop() if self._spare else np.empty_like(self.params)
+        np.copyto(values, self.params)
+        self._snapshot = Read(self.version, Snapshot(values, self.chunk_bytes))
+        if old is not None and old.tensor.readers == 0:
+            self._spare.append(old.tensor.values)
+
+    def release(self, read: Read) -> None:
+        """A pull is done with `read`: its array may serve a later version."""
+        if read.tensor is None:
+            return
+        with self._cond:
+            read.tensor.readers -= 1
+            if (read.tensor.readers == 0 and read is not self._snapshot
+                    and len(self._spare) < _POOL_SIZE):
+                self._spare.append(read.tensor.values)
+
+    # -- push ------------------------------------------------------------------------------
+
+    def admit(self, worker: int, step: int, version_read: int) -> PushResult | None:
+        """Check a push header before its data arrives: the reply if it is a duplicate."""
+        with self._cond:
+            state = self._known(worker)
+            if version_read > self.version:
+                raise InvalidArgument(
+                    f"meta.version {version_read} is from the future: shard version is "
+                    f"{self.version}", reason="version")
+            if step < state.next_step:
+                return self._duplicate(worker, step)
+            return None
+
+    def _duplicate(self, worker: int, step: int) -> PushResult:
+        self.counters["duplicates"] += 1
+        last = self._replies.get(worker)
+        if last is not None and last[0] == step:
+            return dataclasses.replace(last[1], duplicate=True)
+        return PushResult(True, 0, self.version)
+
+    @contextlib.contextmanager
+    def receiving(self) -> Iterator[np.ndarray]:
+        """A buffer for one incoming gradient, counted in flight while it is held."""
+        with self._cond:
+            buf = self._pool.pop() if self._pool else None
+            self.counters["in_flight"] += 1
+        if buf is None:
+            buf = np.empty_like(self.params)
+        try:
+            yield buf
+        finally:
+            with self._cond:
+                self.counters["in_flight"] -= 1
+                if len(self._pool) < _POOL_SIZE:
+                    self._pool.append(buf)
+
+    def push(self, worker: int, step: int, version_read: int, grad: np.ndarray) -> PushResult:
+        """Apply (ASP, SSP) or add to the round (BSP) one validated gradient."""
+        with self._cond:
+            state = self._known(worker)
+            if version_read > self.version:
+                raise InvalidArgument(
+                    f"meta.version {version_read} is from the future: shard version is "
+                    f"{self.version}", reason="version")
+            if step < state.next_step:
+                return self._duplicate(worker, step)
+            staleness = self.version - version_read
+            if self._round is not None:
+                self._round.add(worker, step, version_read, grad)
+            state.clock += 1
+            state.next_step = step + 1
+            self.counters["pushes"] += 1
+            self.counters["bytes_received"] += grad.nbytes
+            lr = self._lr([staleness])
+            if self._round is None:
+                self._apply(grad, [(worker, step, version_read)])
+            elif self._round.complete(self.clocks):
+                self._apply_round()
+            pending = self._round is not None and worker in self._round.contributors
+            result = PushResult(False, staleness, self.version, pending, lr)
+            self._replies[worker] = (step, result)
+            self._cond.notify_all()
+            return result
+
+    def _apply_round(self) -> None:
+        contributions = [(w, step, read) for w, (step, read) in self._round.contributors.items()]
+        self._apply(self._round.mean(), contributions)
+        self._round.contributors.clear()
+
+    def _apply(self, grad: np.ndarray, contributions: list[tuple[int, int, int]]) -> None:
+        """One optimizer step; called with the lock held."""
+        stalenesses = [self.version - read for _, _, read in contributions]
+        lr = self._lr(stalenesses)
+        t0 = time.perf_counter()
+        self.optimizer.step(self.params, grad, lr)
+        self.apply_seconds += time.perf_counter() - t0
+        for (worker, step, _), s in zip(contributions, stalenesses, strict=True):
+            self.staleness.record(worker, s)
+            log.debug("applied worker %d step %d staleness %d at version %d lr %.3g",
+                      worker, step, s, self.version, lr)
+        self.version += 1
+        self.last_lr = lr
+        if self.log_every and self.version % self.log_every == 0:
+            h = self.staleness.shard
+            log.info("shard %d version %d: %d gradients applied, staleness mean %.2f max %d",
+                     self.layout.shard, self.version, h.total, h.sum / max(1, h.total), h.max)
+
+    def _lr(self, stalenesses: list[int]) -> float:
+        """The scheduled lr of the next update, divided by its staleness if so configured."""
+        lr = self.schedule(self.optimizer.steps)
+        if self.staleness_lr == "divide":
+            lr /= max(1, *stalenesses)
+        return lr
+
+    def reject(self, reason: str) -> None:
+        with self._cond:
+            self.rejected[reason] += 1
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def wake(self) -> None:
+        """Let waiting pulls re-check (e.g. after their RPC was cancelled)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Fail waiting and future pulls with UNAVAILABLE; pushes still complete."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def stats(self) -> pb.StatsReply:
+        with self._cond:
+            lay, c = self.layout, self.counters
+            workers = {
+                w: pb.WorkerStats(clock=s.clock, next_step=s.next_step, active=s.active,
+                                  staleness=self.staleness.worker(w).to_proto())
+                for w, s in self.clocks.workers.items()}
+            return pb.StatsReply(
+                shard=lay.shard, num_shards=lay.num_shards, consistency=self.policy.code,
+                version=self.version, updates=self.optimizer.steps, pushes=c["pushes"],
+                duplicates=c["duplicates"], rejected=dict(self.rejected), pulls=c["pulls"],
+                pulls_not_modified=c["pulls_not_modified"],
+                bytes_received=c["bytes_received"], bytes_sent=c["bytes_sent"],
+                staleness=self.staleness.shard.to_proto(), workers=workers,
+                max_clock_lead=self.max_lead, lr=self.last_lr, apply_seconds=self.apply_seconds,
+                pushes_in_flight=c["in_flight"])
+
+    def state(self) -> dict:
+        """A consistent copy of everything a checkpoint keeps.
+
+        Gradients waiting in an unfinished BSP round are not kept: their
+        workers' clocks and next steps are rolled back, so that the same
+        steps are accepted again after a restart.
+        """
+        with self._cond:
+            workers = {}
+            pending = self._round.contributors if self._round is not None else {}
+            for w, s in self.clocks.workers.items():
+                clock, next_step = s.clock, s.next_step
+                if w in pending:
+                    clock, next_step = clock - 1, pending[w][0]
+                workers[w] = {"clock": clock, "next_step": next_step, "active": s.active}
+            opt = {k: (v.copy() if isinstance(v, np.ndarray) else v)
+                   for k, v in self.optimizer.state_dict().items()}
+            return {"version": self.version, "params": self.params.copy(), "optimizer": opt,
+                    "workers": workers}
+
+    def load_state(self, state: dict) -> None:
+        with self._cond:
+            if state["params"].shape != self.params.shape:
+                raise ValueError(f"checkpoint params shape {state['params'].shape} != "
+                                 f"shard shape {self.params.shape}")
+            self.params[...] = state["params"]
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.version = int(state["version"])
+            for w, s in state["workers"].items():
+                self.clocks.workers[int(w)] = WorkerState(int(s["clock"]), int(s["next_step"]),
+                                                          bool(s["active"]))
+            self._snapshot = None

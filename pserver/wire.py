@@ -1,0 +1,297 @@
+"""Tensors to and from the chunked streams of protos/dtlab_ps.proto.
+
+A tensor stream (PullReply or PushRequest; both number their oneof alike) is
+
+    header (field 1), chunk (field 2) ... chunk, trailer (field 3)
+
+Headers and trailers are small and go through the generated protobuf
+classes. Chunks carry the bulk bytes and are encoded and decoded here by hand,
+in the same protobuf wire format, so that the payload is copied once on each
+side: the sender joins a few prefix bytes with a memoryview of the array
+(one copy, into the bytes object gRPC sends), and the receiver copies the
+payload straight out of the received bytes into a preallocated array via a
+memoryview (no intermediate `bytes`). Any protobuf client in any language
+can speak the same contract with the generated classes.
+
+The trailer's CRC-32 (zlib's, the IEEE 802.3 polynomial) covers all data
+bytes in order and is computed incrementally as chunks are made or arrive.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+try:  # ISA-L's CRC-32 is zlib's, 4x faster (AVX-512 / PCLMUL folding)
+    from isal.isal_zlib import crc32
+except ImportError:
+    from zlib import crc32
+
+from protos import dtlab_ps_pb2 as pb
+from pserver.errors import DataLoss, InvalidArgument
+
+HEADER, CHUNK, TRAILER = 1, 2, 3  # oneof field numbers of PullReply and PushRequest
+CHUNK_BYTES = 1 << 20  # about 1 MiB per message: the streaming sweet spot
+
+DTYPES = {pb.FLOAT32: np.dtype("<f4"), pb.FLOAT64: np.dtype("<f8"), pb.FLOAT16: np.dtype("<f2")}
+_CODES = {dt: code for code, dt in DTYPES.items()}
+
+SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name  # dtlab.ps.v1.ParameterServer
+
+_LEN, _VARINT, _I32, _I64 = 2, 0, 5, 1  # protobuf wire types used here
+
+
+def transport_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """gRPC channel/server options, the same on both ends and for the benchmark's ceiling."""
+    return [("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)]
+
+
+def layout_crc(specs) -> int:
+    """CRC-32 of a model's parameter layout, "name:d0xd1;..." in flat order."""
+    text = ";".join(f"{s.name}:{'x'.join(map(str, s.shape))}" for s in specs)
+    return zlib.crc32(text.encode())
+
+
+def dtype_code(dtype) -> int:
+    """The wire DType of a NumPy dtype (byte order aside)."""
+    dt = np.dtype(dtype).newbyteorder("<")
+    if dt not in _CODES:
+        raise InvalidArgument(f"dtype {np.dtype(dtype)} has no wire encoding", reason="dtype")
+    return _CODES[dt]
+
+
+def dtype_of(code: int) -> np.dtype:
+    if code not in DTYPES:
+        raise InvalidArgument(f"meta.dtype: unknown DType {code}", reason="dtype")
+    return DTYPES[code]
+
+
+def little_endian(a: np.ndarray) -> np.ndarray:
+    """`a` as a contiguous little-endian array (a no-op view on x86 and ARM)."""
+    if sys.byteorder == "little" and a.flags.c_contiguous:
+        return a
+    return np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<"))
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf):
+            raise InvalidArgument("malformed message: truncated varint")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise InvalidArgument("malformed message: varint longer than 10 bytes")
+
+
+def _fields(buf: memoryview) -> Iterator[tuple[int, int, object]]:
+    """(field number, wire type, value) for each field of a serialized message.
+
+    LEN values are memoryviews into `buf` (zero copy); others are ints.
+    """
+    pos, end = 0, len(buf)
+    while pos < end:
+        key, pos = _read_varint(buf, pos)
+        field, wtype = key >> 3, key & 7
+        if field == 0:
+            raise InvalidArgument("malformed message: field number 0")
+        if wtype == _VARINT:
+            value, pos = _read_varint(buf, pos)
+        elif wtype == _LEN:
+            n, pos = _read_varint(buf, pos)
+            if pos + n > end:
+                raise InvalidArgument(f"malformed message: field {field} runs past the end")
+            value, pos = buf[pos : pos + n], pos + n
+        elif wtype in (_I32, _I64):
+            width = 4 if wtype == _I32 else 8
+            if pos + width > end:
+                raise InvalidArgument(f"malformed message: field {field} runs past the end")
+            value, pos = int.from_bytes(buf[pos : pos + width], "little"), pos + width
+        else:
+            raise InvalidArgument(f"malformed message: field {field} has wire type {wtype}")
+        yield field, wtype, value
+
+
+def split(raw: bytes) -> tuple[int, memoryview]:
+    """The one set field of a PullReply / PushRequest: (field number, its bytes)."""
+    found = None
+    for field, wtype, value in _fields(memoryview(raw)):
+        if field in (HEADER, CHUNK, TRAILER):
+            if wtype != _LEN:
+                raise InvalidArgument(f"malformed message: field {field} is not a message")
+            if found is not None:
+                raise InvalidArgument("malformed message: more than one of header/chunk/trailer")
+            found = (field, value)
+    if found is None:
+        raise InvalidArgument("malformed message: none of header/chunk/trailer is set")
+    return found
+
+
+def parse(cls, body: memoryview):
+    """A small message (header, trailer) from its bytes, via the generated class."""
+    try:
+        return cls.FromString(bytes(body))
+    except DecodeError as e:
+        raise InvalidArgument(f"malformed {cls.__name__}: {e}") from None
+
+
+def parse_chunk(body: memoryview) -> tuple[int, memoryview]:
+    """(start, data) of a Chunk, with data a view into the received bytes."""
+    start, data = 0, memoryview(b"")
+    for field, wtype, value in _fields(body):
+        if field == 1 and wtype == _VARINT:
+            start = value
+        elif field == 2 and wtype == _LEN:
+            data = value
+        elif field in (1, 2):
+            raise InvalidArgument(f"malformed Chunk: field {field} has wire type {wtype}")
+    return start, data
+
+
+def header_message(header) -> bytes:
+    """A serialized PullReply / PushRequest holding `header`."""
+    return _LEN_KEY[HEADER] + _varint(header.ByteSize()) + header.SerializeToString()
+
+
+def trailer_message(crc: int, chunks: int) -> bytes:
+    body = pb.Trailer(crc32=crc, chunks=chunks).SerializeToString()
+    return _LEN_KEY[TRAILER] + _varint(len(body)) + body
+
+
+_LEN_KEY = {f: _varint(f << 3 | _LEN) for f in (HEADER, CHUNK, TRAILER)}
+_START_KEY, _DATA_KEY = _varint(1 << 3 | _VARINT), _varint(2 << 3 | _LEN)
+
+
+def chunk_message(start: int, data: memoryview) -> bytes:
+    """A serialized PullReply / PushRequest holding Chunk(start, data): one copy of data."""
+    inner = _START_KEY + _varint(start) + _DATA_KEY + _varint(len(data))
+    return b"".join((_LEN_KEY[CHUNK], _varint(len(inner) + len(data)), inner, data))
+
+
+def chunk_bounds(n: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Element ranges [lo, hi) of about `chunk_bytes` bytes covering [0, n)."""
+    step = max(1, chunk_bytes // itemsize)
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)] or [(0, 0)]
+
+
+def stream(header, values: np.ndarray, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """Header, chunks and trailer of one flat tensor, CRC computed as chunks are made."""
+    values = little_endian(values)
+    raw = memoryview(values).cast("B")
+    isz = values.itemsize
+    yield header_message(header)
+    crc = count = 0
+    for lo, hi in chunk_bounds(values.size, isz, chunk_bytes):
+        piece = raw[lo * isz : hi * isz]
+        yield chunk_message(lo, piece)
+        crc = crc32(piece, crc)
+        count += 1
+    yield trailer_message(crc, count)
+
+
+class Snapshot:
+    """A frozen copy of one tensor, streamed to any number of readers.
+
+    Each reader makes its chunk messages as it streams them (one copy each,
+    into a 1 MiB bytes object that the allocator recycles as soon as gRPC has
+    sent it); building all messages up front would allocate the whole tensor
+    anew per version, and on 64 MB its page faults cost 8x the copy. The CRC
+    is computed once, by the first reader to reach each chunk. `readers`
+    counts the streams still using `values` (kept by the shard store, under
+    its lock, so that it can reuse the array once nobody reads it).
+    """
+
+    def __init__(self, values: np.ndarray, chunk_bytes: int = CHUNK_BYTES):
+        self.values = little_endian(values)
+        self.bounds = chunk_bounds(values.size, values.itemsize, chunk_bytes)
+        self.nbytes = self.values.nbytes
+        self.readers = 0
+        self._crcs: list[int] = []
+        self._lock = threading.Lock()
+
+    def _piece(self, i: int) -> memoryview:
+        isz, (lo, hi) = self.values.itemsize, self.bounds[i]
+        return memoryview(self.values).cast("B")[lo * isz : hi * isz]
+
+    def _crc_through(self, i: int) -> int:
+        """The running CRC through chunk i, computing what no reader has yet."""
+        with self._lock:
+            for k in range(len(self._crcs), i + 1):
+                self._crcs.append(crc32(self._piece(k), self._crcs[-1] if k else 0))
+            return self._crcs[i]
+
+    def stream(self, header) -> Iterator[bytes]:
+        yield header_message(header)
+        for i, (lo, _) in enumerate(self.bounds):
+            yield chunk_message(lo, self._piece(i))
+            self._crc_through(i)
+        yield trailer_message(self._crc_through(len(self.bounds) - 1), len(self.bounds))
+
+
+@dataclass
+class Assembler:
+    """Receives one tensor stream's chunks into a preallocated flat array.
+
+    Chunks must cover [0, out.size) in order; each is copied once, from the
+    received bytes into `out`, and folded into the running CRC. `finish`
+    checks the trailer. Nothing is trusted before `finish` returns.
+    """
+
+    out: np.ndarray
+
+    def __post_init__(self):
+        if self.out.dtype != self.out.dtype.newbyteorder("<"):
+            raise ValueError(f"cannot receive little-endian data into {self.out.dtype.str}")
+        self._raw = memoryview(self.out).cast("B")
+        self.filled = self.chunks = self.crc = 0
+
+    def add(self, start: int, data: memoryview) -> np.ndarray:
+        """Copy one chunk in; returns the view of `out` it filled."""
+        isz, n = self.out.itemsize, self.out.size
+        if start != self.filled:
+            raise InvalidArgument(
+                f"chunk.start {start}: expected {self.filled} (chunks must cover the tensor "
+                "in order, without gaps or overlaps)", reason="chunk")
+        if len(data) % isz:
+            raise InvalidArgument(
+                f"chunk at {start}: {len(data)} bytes is not a whole number of "
+                f"{isz}-byte elements", reason="chunk")
+        hi = start + len(data) // isz
+        if hi > n:
+            raise InvalidArgument(
+                f"chunk [{start}, {hi}) runs past the tensor length {n}", reason="length")
+        self._raw[start * isz : hi * isz] = data
+        self.crc = crc32(data, self.crc)
+        self.filled, self.chunks = hi, self.chunks + 1
+        return self.out[start:hi]
+
+    def finish(self, trailer: pb.Trailer) -> None:
+        if self.filled != self.out.size:
+            raise DataLoss(f"stream ended at element {self.filled} of {self.out.size}",
+                           reason="incomplete")
+        if trailer.chunks != self.chunks:
+            raise DataLoss(f"trailer.chunks {trailer.chunks} != {self.chunks} chunks received",
+                           reason="incomplete")
+        if trailer.crc32 != self.crc:
+            raise DataLoss(f"trailer.crc32 {trailer.crc32:#010x} != {self.crc:#010x} computed "
+                           "over the received bytes", reason="checksum")

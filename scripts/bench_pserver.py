@@ -1,0 +1,401 @@
+#!/usr/bin/env python3
+"""Parameter-server push and pull throughput next to a plain gRPC streaming ceiling.
+
+    python scripts/bench_pserver.py --json bench-pserver.json
+    python scripts/bench_pserver.py --tiny --json /tmp/bench.json    # a few seconds (the suite)
+
+For every payload (float32, 1 MB to 64 MB), shard count S, optimizer and
+worker count W, S shard daemons run as separate processes (the real
+pserver.daemon.Daemon over a flat store of n elements, ASP) and W worker
+processes (the real pserver.client.PSClient) repeat, in lock-step rounds:
+
+    push       every worker pushes its gradient to all shards in parallel;
+               the reply comes after the server applied it (optimizer included)
+    pull       worker 0 pushes (untimed) so the version moves, then every
+               worker pulls all shards in full, in parallel
+    ceiling    the same bytes, as the same ~1 MiB chunk messages, prebuilt,
+               streamed to a trivial sink (client streaming) or from a trivial
+               source (server streaming) on the same gRPC servers, with the
+               same channel options: what gRPC alone can move here
+
+Ceiling and measured rounds alternate, so machine noise hits both alike.
+A round's time is from the first worker's start to the last one's end
+(CLOCK_MONOTONIC is shared by all processes); the table shows the median.
+GB/s = W * bytes / time (GB = 1e9 B). apply(ms) is the server's optimizer
+time per update, from the shards' own counters (pserver Stats), reported
+apart from the transfer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from models.config import ConfigError, add_flags, build, from_namespace, run_cli
+from models.optim import OptimConfig, Schedule
+from protos import dtlab_ps_pb2 as pb
+from pserver import wire
+from pserver.blocked import BlockedOptimizer
+from pserver.client import PSClient
+from pserver.config import ClientConfig, ServerConfig
+from pserver.consistency import Consistency
+from pserver.daemon import Daemon
+from pserver.store import ShardLayout, ShardStore
+
+ROOT = Path(__file__).resolve().parent.parent
+
+MODEL = "bench-flat"
+CEILING = "dtlab.bench.Ceiling"
+MB = 1 << 20
+
+
+@dataclass
+class BenchConfig:
+    json: str = ""
+    tiny: bool = False
+    sizes_mb: str = "1,4,16,64"
+    workers: str = "1,2,4"
+    shards: str = "1,2"
+    optimizers: str = "sgd,adam"
+    rounds: int = 0  # 0: by size, 20 at 1 MB down to 5 at 64 MB
+    warmup: int = 1
+
+    def validate(self):
+        for name in ("sizes_mb", "workers", "shards"):
+            if not all(x > 0 for x in _numbers(getattr(self, name), name)):
+                raise ConfigError(f"--{name.replace('_', '-')} must list positive numbers")
+        unknown = set(self.optimizers.split(",")) - {"sgd", "adam", "adamw"}
+        if unknown:
+            raise ConfigError(f"--optimizers: unknown {', '.join(sorted(unknown))} "
+                              "(sgd, adam, adamw)")
+
+
+def _numbers(text: str, name: str = "") -> list[float]:
+    try:
+        return [float(x) if "." in x else int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--{name.replace('_', '-')} must be a comma-separated list of numbers, "
+                          f"got {text!r}") from None
+
+
+# -- server process -------------------------------------------------------------------------
+
+
+def prebuilt(values: np.ndarray) -> list[bytes]:
+    """The chunk messages of `values`, made once: the ceiling streams them as they are."""
+    return list(wire.Snapshot(values).stream(pb.PullHeader()))[1:-1]
+
+
+def ceiling_handler(length: int) -> grpc.GenericRpcHandler:
+    """Sink and Source of prebuilt chunk messages: gRPC streaming with nothing else."""
+    source = prebuilt(np.zeros(length, np.float32))
+
+    def sink(requests, context):
+        for _ in requests:
+            pass
+        return b""
+
+    def produce(request, context):
+        yield from source
+
+    return grpc.method_handlers_generic_handler(CEILING, {
+        "Sink": grpc.stream_unary_rpc_method_handler(sink),
+        "Source": grpc.unary_stream_rpc_method_handler(produce),
+    })
+
+
+def serve(elements: int, shard: int, num_shards: int, optimizer: str, ready: str) -> None:
+    layout = ShardLayout(MODEL, elements, shard, num_shards)
+    params = np.zeros(layout.length, np.float32)
+    ocfg = build(OptimConfig, {"optimizer": optimizer, "lr": 1e-6, "warmup": 0,
+                               "schedule": "constant"})
+    cfg = build(ServerConfig, {"shard": shard, "num_shards": num_shards, "ready_file": ready,
+                               "log_level": "warning"})
+    store = ShardStore(layout, params, BlockedOptimizer(ocfg, params, threads=cfg.apply_threads),
+                       Schedule(ocfg, 0), Consistency("asp"), log_every=0)
+    daemon = Daemon(cfg, store, {"server": asdict(cfg), "model": {}, "optim": asdict(ocfg)},
+                    handlers=(ceiling_handler(layout.length),))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    daemon.start()
+    stop.wait()
+    daemon.shutdown()
+
+
+class Servers:
+    """S shard daemons in their own processes, for one (size, S, optimizer)."""
+
+    def __init__(self, elements: int, num_shards: int, optimizer: str, tmp: Path):
+        self.procs, ready = [], []
+        for i in range(num_shards):
+            path = tmp / f"ready-{elements}-{num_shards}-{optimizer}-{i}.json"
+            path.unlink(missing_ok=True)
+            ready.append(path)
+            self.procs.append(subprocess.Popen(
+                [sys.executable, __file__, "--serve", str(elements), str(i), str(num_shards),
+                 optimizer, str(path)], cwd=ROOT))
+        deadline = time.monotonic() + 60
+        while not all(p.exists() for p in ready):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                self.stop()
+                raise RuntimeError("bench servers did not start")
+            time.sleep(0.05)
+        self.addresses = [f"127.0.0.1:{json.loads(p.read_text())['port']}" for p in ready]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+# -- worker processes -----------------------------------------------------------------------
+
+
+class BenchWorker:
+    """One worker's client, gradient and ceiling calls; driven over a pipe."""
+
+    def __init__(self, wid: int, addresses: list[str], elements: int):
+        self.wid = wid
+        self.client = PSClient(build(ClientConfig, {"servers": ",".join(addresses)}))
+        self.params = np.zeros(elements, np.float32)
+        self.grad = np.full(elements, 1e-3, np.float32)
+        self.step = self.client.connect(wid, MODEL, elements)
+        self.client.pull(self.params)
+        self.pool = ThreadPoolExecutor(len(addresses))
+        self.ceiling = []
+        for s in self.client.shards:
+            channel = grpc.insecure_channel(s.address, options=wire.transport_options(4 * MB))
+            lo, n = s.info.meta.offset, s.info.meta.shape[0]
+            messages = prebuilt(self.grad[lo : lo + n])
+            self.ceiling.append((channel, channel.stream_unary(f"/{CEILING}/Sink"),
+                                 channel.unary_stream(f"/{CEILING}/Source"), messages))
+
+    def push(self) -> None:
+        self.client.push(self.grad, self.step)
+        self.step += 1
+
+    def pull(self) -> None:
+        self.client.versions = [None] * len(self.client.shards)  # a full transfer each time
+        self.client.pull(self.params)
+
+    def cpush(self) -> None:
+        list(self.pool.map(lambda c: c[1](iter(c[3]), timeout=120), self.ceiling))
+
+    def cpull(self) -> None:
+        def one(c):
+            for _ in c[2](b"", timeout=120):
+                pass
+
+        list(self.pool.map(one, self.ceiling))
+
+    def stats(self) -> list[tuple[float, int]]:
+        return [(s.apply_seconds, s.updates) for s in self.client.stats()]
+
+    def close(self) -> None:
+        for channel, *_ in self.ceiling:
+            channel.close()
+        self.client.close()
+        self.pool.shutdown()
+
+
+def worker_main(wid: int, conn, barriers: dict[int, mp.Barrier]) -> None:
+    worker = None
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "connect":
+            if worker is not None:
+                worker.close()
+            worker = BenchWorker(wid, *args)
+            conn.send("ok")
+        elif cmd == "round":
+            op, width = args
+            barrier = barriers[width]
+            barrier.wait()
+            if op == "pull":  # move the version, so every pull is of fresh parameters
+                if wid == 0:
+                    worker.push()
+                barrier.wait()
+            t0 = time.perf_counter()
+            getattr(worker, op)()
+            conn.send((t0, time.perf_counter()))
+        elif cmd == "stats":
+            conn.send(worker.stats())
+        elif cmd == "close":
+            if worker is not None:
+                worker.close()
+            conn.send("bye")
+            return
+
+
+class Workers:
+    """Worker processes, kept for the whole sweep; a barrier for each round width."""
+
+    def __init__(self, widths: list[int]):
+        ctx = mp.get_context("spawn")
+        self.barriers = {w: ctx.Barrier(w) for w in widths}
+        self.conns, self.procs = [], []
+        for wid in range(max(widths)):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, args=(wid, child, self.barriers), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def ask(self, n: int, *msg, timeout: float = 300):
+        for c in self.conns[:n]:
+            c.send(msg)
+        out = []
+        for c in self.conns[:n]:
+            if not c.poll(timeout):
+                raise TimeoutError(f"bench worker gave no answer to {msg[0]} in {timeout} s")
+            out.append(c.recv())
+        return out
+
+    def round(self, op: str, width: int) -> float:
+        spans = self.ask(width, "round", op, width)
+        return max(t1 for _, t1 in spans) - min(t0 for t0, _ in spans)
+
+    def close(self) -> None:
+        self.ask(len(self.conns), "close")
+        for p in self.procs:
+            p.join(timeout=30)
+
+
+# -- the sweep ------------------------------------------------------------------------------
+
+
+def rounds_for(nbytes: int, cfg: BenchConfig) -> int:
+    return cfg.rounds or max(5, min(20, (64 * MB) // max(1, nbytes) * 5 // 4))
+
+
+def warm_up(workers: Workers, op: str, ceiling_op: str, width: int, warmup: int) -> None:
+    """Untimed rounds: first-touch page faults, connection windows, snapshot caches."""
+    for _ in range(warmup):
+        workers.round(ceiling_op, width)
+        workers.round(op, width)
+
+
+def measure(workers: Workers, op: str, ceiling_op: str, width: int,
+            rounds: int) -> tuple[float, float]:
+    """Median round time of `op` and of its ceiling, alternating round by round."""
+    times, ceiling = [], []
+    for _ in range(rounds):
+        ceiling.append(workers.round(ceiling_op, width))
+        times.append(workers.round(op, width))
+    return statistics.median(times), statistics.median(ceiling)
+
+
+def row(op, nbytes, width, shards, optimizer, t, tc, apply_ms, rounds) -> dict:
+    gbps, ceil = width * nbytes / t / 1e9, width * nbytes / tc / 1e9
+    return {"op": op, "bytes": nbytes, "workers": width, "shards": shards,
+            "optimizer": optimizer, "time_ms": t * 1e3, "gbps": gbps, "ceiling_gbps": ceil,
+            "ratio": gbps / ceil, "apply_ms": apply_ms, "updates_per_s": width / t,
+            "rounds": rounds}
+
+
+HEADER = (f"#{'op':>5} {'size':>10} {'W':>2} {'S':>2} {'opt':>5} {'time(ms)':>9} "
+          f"{'GB/s':>7} {'ceil GB/s':>9} {'%ceil':>6} {'apply(ms)':>9} {'upd/s':>8}")
+
+
+def show(r: dict) -> str:
+    apply_ms = "-" if r["apply_ms"] is None else f"{r['apply_ms']:.2f}"
+    return (f" {r['op']:>5} {r['bytes']:>10} {r['workers']:>2} {r['shards']:>2} "
+            f"{r['optimizer']:>5} {r['time_ms']:>9.2f} {r['gbps']:>7.3f} "
+            f"{r['ceiling_gbps']:>9.3f} {100 * r['ratio']:>5.0f}% {apply_ms:>9} "
+            f"{r['updates_per_s']:>8.1f}")
+
+
+def sweep(cfg: BenchConfig) -> list[dict]:
+    sizes = [int(s * MB) for s in _numbers(cfg.sizes_mb)]
+    widths, shard_counts = _numbers(cfg.workers), _numbers(cfg.shards)
+    optimizers = [o.strip() for o in cfg.optimizers.split(",") if o.strip()]
+    workers = Workers(widths)
+    rows = []
+    print(HEADER, flush=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-pserver-") as tmp:
+            for nbytes in sizes:
+                for shards in shard_counts:
+                    for optimizer in optimizers:
+                        servers = Servers(nbytes // 4, shards, optimizer, Path(tmp))
+                        try:
+                            workers.ask(len(workers.conns), "connect", servers.addresses,
+                                        nbytes // 4)
+                            for width in widths:
+                                rows += run_one(workers, cfg, nbytes, width, shards, optimizer)
+                        finally:
+                            servers.stop()
+    finally:
+        workers.close()
+    return rows
+
+
+def run_one(workers: Workers, cfg: BenchConfig, nbytes: int, width: int, shards: int,
+            optimizer: str) -> list[dict]:
+    rounds = rounds_for(nbytes, cfg)
+    warm_up(workers, "push", "cpush", width, cfg.warmup)
+    before = workers.ask(1, "stats")[0]
+    t, tc = measure(workers, "push", "cpush", width, rounds)
+    after = workers.ask(1, "stats")[0]
+    per_shard = [(a[0] - b[0]) / max(1, a[1] - b[1]) for a, b in zip(after, before, strict=True)]
+    out = [row("push", nbytes, width, shards, optimizer, t, tc,
+               1e3 * statistics.mean(per_shard), rounds)]
+    print(show(out[-1]), flush=True)
+    if optimizer == _first_optimizer(cfg):  # a pull does not involve the optimizer
+        warm_up(workers, "pull", "cpull", width, cfg.warmup)
+        t, tc = measure(workers, "pull", "cpull", width, rounds)
+        out.append(row("pull", nbytes, width, shards, optimizer, t, tc, None, rounds))
+        print(show(out[-1]), flush=True)
+    return out
+
+
+def _first_optimizer(cfg: BenchConfig) -> str:
+    return cfg.optimizers.split(",")[0].strip()
+
+
+def environment() -> dict:
+    return {"python": platform.python_version(), "grpcio": grpc.__version__,
+            "numpy": np.__version__, "cpus": os.cpu_count(), "machine": platform.machine(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--serve"]:
+        elements, shard, num_shards, optimizer, ready = argv[1:6]
+        serve(int(elements), int(shard), int(num_shards), optimizer, ready)
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_flags(parser, BenchConfig, "benchmark")
+    cfg = from_namespace(BenchConfig, parser.parse_args(argv))
+    if cfg.tiny:
+        cfg.sizes_mb, cfg.workers, cfg.shards, cfg.rounds = "0.25", "1,2", "2", cfg.rounds or 2
+    rows = sweep(cfg)
+    if cfg.json:
+        Path(cfg.json).write_text(json.dumps({"config": asdict(cfg), "env": environment(),
+                                              "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

@@ -1,0 +1,30 @@
+"""The parameter-server benchmark runs at a tiny size, prints its table and writes its JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from pserver_util import ONE_BLAS_THREAD, ROOT
+
+KEYS = {"op", "bytes", "workers", "shards", "optimizer", "gbps", "ceiling_gbps", "apply_ms"}
+
+
+def test_tiny_benchmark(tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_pserver.py"), "--tiny",
+                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=240, env=ONE_BLAS_THREAD)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[:4] == ["#", "op", "size", "W"] and "ceil" in lines[0]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(lines) == 1 + len(rows)
+    ops = {(row["op"], row["workers"], row["optimizer"]) for row in rows}
+    assert ops == {("push", 1, "sgd"), ("push", 2, "sgd"), ("pull", 1, "sgd"), ("pull", 2, "sgd"),
+                   ("push", 1, "adam"), ("push", 2, "adam")}
+    for row in rows:
+        assert KEYS <= row.keys()
+        assert row["gbps"] > 0 and row["ceiling_gbps"] > 0
+        assert (row["apply_ms"] is None) == (row["op"] == "pull")

@@ -1,0 +1,162 @@
+"""The daemon as a process: CLI errors, metrics, reflection, SIGTERM, checkpoints, resume."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+from pserver_util import ROOT, TINY_MLP_FLAGS, DaemonProcess, connect, initial_params
+
+from protos import dtlab_ps_pb2 as pb
+from pserver import wire
+
+INIT = initial_params()
+N = INIT.size
+SGD_FLAGS = ["--optimizer", "sgd", "--lr", "1", "--warmup", "0", "--schedule", "constant"]
+
+
+def serve_args(*extra: str) -> list[str]:
+    return [*TINY_MLP_FLAGS, *SGD_FLAGS, "--grace-s", "5", *extra]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--shard", "2", "--num-shards", "2"], "--shard must be in [0, --num-shards=2)"),
+    (["--staleness", "2"], "--staleness applies to --consistency ssp"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--token-env", "DTLAB_TEST_NO_SUCH_VAR"], "--token-env DTLAB_TEST_NO_SUCH_VAR"),
+])
+def test_bad_flags_exit_2_naming_the_flag(flags, message):
+    r = subprocess.run([sys.executable, "-m", "pserver", "serve", *TINY_MLP_FLAGS, *flags],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_port_in_use_is_a_clear_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        for flag in ("--port", "--metrics-port"):
+            r = subprocess.run([sys.executable, "-m", "pserver", "serve", *TINY_MLP_FLAGS, flag,
+                                str(port)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2 and f"{flag} {port}" in r.stderr, r.stderr
+
+
+def slow_push(address: str, step: int, version: int, sent_first: threading.Event, out: list):
+    """A push whose chunks trickle in; its result (code, reply) lands in `out`."""
+    h = pb.PushHeader(worker_id=0, step=step, shard=0,
+                      meta=pb.TensorMeta(dtype=pb.FLOAT32, shape=[N], offset=0, version=version))
+    msgs = list(wire.stream(h, np.ones(N, np.float32), chunk_bytes=64))
+
+    def trickle():
+        for i, m in enumerate(msgs):
+            yield m
+            if i == 1:
+                sent_first.set()
+                time.sleep(0.5)
+
+    with grpc.insecure_channel(address) as ch:
+        try:
+            out.append((grpc.StatusCode.OK,
+                        ch.stream_unary(f"/{wire.SERVICE}/Push", None,
+                                        pb.PushReply.FromString)(trickle(), timeout=30)))
+        except grpc.RpcError as e:
+            out.append((e.code(), e.details()))
+
+
+def test_metrics_reflection_and_sigterm_with_checkpoint(tmp_path: Path):
+    ckpt = tmp_path / "ckpt"
+    with DaemonProcess(tmp_path, serve_args("--checkpoint-dir", str(ckpt), "--metrics-port", "0",
+                                            "--reflection")) as d:
+        client = connect(d.address)
+        client.pull(np.empty(N, np.float32))
+        client.push(np.ones(N, np.float32), 0)
+
+        body = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics",
+                                      timeout=20).read().decode()
+        assert 'dtlab_ps_staleness_bucket{shard="0",le="0"} 1' in body
+        assert 'dtlab_ps_worker_staleness_count{shard="0",worker="0"} 1' in body
+        assert "# TYPE dtlab_ps_staleness histogram" in body
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/other", timeout=20)
+        assert e.value.code == 404
+
+        with grpc.insecure_channel(d.address) as ch:
+            services = ProtoReflectionDescriptorDatabase(ch).get_services()
+            assert wire.SERVICE in services and "grpc.health.v1.Health" in services
+
+            watch = health_pb2_grpc.HealthStub(ch).Watch(
+                health_pb2.HealthCheckRequest(service=wire.SERVICE), timeout=60)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            sent_first, result = threading.Event(), []
+            pusher = threading.Thread(target=slow_push,
+                                      args=(d.address, 1, client.versions[0], sent_first, result))
+            pusher.start()
+            assert sent_first.wait(30)
+            d.proc.send_signal(15)  # SIGTERM while the push is in flight
+            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            watch.cancel()
+            pusher.join(timeout=60)
+        client.close()
+        assert d.proc.wait(timeout=60) == 0, d.output()
+        code, reply = result[0]
+        assert code == grpc.StatusCode.OK and reply.version == 2  # finished, not dropped
+        saved = sorted(p.name for p in (ckpt / "shard-0-of-1").iterdir())
+        assert saved == ["step-00000002"], saved
+        assert "checkpoint" in d.output()
+
+
+def test_resume_and_corrupt_checkpoint(tmp_path: Path):
+    ckpt = tmp_path / "ckpt"
+    with DaemonProcess(tmp_path, serve_args("--checkpoint-dir", str(ckpt))) as d:
+        client = connect(d.address)
+        for step in range(3):
+            client.pull(np.empty(N, np.float32))
+            client.push(np.full(N, step + 1, np.float32), step)
+        path = client.shards[0].save_checkpoint().path
+        client.close()
+        assert d.terminate() == 0
+    want = INIT.data - np.float32(1) - np.float32(2) - np.float32(3)  # float32, in order
+
+    with DaemonProcess(tmp_path, serve_args("--checkpoint-dir", str(ckpt), "--resume")) as d:
+        client = connect(d.address)
+        try:
+            assert client.connect(0, "mlp", N, wire.layout_crc(INIT.specs)) == 3  # next step
+            params = np.empty(N, np.float32)
+            client.pull(params)
+            assert client.versions == [3]
+            np.testing.assert_array_equal(params, want)
+            assert client.push(np.ones(N, np.float32), 2)[0].duplicate  # seen before the restart
+        finally:
+            client.close()
+        assert d.terminate() == 0
+
+    victim = Path(path) / "params.npy"
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    for p in (ckpt / "shard-0-of-1").iterdir():  # make the corrupt one the newest
+        if p != Path(path):
+            for f in p.iterdir():
+                f.unlink()
+            p.rmdir()
+    d = DaemonProcess(tmp_path, serve_args("--checkpoint-dir", str(ckpt), "--resume"),
+                      wait=False)
+    try:
+        assert d.proc.wait(timeout=60) == 1
+        assert "params.npy" in d.output() and "corrupt" in d.output()
+    finally:
+        d.close()

@@ -1,0 +1,247 @@
+"""The shard store and consistency policies, without the network: staleness, dedup, BSP, SSP."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from models.config import ConfigError, build
+from models.optim import OptimConfig, Schedule, make_optimizer
+from pserver.blocked import BlockedOptimizer
+from pserver.consistency import Consistency
+from pserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from pserver.store import ShardLayout, ShardStore
+from pserver.worker import RANK_VARS, SIZE_VARS, WorkerConfig
+
+N = 10
+
+
+def store(mode: str = "asp", staleness: int = 0, expected: int = 0, lr_rule: str = "none",
+          **optim) -> ShardStore:
+    ocfg = build(OptimConfig, {"optimizer": "sgd", "lr": 1.0, "warmup": 0,
+                               "schedule": "constant", **optim})
+    params = np.zeros(N, np.float32)
+    return ShardStore(ShardLayout("toy", N, 0, 1), params, make_optimizer(ocfg, params),
+                      Schedule(ocfg, 0), Consistency(mode, staleness), staleness_lr=lr_rule,
+                      expected_workers=expected, log_every=0)
+
+
+def join(s: ShardStore, *workers: int) -> None:
+    for w in workers:
+        s.register(w, "toy", N, 0)
+
+
+def g(value: float) -> np.ndarray:
+    return np.full(N, value, np.float32)
+
+
+def test_layout_is_contiguous_and_balanced():
+    n, S = 10007, 3
+    parts = [ShardLayout("m", n, i, S) for i in range(S)]
+    assert parts[0].offset == 0
+    assert all(a.offset + a.length == b.offset for a, b in zip(parts, parts[1:], strict=False))
+    assert parts[-1].offset + parts[-1].length == n
+    assert max(p.length for p in parts) - min(p.length for p in parts) <= 1
+
+
+def test_staleness_is_version_at_apply_minus_version_read():
+    s = store()
+    join(s, 0, 1)
+    assert s.push(0, 0, 0, g(1)).staleness == 0  # version 0 -> 1
+    assert s.push(1, 0, 0, g(1)).staleness == 1  # read 0, applied at 1
+    assert s.push(0, 1, 1, g(1)).staleness == 1
+    r = s.push(1, 1, 3, g(1))
+    assert (r.staleness, r.version) == (0, 4)
+    np.testing.assert_array_equal(s.params, g(-4))
+    st = s.stats()
+    assert dict(st.staleness.counts) == {0: 2, 1: 2} and st.staleness.total == 4
+    assert dict(st.workers[1].staleness.counts) == {1: 1, 0: 1}
+
+
+def test_divide_lr_by_staleness():
+    s = store(lr_rule="divide")
+    join(s, 0, 1)
+    s.push(0, 0, 0, g(1))
+    s.push(0, 1, 1, g(1))
+    r = s.push(1, 0, 0, g(4))  # staleness 2: lr 1/2
+    assert (r.staleness, r.lr) == (2, 0.5)
+    np.testing.assert_array_equal(s.params, g(-4))
+
+
+def test_push_is_idempotent_by_worker_and_step():
+    s = store()
+    join(s, 0)
+    first = s.push(0, 5, 0, g(1))
+    again = s.push(0, 5, 0, g(1))
+    assert again.duplicate and (again.staleness, again.version) == (first.staleness, 1)
+    assert s.push(0, 4, 0, g(1)).duplicate  # older steps too
+    assert s.admit(0, 5, 1) is not None and s.admit(0, 6, 1) is None
+    np.testing.assert_array_equal(s.params, g(-1))
+    assert s.stats().duplicates == 3
+
+
+def test_bad_pushes_change_nothing():
+    s = store()
+    join(s, 0)
+    with pytest.raises(FailedPrecondition, match="not registered"):
+        s.push(7, 0, 0, g(1))
+    with pytest.raises(InvalidArgument, match="future"):
+        s.push(0, 0, 1, g(1))
+    with pytest.raises(FailedPrecondition, match="layout"):
+        s.register(1, "toy", N + 1, 0)
+    assert s.version == 0 and not s.params.any() and s.stats().pushes == 0
+
+
+def test_bsp_averages_one_gradient_per_worker_then_applies_once():
+    s = store("bsp", expected=2)
+    join(s, 0, 1)
+    r0 = s.push(0, 0, 0, g(1))
+    assert r0.pending and s.version == 0 and not s.params.any()
+    with pytest.raises(FailedPrecondition, match="already pushed"):
+        s.push(0, 1, 0, g(1))
+    r1 = s.push(1, 0, 0, g(3))
+    assert not r1.pending and s.version == 1
+    np.testing.assert_array_equal(s.params, g(-2))  # mean of 1 and 3
+    assert s.stats().staleness.total == 2
+
+
+def test_bsp_round_completes_when_a_worker_leaves():
+    s = store("bsp")
+    join(s, 0, 1)
+    s.push(0, 0, 0, g(2))
+    s.deregister(1)
+    assert s.version == 1
+    np.testing.assert_array_equal(s.params, g(-2))
+
+
+def test_bsp_checkpoint_state_rolls_back_pending_round():
+    s = store("bsp")
+    join(s, 0, 1)
+    s.push(0, 0, 0, g(1))
+    state = s.state()
+    assert state["workers"][0] == {"clock": 0, "next_step": 0, "active": True}
+
+
+def test_ssp_pull_waits_while_a_worker_is_too_far_ahead():
+    s = store("ssp", staleness=1, expected=2)
+    join(s, 0)
+    with pytest.raises(DeadlineExceeded, match="1 of --num-workers 2"):
+        s.read(0, None, timeout=0.05)
+    join(s, 1)
+    s.push(0, 0, 0, g(1))
+    assert s.read(0, None, timeout=0.05).version == 1  # lead 1 <= 1
+    s.push(0, 1, 1, g(1))
+    with pytest.raises(DeadlineExceeded, match="2 clocks ahead"):
+        s.read(0, None, timeout=0.05)
+    done = threading.Event()
+
+    def reader():
+        s.read(0, None, timeout=20)
+        done.set()
+
+    t = threading.Thread(target=reader)
+    t.start()
+    assert not done.wait(0.2)
+    s.push(1, 0, 0, g(1))  # the slow worker ticks: lead back to 1
+    assert done.wait(20)
+    t.join()
+    assert s.stats().max_clock_lead == 1
+
+
+def test_read_not_modified_and_close():
+    s = store()
+    join(s, 0)
+    assert s.read(0, None, 1).tensor is not None
+    assert s.read(0, 0, 1).tensor is None
+    with pytest.raises(InvalidArgument, match="future"):
+        s.read(0, 5, 1)
+    s.close()
+    with pytest.raises(Unavailable):
+        s.read(0, None, 1)
+
+
+def test_exact_sum_under_concurrent_pushes():
+    """W threads x K integer gradients with SGD lr 1: the exact sum, W*K staleness records."""
+    s = store()
+    W, K = 4, 50
+    join(s, *range(W))
+
+    def work(w):
+        for k in range(K):
+            s.push(w, k, s.version, g(w + 1))
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(W)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    np.testing.assert_array_equal(s.params, g(-K * sum(range(1, W + 1))))
+    st = s.stats()
+    assert st.staleness.total == W * K == sum(st.staleness.counts.values())
+    assert all(st.workers[w].staleness.total == K for w in range(W))
+
+
+@pytest.mark.parametrize("optim", [
+    {"optimizer": "sgd"},
+    {"optimizer": "sgd", "momentum": 0.9, "nesterov": True, "weight_decay": 0.1},
+    {"optimizer": "adam", "weight_decay": 0.1},
+    {"optimizer": "adamw", "weight_decay": 0.1},
+])
+def test_blocked_optimizer_is_bit_identical_to_one_instance(optim):
+    cfg = build(OptimConfig, optim)
+    rng = np.random.default_rng(0)
+    n = 1000  # not a multiple of the block
+    mask = (rng.random(n) < 0.7).astype(np.float32)
+    whole, blocked = [rng.standard_normal(n).astype(np.float32)] * 2
+    whole, blocked = whole.copy(), blocked.copy()
+    one = make_optimizer(cfg, whole, decay_mask=mask)
+    parts = BlockedOptimizer(cfg, blocked, mask, block=128, threads=3)
+    for t in range(5):
+        g = rng.standard_normal(n).astype(np.float32)
+        one.step(whole, g, 1e-2 * (t + 1))
+        parts.step(blocked, g, 1e-2 * (t + 1))
+    np.testing.assert_array_equal(blocked, whole)
+    state, want = parts.state_dict(), one.state_dict()
+    assert state.keys() == want.keys() and state["steps"] == want["steps"] == 5
+    for k in state:
+        np.testing.assert_array_equal(state[k], want[k])
+    fresh = BlockedOptimizer(cfg, blocked, mask, block=300)
+    fresh.load_state_dict(state)
+    assert fresh.steps == 5
+    if len(state) > 1:
+        with pytest.raises(ValueError, match="shape"):
+            fresh.load_state_dict({k: v if k == "steps" else v[:-1] for k, v in state.items()})
+
+
+def test_worker_id_and_count_come_from_the_launcher(monkeypatch):
+    for var in RANK_VARS + SIZE_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert WorkerConfig().resolve() == (0, 1)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "3")
+    assert WorkerConfig().resolve() == (2, 3)
+    assert WorkerConfig(worker_id=0, num_workers=5).resolve() == (0, 5)
+    with pytest.raises(ConfigError, match="--worker-id 2 must be in"):
+        WorkerConfig(num_workers=2).resolve()
+
+
+def test_snapshots_are_frozen_and_their_arrays_reused_only_when_unread():
+    s = store()
+    join(s, 0)
+    a = s.read(0, None, 1)  # a stream of version 0 still running
+    s.push(0, 0, 0, g(1))
+    b = s.read(0, None, 1)
+    assert (a.version, b.version) == (0, 1) and a.tensor.values is not b.tensor.values
+    np.testing.assert_array_equal(a.tensor.values, g(0))
+    np.testing.assert_array_equal(b.tensor.values, g(-1))
+    s.release(a)  # nobody reads version 0 now: its array becomes spare
+    s.release(b)
+    s.push(0, 1, 1, g(1))
+    c = s.read(0, None, 1)
+    assert c.tensor.values is a.tensor.values  # reused, not allocated
+    np.testing.assert_array_equal(c.tensor.values, g(-2))
+    assert s.read(0, 2, 1).tensor is None  # not modified
+    d = s.read(0, None, 1)
+    assert d.tensor is c.tensor and c.tensor.readers == 2  # shared by readers of one version

@@ -1,0 +1,117 @@
+"""The wire contract: committed generated code is current, the hand codec is protobuf,
+and the generated stub of any protobuf client talks to the server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zlib
+
+import grpc
+import numpy as np
+import pytest
+from pserver_util import ROOT, connect, initial_params, serve
+
+from protos import dtlab_ps_pb2 as pb
+from protos import dtlab_ps_pb2_grpc as pb_grpc
+from pserver import wire
+from pserver.errors import DataLoss, InvalidArgument
+
+GENERATED = ("dtlab_ps_pb2.py", "dtlab_ps_pb2_grpc.py", "dtlab_ps_pb2.pyi")
+
+
+def test_committed_generated_code_is_current(tmp_path):
+    pytest.importorskip("grpc_tools")
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_protos"), "--out", str(tmp_path)],
+                   check=True, timeout=120)
+    for name in GENERATED:
+        fresh = (tmp_path / "protos" / name).read_text()
+        assert fresh == (ROOT / "protos" / name).read_text(), (
+            f"protos/{name} is stale: run scripts/gen_protos")
+
+
+def test_chunk_codec_is_protobuf():
+    data = np.arange(10, dtype=np.float32)
+    raw = wire.chunk_message(7, memoryview(data).cast("B"))
+    msg = pb.PushRequest.FromString(raw)
+    assert msg.WhichOneof("kind") == "chunk"
+    assert msg.chunk.start == 7 and msg.chunk.data == data.tobytes()
+    for cls in (pb.PushRequest, pb.PullReply):  # same field numbers on both streams
+        chunk = pb.Chunk(start=123456789, data=b"\x01\x02\x03\x04")
+        standard = cls(chunk=chunk).SerializeToString()
+        field, body = wire.split(standard)
+        start, payload = wire.parse_chunk(body)
+        assert (field, start, bytes(payload)) == (wire.CHUNK, 123456789, b"\x01\x02\x03\x04")
+
+
+def test_stream_round_trip_checks_order_and_crc():
+    values = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    msgs = list(wire.stream(pb.PushHeader(step=3), values, chunk_bytes=400))
+    assert wire.split(msgs[0])[0] == wire.HEADER and wire.split(msgs[-1])[0] == wire.TRAILER
+    trailer = wire.parse(pb.Trailer, wire.split(msgs[-1])[1])
+    assert trailer.chunks == 10 and trailer.crc32 == zlib.crc32(values.tobytes())
+
+    out = np.zeros_like(values)
+    asm = wire.Assembler(out)
+    for raw in msgs[1:-1]:
+        asm.add(*wire.parse_chunk(wire.split(raw)[1]))
+    asm.finish(trailer)
+    np.testing.assert_array_equal(out, values)
+
+    asm = wire.Assembler(np.zeros_like(values))
+    with pytest.raises(InvalidArgument, match="expected 0"):
+        asm.add(*wire.parse_chunk(wire.split(msgs[2])[1]))  # a gap
+    with pytest.raises(InvalidArgument, match="whole number"):
+        asm.add(0, memoryview(b"\x00" * 6))
+    asm = wire.Assembler(np.zeros(3, np.float32))
+    with pytest.raises(InvalidArgument, match="runs past"):
+        asm.add(0, memoryview(values[:4].tobytes()))
+    asm.add(0, memoryview(values[:3].tobytes()))
+    with pytest.raises(DataLoss, match="crc32"):
+        asm.finish(pb.Trailer(crc32=trailer.crc32, chunks=1))
+
+
+def test_snapshot_streams_match_the_plain_stream():
+    values = np.arange(300, dtype=np.float32)
+    snap = wire.Snapshot(values, chunk_bytes=256)
+    want = list(wire.stream(pb.PullHeader(), values, 256))
+    assert list(snap.stream(pb.PullHeader())) == want
+    assert list(snap.stream(pb.PullHeader())) == want  # a second reader, CRCs cached
+
+
+@pytest.mark.parametrize("raw, match", [
+    (b"", "none of"),
+    (b"\x0a\x05\x01", "runs past"),
+    (b"\xff" * 11, "varint"),
+    (b"\x0f", "wire type"),
+    (b"\x08\x01", "not a message"),
+    (wire.header_message(pb.PushHeader()) + wire.trailer_message(0, 0), "more than one"),
+])
+def test_malformed_messages_are_invalid_argument(raw, match):
+    with pytest.raises(InvalidArgument, match=match):
+        wire.split(raw)
+
+
+def test_generated_stub_speaks_to_the_server():
+    """A plain protobuf client (generated classes, no hand codec) can pull and push."""
+    init = initial_params()
+    with serve() as daemons:
+        connect(f"127.0.0.1:{daemons[0].port}")  # registers worker 0
+        with grpc.insecure_channel(f"127.0.0.1:{daemons[0].port}") as ch:
+            stub = pb_grpc.ParameterServerStub(ch)
+            replies = list(stub.Pull(pb.PullRequest(worker_id=0, shard=0), timeout=20))
+            header = replies[0].header
+            assert header.meta.dtype == pb.FLOAT32 and list(header.meta.shape) == [init.size]
+            got = np.frombuffer(b"".join(r.chunk.data for r in replies[1:-1]), np.float32)
+            np.testing.assert_array_equal(got, init.data)
+            assert replies[-1].trailer.crc32 == zlib.crc32(init.data.tobytes())
+
+            grad = np.ones(init.size, np.float32)
+            meta = pb.TensorMeta(dtype=pb.FLOAT32, shape=[init.size], offset=0, version=0)
+            reqs = [pb.PushRequest(header=pb.PushHeader(worker_id=0, step=0, shard=0, meta=meta)),
+                    pb.PushRequest(chunk=pb.Chunk(start=0, data=grad.tobytes())),
+                    pb.PushRequest(trailer=pb.Trailer(crc32=zlib.crc32(grad.tobytes()),
+                                                      chunks=1))]
+            reply = stub.Push(iter(reqs), timeout=20)
+            assert (reply.duplicate, reply.staleness, reply.version) == (False, 0, 1)
+        np.testing.assert_array_equal(daemons[0].store.params, init.data - 1)

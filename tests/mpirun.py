@@ -1,0 +1,98 @@
+"""Run a real MPI job from a test, with a timeout so that a hang fails fast.
+
+    from mpirun import mpirun      # tests/ is on sys.path under pytest
+
+    r = mpirun(3, "tests/mpi_progs/collectives_check.py", "--quick", timeout=60)
+    assert r.rc == 0, r            # str(r) shows the command, rc and output tails
+
+    r = mpirun(2, "-m", "collective.train", "--steps", "4", timeout=120)
+    r = mpirun(2, "-c", "from mpi4py import MPI; print(MPI.COMM_WORLD.rank)")
+
+The job is `mpiexec -n N python -m mpi4py ARGS...`, run from the repository
+root with this interpreter and the `mpiexec` beside it (the `mpich` wheel's)
+or on PATH. `python -m mpi4py` aborts the whole job when a rank raises;
+pass `wrap=False` to run `python ARGS...` instead, e.g. to test that dtlab's
+own abort handler does that without it.
+
+The environment is this one plus `env`, with PYTHONUNBUFFERED=1 (output
+survives MPI_Abort) and one BLAS/OpenMP thread per rank unless set (N ranks
+share the machine's cores). Oversubscription (N above the core count) needs
+nothing with MPICH's Hydra: it does not bind ranks to cores by default.
+
+On timeout the whole process group (mpiexec, its proxy and every rank) is
+killed and the result has `timed_out` set and rc -9.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def mpiexec_path() -> str:
+    """The mpiexec beside this interpreter (the `mpich` wheel's), else the one on PATH."""
+    local = Path(sys.executable).parent / "mpiexec"
+    if local.exists():
+        return str(local)
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise FileNotFoundError("no mpiexec beside the interpreter or on PATH: pip install mpich")
+    return found
+
+
+@dataclass
+class MPIResult:
+    cmd: list[str]
+    rc: int
+    stdout: str
+    stderr: str
+    seconds: float
+    timed_out: bool
+
+    def __str__(self) -> str:
+        state = "TIMED OUT" if self.timed_out else f"rc={self.rc}"
+        return (
+            f"{' '.join(self.cmd)}\n{state} after {self.seconds:.1f} s\n"
+            f"--- stdout (tail) ---\n{self.stdout[-4000:]}\n"
+            f"--- stderr (tail) ---\n{self.stderr[-4000:]}"
+        )
+
+
+def mpirun(
+    n: int,
+    *args: str,
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+    wrap: bool = True,
+) -> MPIResult:
+    """Run `mpiexec -n n python [-m mpi4py] args...`; see the module docstring."""
+    cmd = [mpiexec_path(), "-n", str(n), sys.executable]
+    if wrap:
+        cmd += ["-m", "mpi4py"]
+    cmd += [str(a) for a in args]
+    full_env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        full_env.setdefault(var, "1")
+    full_env["PYTHONUNBUFFERED"] = "1"
+    full_env.update(env or {})
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        timed_out = True
+    return MPIResult(cmd, proc.returncode, out, err, time.monotonic() - start, timed_out)

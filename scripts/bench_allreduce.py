@@ -8,7 +8,10 @@ For every power-of-two size from --min-bytes to --max-bytes (float32 SUM,
 in place) each algorithm is warmed up and then timed for a size-dependent
 number of iterations (about 64 MB moved, between 3 and 1000 calls), in
 --rounds rounds that interleave the algorithms, so noise from other
-processes on a shared machine falls on all of them alike; a round's time is
+processes on a shared machine falls on all of them alike, in an order
+rotated every round (on an oversubscribed host an algorithm's time depends
+on which one ran just before it: a fixed order favoured whichever followed
+the naive algorithm by up to 2x); a round's time is
 the slowest rank's mean, the reported time the best round (the JSON also
 has the median round, and the summary the ratio on medians). MPI's Allreduce
 is called directly (MPI.IN_PLACE), without our wrapper's overhead.
@@ -116,8 +119,8 @@ def measure(comm, args) -> list[dict]:
             for _ in range(args.warmup):
                 run_algo(comm, algo, buf, 1)
         rounds: dict[str, list[float]] = {algo: [] for algo in ALGOS}
-        for _ in range(args.rounds):
-            for algo in ALGOS:
+        for k in range(args.rounds):
+            for algo in ALGOS[k % 3:] + ALGOS[:k % 3]:  # rotated: no fixed predecessor
                 rounds[algo].append(run_algo(comm, algo, buf, iters))
         for algo in ALGOS:
             wrong = count_wrong(comm, algo, buf)

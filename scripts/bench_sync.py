@@ -1,0 +1,104 @@
+"""Sync data-parallel training throughput for N = 1, 2, 4 ranks, and where the time goes.
+
+    python scripts/bench_sync.py --json bench-sync.json
+    python scripts/bench_sync.py --ranks 1,2 --allreduce ring,mpi --steps 40 -- --d-model 128
+
+Runs `mpiexec -n N python -m collective.train` on one fixed config (per-rank
+batch fixed: weak scaling) for each N and all-reduce algorithm, reads the
+rank-0 metrics and reports, over the steps after warm-up (medians):
+
+    samples/s    global samples per second
+    speedup      samples/s over the same run's N = 1 figure
+    efficiency   speedup / N (1.0 is perfect weak scaling)
+    comm %       time inside bucket all-reduces / step time (may overlap backward)
+    wait %       time the step was blocked on communication / step time (exposed)
+
+BLAS threads per rank are cores // N (at least 1), so every N uses the same
+cores. Extra arguments after `--` go to the trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from models.metrics import read_metrics  # noqa: E402 - after the path set-up
+
+CONFIG = ["--model", "transformer", "--vocab", "64", "--seq-len", "64", "--d-model", "256",
+          "--n-heads", "8", "--n-layers", "4", "--d-ff", "1024", "--batch-size", "8"]
+TINY = ["--model", "mlp", "--d-in", "8", "--d-hidden", "16", "--n-classes", "4",
+        "--n-samples", "1024", "--batch-size", "8"]
+
+
+def mpiexec() -> str:
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else "mpiexec"
+
+
+def run(n: int, algo: str, steps: int, config: list[str], workdir: str, timeout: float) -> dict:
+    metrics = os.path.join(workdir, f"sync-{n}-{algo}.jsonl")
+    threads = str(max(1, (os.cpu_count() or 1) // n))
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads}
+    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "collective.train", *config,
+           "--steps", str(steps), "--allreduce", algo, "--metrics", metrics,
+           "--log-every", str(steps), "--warmup", "0"]
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=timeout,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    header, records = read_metrics(metrics)
+    kept = records[max(1, len(records) // 5):]  # drop warm-up steps
+    step_s = statistics.median(r["step_s"] for r in kept)
+    run_cfg = header["config"]["run"]
+    samples = run_cfg["batch_size"] * run_cfg["grad_accum"] * n
+    return {"n": n, "algo": algo, "params": header["n_params"], "samples_per_step": samples,
+            "step_ms": step_s * 1e3, "samples_per_s": samples / step_s,
+            "comm_frac": statistics.median(r["comm_s"] / r["step_s"] for r in kept),
+            "wait_frac": statistics.median(r["wait_s"] / r["step_s"] for r in kept),
+            "final_loss": records[-1]["loss"]}
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", default="1,2,4", help="comma-separated world sizes")
+    p.add_argument("--allreduce", default="ring,mpi", help="comma-separated algorithms")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--tiny", action="store_true", help="a seconds-long run (for the test suite)")
+    args = p.parse_args(own)
+    ranks = [int(n) for n in args.ranks.split(",")]
+    config = (TINY if args.tiny else CONFIG) + extra
+    rows = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for algo in args.allreduce.split(","):
+            for n in ranks:
+                rows.append(run(n, algo, args.steps, config, workdir, timeout=600))
+    base = {r["algo"]: r["samples_per_s"] for r in rows if r["n"] == ranks[0]}
+    print(f"# sync data parallel, {rows[0]['params']:,} parameters, "
+          f"{os.cpu_count()} cores, per-rank batch fixed")
+    print(f"# {'algo':>6} {'n':>3} {'step(ms)':>9} {'samples/s':>10} {'speedup':>8} "
+          f"{'effic':>6} {'comm %':>7} {'wait %':>7}")
+    for r in rows:
+        r["speedup"] = r["samples_per_s"] / base[r["algo"]]
+        r["efficiency"] = r["speedup"] * ranks[0] / r["n"]
+        print(f"  {r['algo']:>6} {r['n']:>3} {r['step_ms']:>9.1f} {r['samples_per_s']:>10.1f} "
+              f"{r['speedup']:>8.2f} {r['efficiency']:>6.2f} {100 * r['comm_frac']:>7.1f} "
+              f"{100 * r['wait_frac']:>7.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": config, "cores": os.cpu_count(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,10 +21,12 @@ from models.session import build_session, parse
 from models.trainer import Summary, Trainer
 
 
-def summary_lines(summary: Summary, flops_per_step: float) -> list[str]:
-    lines = [f"steps {summary.steps} in {summary.seconds:.1f} s, "
-             f"{summary.samples_per_s:,.0f} samples/s, "
-             f"{flops_per_step * summary.steps / max(summary.seconds, 1e-9) / 1e9:.1f} GFLOP/s"]
+def summary_lines(summary: Summary, flops_per_step: float | None) -> list[str]:
+    seconds = max(summary.seconds, 1e-9)
+    speed = f"steps {summary.steps} in {seconds:.1f} s, {summary.samples_per_s:,.0f} samples/s"
+    if flops_per_step is not None:
+        speed += f", {flops_per_step * summary.steps / seconds / 1e9:.1f} GFLOP/s"
+    lines = [speed]
     loss = f"final loss {summary.final_loss:.4f}"
     if summary.floor is not None:
         loss += f"  floor {summary.floor:.4f}  gap {summary.gap:+.4f} nats"

@@ -44,6 +44,14 @@ class Summary:
     def gap(self) -> float | None:
         return None if self.floor is None else self.final_loss - self.floor
 
+    @classmethod
+    def of(cls, losses: list[float], seconds: float, floor: float | None,
+           samples_per_step: int) -> Summary:
+        """Final loss = mean of the last 10% of the steps' losses."""
+        tail = losses[-max(1, len(losses) // 10):] or [math.nan]
+        return cls(len(losses), seconds, sum(tail) / len(tail), floor,
+                   len(losses) * samples_per_step / seconds if seconds else 0.0)
+
 
 class Trainer:
     def __init__(self, session: Session, log: MetricsLog, reducer: GradReducer | None = None,
@@ -87,11 +95,8 @@ class Trainer:
                 self.progress.update(step, record["loss"], speed)
                 if run.checkpoint_every and (step + 1) % run.checkpoint_every == 0:
                     self.save(step + 1)
-        seconds = time.perf_counter() - start
-        done = run.steps - self.start_step
-        tail = self.losses[-max(1, done // 10):] or [math.nan]
-        return Summary(done, seconds, sum(tail) / len(tail), self.s.dataset.floor,
-                       done * self.samples_per_step / seconds if seconds else 0.0)
+        return Summary.of(self.losses, time.perf_counter() - start, self.s.dataset.floor,
+                          self.samples_per_step)
 
     def save(self, next_step: int) -> str:
         s = self.s

@@ -47,6 +47,8 @@ from models.metrics import MetricsLog, run_header
 from models.optim import clip_grad_norm
 from models.progress import Progress
 from models.session import Session, build_session, parse
+from models.train import summary_lines
+from models.trainer import Summary
 from protos import dtlab_ps_pb2 as pb
 from pserver import wire
 from pserver.client import PSClient
@@ -124,17 +126,21 @@ class Worker:
                 "staleness": [r.staleness for r in replies],
                 "version": [r.version for r in replies]}
 
-    def run(self, first_step: int) -> None:
+    def run(self, first_step: int) -> Summary:
         run = self.s.setup.run
         progress = Progress(run.steps, run.log_every)
         start = time.perf_counter()
+        losses = []
         for step in range(first_step, run.steps):
             record = self.step(step)
             record["elapsed_s"] = time.perf_counter() - start
+            losses.append(record["loss"])
             self.metrics.write(record)
             progress.update(step, record["loss"],
                             f"staleness {max(record['staleness'])}  "
                             f"{record['step_s'] * 1e3:6.1f} ms/step")
+        return Summary.of(losses, time.perf_counter() - start, self.s.dataset.floor,
+                          run.batch_size * run.grad_accum)
 
 
 def main(argv: list[str]) -> int:
@@ -166,12 +172,14 @@ def main(argv: list[str]) -> int:
                             staleness_bound=info.staleness_bound)
         metrics = MetricsLog(metrics_path, header, append=first > 0)
         try:
-            Worker(session, client, wid, metrics).run(first)
+            summary = Worker(session, client, wid, metrics).run(first)
         finally:
             metrics.close()
             leave(client)
     finally:
         client.close()
+    for line in summary_lines(summary, flops_per_step=None):
+        print(f"worker {wid}: {line}")
     return 0
 
 

@@ -203,14 +203,17 @@ class ShardStore:
     def admit(self, worker: int, step: int, version_read: int) -> PushResult | None:
         """Check a push header before its data arrives: the reply if it is a duplicate."""
         with self._cond:
-            state = self._known(worker)
-            if version_read > self.version:
-                raise InvalidArgument(
-                    f"meta.version {version_read} is from the future: shard version is "
-                    f"{self.version}", reason="version")
-            if step < state.next_step:
-                return self._duplicate(worker, step)
-            return None
+            return self._screen(worker, step, version_read)
+
+    def _screen(self, worker: int, step: int, version_read: int) -> PushResult | None:
+        """Refuse an unknown worker or a version from the future; answer a duplicate
+        (worker, step) with its earlier reply; None for a new push. Lock held."""
+        state = self._known(worker)
+        if version_read > self.version:
+            raise InvalidArgument(
+                f"meta.version {version_read} is from the future: shard version is "
+                f"{self.version}", reason="version")
+        return self._duplicate(worker, step) if step < state.next_step else None
 
     def _duplicate(self, worker: int, step: int) -> PushResult:
         self.counters["duplicates"] += 1
@@ -238,13 +241,10 @@ class ShardStore:
     def push(self, worker: int, step: int, version_read: int, grad: np.ndarray) -> PushResult:
         """Apply (ASP, SSP) or add to the round (BSP) one validated gradient."""
         with self._cond:
-            state = self._known(worker)
-            if version_read > self.version:
-                raise InvalidArgument(
-                    f"meta.version {version_read} is from the future: shard version is "
-                    f"{self.version}", reason="version")
-            if step < state.next_step:
-                return self._duplicate(worker, step)
+            screened = self._screen(worker, step, version_read)
+            if screened is not None:
+                return screened
+            state = self.clocks.workers[worker]
             staleness = self.version - version_read
             if self._round is not None:
                 self._round.add(worker, step, version_read, grad)

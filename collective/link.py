@@ -1,5 +1,5 @@
 """Per-communicator state shared by every algorithm: the MPI communicator,
-ring neighbours, scratch memory, the stall watch and the way to wait.
+the ring order, scratch memory, the stall watch and the way to wait.
 
 Scratch memory lives here, one pool per communicator, and not per call:
 allocating a receive buffer per call would page-fault it in on first touch
@@ -97,8 +97,7 @@ class Link:
         self.label = label
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self.left = (self.rank - 1) % self.size
-        self.right = (self.rank + 1) % self.size
+        self._ring: tuple[list[int], int] | None = None
         group, world_group = comm.Get_group(), MPI.COMM_WORLD.Get_group()
         self.world_ranks = list(group.Translate_ranks(None, world_group))
         group.Free()
@@ -113,6 +112,36 @@ class Link:
         # leftovers on stderr): when this Link is collected, or at exit (the
         # finalizer's exit hook is registered after mpi4py's, so runs first).
         self.release = weakref.finalize(self, _free_bound, self.bound)
+
+    def ring(self) -> tuple[list[int], int]:
+        """(ring order of the ranks, this rank's position in it); collective on first use.
+
+        Ranks on the same node are adjacent (nodes in order of their lowest
+        rank), and within a node ranks bound to one CPU each are ordered by
+        that CPU, so ring neighbours share a core or cache where the launcher
+        packed them (`mpiexec -bind-to core`); unbound ranks keep rank order.
+        """
+        if self._ring is None:
+            affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+            cpu = min(affinity) if len(affinity) == 1 else -1
+            keys = self.comm.allgather((MPI.Get_processor_name(), cpu))
+            first_rank = {}
+            for r, (node, _) in enumerate(keys):
+                first_rank.setdefault(node, r)
+            order = sorted(range(self.size),
+                           key=lambda r: (first_rank[keys[r][0]], keys[r][1], r))
+            self._ring = order, order.index(self.rank)
+        return self._ring
+
+    def left(self) -> int:
+        """The rank we receive from in the ring."""
+        order, p = self.ring()
+        return order[(p - 1) % self.size]
+
+    def right(self) -> int:
+        """The rank we send to in the ring."""
+        order, p = self.ring()
+        return order[(p + 1) % self.size]
 
     def wait(self, req: MPI.Request, operation: str, peer: int | None, status=None) -> None:
         """Complete `req` under the stall watch; peer: whom it waits for."""

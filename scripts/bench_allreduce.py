@@ -1,6 +1,7 @@
 """All-reduce benchmark: our ring vs the naive algorithm vs MPI's own Allreduce.
 
     mpiexec -n 4 python scripts/bench_allreduce.py --json allreduce-n4.json  # 4 KB..64 MB
+    mpiexec -bind-to core -n 4 python scripts/bench_allreduce.py             # ranks pinned
     mpiexec -n 2 python scripts/bench_allreduce.py --max-bytes 1M            # shorter sweep
     mpiexec -n 3 python scripts/bench_allreduce.py --tiny                    # seconds (tests)
 
@@ -15,6 +16,12 @@ the naive algorithm by up to 2x); a round's time is
 the slowest rank's mean, the reported time the best round (the JSON also
 has the median round, and the summary the ratio on medians). MPI's Allreduce
 is called directly (MPI.IN_PLACE), without our wrapper's overhead.
+
+With more ranks than cores, where the scheduler puts each rank decides much
+of the result, for MPI and the ring alike: unpinned, the ring/MPI ratio at
+4 ranks on 2 cores swung between about 0.6 and 1.2 from one launch to the
+next. Pinning (`-bind-to core`) makes launches comparable, and the ring then
+orders itself so that neighbours share a core (collective/link.py).
 
     algbw = bytes / time        busbw = algbw * 2 (n - 1) / n        (GB = 1e9 B)
 

@@ -72,9 +72,10 @@ def mpirun(
     timeout: float = 60.0,
     env: dict[str, str] | None = None,
     wrap: bool = True,
+    launcher_args: tuple[str, ...] = (),
 ) -> MPIResult:
-    """Run `mpiexec -n n python [-m mpi4py] args...`; see the module docstring."""
-    cmd = [mpiexec_path(), "-n", str(n), sys.executable]
+    """Run `mpiexec [launcher_args] -n n python [-m mpi4py] args...`; see the module docstring."""
+    cmd = [mpiexec_path(), *launcher_args, "-n", str(n), sys.executable]
     if wrap:
         cmd += ["-m", "mpi4py"]
     cmd += [str(a) for a in args]

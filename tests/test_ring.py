@@ -10,6 +10,8 @@ bit-identical results on every rank.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from mpirun import mpirun
 
@@ -21,3 +23,16 @@ def test_ring_collectives_match_direct_sum_and_mpi(n):
     r = mpirun(n, "tests/mpi_progs/collectives_check.py", "ring", timeout=120)
     assert r.rc == 0, r
     assert "PASS ring" in r.stdout, r
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs to bind ranks to")
+def test_ring_follows_cpu_binding_and_stays_correct():
+    """Ranks bound round-robin to CPUs 0,1,0,1 form the ring 0,2,1,3 (neighbours share a
+    CPU), and every collective is still right."""
+    order = mpirun(4, "-c", "from collective.comm import world; c = world(); "
+                   "o = c._link.ring()[0]; c.rank == 0 and print('ORDER', o)",
+                   launcher_args=("-bind-to", "user:0,1,0,1"), timeout=60)
+    assert order.rc == 0 and "ORDER [0, 2, 1, 3]" in order.stdout, order
+    r = mpirun(4, "tests/mpi_progs/collectives_check.py", "ring",
+               launcher_args=("-bind-to", "user:0,1,0,1"), timeout=120)
+    assert r.rc == 0 and "PASS ring" in r.stdout, r

@@ -31,11 +31,10 @@ step 0, and adds its own a1[2].) "Rank" above is really the position in the
 ring, and segment s is the one the rank at position s finishes: the ring
 runs in the order Link.ring() chooses, which puts ranks that share a node,
 and ranks bound to the same CPU, next to each other (NCCL likewise orders
-its rings by topology). On 4 ranks bound two to a core, a ring whose
-neighbours share a core ran 1.5-1.8x faster than one whose every hop
-crossed cores, at 2-16 MB. After step 2 rank r holds the complete sum
-of segment r, which is exactly a reduce-scatter; steps 3-5 are exactly an
-all-gather; `reduce_scatter` and `allgather` below run one half each.
+its rings by topology), so that on a cluster most hops stay inside a node.
+After step 2 rank r holds the complete sum of segment r, which is exactly
+a reduce-scatter; steps 3-5 are exactly an all-gather; `reduce_scatter` and
+`allgather` below run one half each.
 
 Traffic: each of the 2(N - 1) steps sends and receives one segment of L/N
 elements, so each rank sends 2(N - 1)/N * L elements in total, whatever N:
@@ -76,7 +75,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from collective.link import TAG_RING, Link, address, byte_view
+from collective.link import PAGE, TAG_RING, Link, address, byte_view, mirror
 
 
 def segment_bounds(length: int, parts: int) -> list[int]:
@@ -96,7 +95,7 @@ class _Plan:
     """Every message of one ring pass, precomputed once per shape.
 
     Message m is chunk j = m % C of step t = first + m // C. recv[m] is
-    (lo, hi, slot): it receives buf[lo:hi], into scratch slot offset `slot`
+    (lo, hi, slot): it receives buf[lo:hi], into scratch slot number `slot`
     (a reduce step, added afterwards) or straight into buf (slot -1);
     after_send[m] is the send that must finish before that receive is posted
     (-1: none); send[m] is the (lo, hi) of buf it sends.
@@ -124,8 +123,7 @@ class _Plan:
             t, j = first + m // c, m % c
             s = order[(p - t - 2) % n]
             reduce = m < self.n_reduce
-            self.recv.append((cuts[s][j], cuts[s][j + 1], (m % window) * self.chunk_max
-                              if reduce else -1))
+            self.recv.append((cuts[s][j], cuts[s][j + 1], m % window if reduce else -1))
             self.after_send.append(-1 if reduce else m - (n - 1) * c)
             s = order[(p - t - 1) % n]
             self.send.append((cuts[s][j], cuts[s][j + 1]))
@@ -134,6 +132,12 @@ class _Plan:
 class _Bound:
     """A plan bound to one buffer: persistent requests (MPI_Recv_init,
     MPI_Send_init) and the array views the additions use.
+
+    Each scratch slot is a page-aligned region with a page of slack, and the
+    view a reduce step receives into starts at the page offset of the chunk
+    of buf it is added to (link.mirror: CMA copies run 5-8x slower for some
+    relative offsets, which heap-allocated scratch hit in about half of the
+    bench launches at 4 ranks).
 
     A training loop all-reduces the same memory every step (the gradient
     buckets), so each message then costs one Start and one Wait instead of
@@ -144,13 +148,14 @@ class _Bound:
 
     def __init__(self, link: Link, plan: _Plan, buf, xp):
         comm, left, right = link.comm, link.left(), link.right()
-        slots = None
-        if plan.n_reduce:
-            slots = link.ws.typed("ring", plan.window * plan.chunk_max, buf.dtype, xp)
+        item, base = buf.itemsize, address(buf)
+        stride = -(-plan.chunk_max * item // PAGE) * PAGE + PAGE  # bytes per slot
+        slots = link.ws.pages("ring", plan.window * stride, xp) if plan.n_reduce else None
         self.recv, self.send, self.adds = [], [], []
         for lo, hi, slot in plan.recv:
             if slot >= 0:
-                into = slots[slot : slot + hi - lo]  # (chunk,)
+                into = mirror(slots, slot * stride, base + lo * item, (hi - lo) * item)
+                into = into.view(buf.dtype)  # (chunk,)
                 self.adds.append((buf[lo:hi], into))
             else:
                 into = buf[lo:hi]

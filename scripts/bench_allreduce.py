@@ -17,11 +17,13 @@ the slowest rank's mean, the reported time the best round (the JSON also
 has the median round, and the summary the ratio on medians). MPI's Allreduce
 is called directly (MPI.IN_PLACE), without our wrapper's overhead.
 
-With more ranks than cores, where the scheduler puts each rank decides much
-of the result, for MPI and the ring alike: unpinned, the ring/MPI ratio at
-4 ranks on 2 cores swung between about 0.6 and 1.2 from one launch to the
-next. Pinning (`-bind-to core`) makes launches comparable, and the ring then
-orders itself so that neighbours share a core (collective/link.py).
+With more ranks than cores, where the scheduler puts each rank moves the
+result, for MPI and the ring alike; pinning (`-bind-to core`) makes launches
+more comparable, and the ring then orders itself so that neighbours share a
+core (collective/link.py). The ring/MPI ratio at 4 ranks once swung between
+about 0.6 and 1.2 from one launch to the next, pinned or not: that was the
+heap layout (scratch 16 bytes past the buffer, a slow case of the kernel's
+CMA copy; see collective/link.py mirror()), not the scheduler.
 
     algbw = bytes / time        busbw = algbw * 2 (n - 1) / n        (GB = 1e9 B)
 

@@ -50,12 +50,12 @@ class Chunk(_message.Message):
     def __init__(self, start: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Trailer(_message.Message):
-    __slots__ = ("crc32", "chunks")
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("chunks", "adler32")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
-    crc32: int
+    ADLER32_FIELD_NUMBER: _ClassVar[int]
     chunks: int
-    def __init__(self, crc32: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...
+    adler32: int
+    def __init__(self, chunks: _Optional[int] = ..., adler32: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker_id", "model", "model_size", "layout_crc32")

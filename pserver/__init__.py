@@ -9,7 +9,7 @@ staleness of every applied gradient is recorded (Zhang et al. 2016).
     python -m pserver serve --model mlp --shard 0 --num-shards 2 --port 50051 ...
     python -m pserver.worker --servers 127.0.0.1:50051,127.0.0.1:50052 --model mlp ...
 
-    wire.py         tensors <-> header/chunk/trailer streams (zero-copy codec, CRC-32)
+    wire.py         tensors <-> header/chunk/trailer streams (zero-copy codec, Adler-32)
     store.py        one shard: parameters, optimizer, version, dedup, staleness, one lock
     consistency.py  worker clocks, ASP/SSP/BSP read rules, the BSP round
     staleness.py    exact staleness histograms, per shard and per worker

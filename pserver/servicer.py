@@ -7,7 +7,7 @@ the received bytes straight into a pooled gradient buffer (pserver.wire).
 
 A push is validated in full before the store sees it: header (shard, dtype,
 shape, offset, worker, version), then every chunk (order, size, finite
-values) as it arrives, then the trailer (count, CRC-32). Any failure, or a
+values) as it arrives, then the trailer (count, Adler-32). Any failure, or a
 stream that breaks off, discards the buffer: nothing is applied.
 """
 

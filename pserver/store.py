@@ -107,7 +107,7 @@ class ShardStore:
         self.last_lr = 0.0
         self.apply_seconds = 0.0
         self._snapshot: Read | None = None
-        self._spare: list[np.ndarray] = []  # snapshot arrays nobody reads any more
+        self._spare: list[np.ndarray] = []  # frozen snapshot arrays nobody reads any more
         self._pool: list[np.ndarray] = []  # gradient buffers
         self._closed = False
 
@@ -173,29 +173,26 @@ class ShardStore:
             if known_version == self.version:
                 self.counters["pulls_not_modified"] += 1
                 return Read(self.version, None)
-            if self._snapshot is None or self._snapshot.version != self.version:
-                self._freeze()
+            if self._snapshot is None:  # dropped or frozen by every change of the version
+                self._snapshot = Read(self.version, Snapshot(self.params, self.chunk_bytes))
             self._snapshot.tensor.readers += 1
             self.counters["bytes_sent"] += self._snapshot.tensor.nbytes
             return self._snapshot
 
-    def _freeze(self) -> None:
-        """Copy the parameters into the current snapshot (lock held), into a spare array."""
-        old = self._snapshot
-        values = self._spare.pop() if self._spare else np.empty_like(self.params)
-        np.copyto(values, self.params)
-        self._snapshot = Read(self.version, Snapshot(values, self.chunk_bytes))
-        if old is not None and old.tensor.readers == 0:
-            self._spare.append(old.tensor.values)
+    def _unshare(self) -> None:
+        """Before the parameters change (lock held): pulls still streaming the current
+        version get a copy of it to go on from; with none, the snapshot is just dropped."""
+        snap, self._snapshot = self._snapshot, None
+        if snap is not None and snap.tensor.readers:
+            snap.tensor.freeze(self._spare.pop() if self._spare else np.empty_like(self.params))
 
     def release(self, read: Read) -> None:
-        """A pull is done with `read`: its array may serve a later version."""
+        """A pull is done with `read`: a frozen copy nobody reads may serve a later one."""
         if read.tensor is None:
             return
         with self._cond:
             read.tensor.readers -= 1
-            if (read.tensor.readers == 0 and read is not self._snapshot
-                    and len(self._spare) < _POOL_SIZE):
+            if read.tensor.readers == 0 and read.tensor.frozen and len(self._spare) < _POOL_SIZE:
                 self._spare.append(read.tensor.values)
 
     # -- push ------------------------------------------------------------------------------
@@ -272,6 +269,7 @@ class ShardStore:
         """One optimizer step; called with the lock held."""
         stalenesses = [self.version - read for _, _, read in contributions]
         lr = self._lr(stalenesses)
+        self._unshare()
         t0 = time.perf_counter()
         self.optimizer.step(self.params, grad, lr)
         self.apply_seconds += time.perf_counter() - t0
@@ -352,10 +350,10 @@ class ShardStore:
             if state["params"].shape != self.params.shape:
                 raise ValueError(f"checkpoint params shape {state['params'].shape} != "
                                  f"shard shape {self.params.shape}")
+            self._unshare()
             self.params[...] = state["params"]
             self.optimizer.load_state_dict(state["optimizer"])
             self.version = int(state["version"])
             for w, s in state["workers"].items():
                 self.clocks.workers[int(w)] = WorkerState(int(s["clock"]), int(s["next_step"]),
                                                           bool(s["active"]))
-            self._snapshot = None

@@ -88,7 +88,7 @@ def test_bad_payloads_are_refused_and_counted(shard):
         "dtype of chunk": [msgs[0], wire.chunk_message(0, memoryview(b"\x00" * 6)), msgs[-1]],
     }
     want = {"nonfinite": (C.INVALID_ARGUMENT, "element 17 is nan"),
-            "checksum": (C.DATA_LOSS, "crc32"),
+            "checksum": (C.DATA_LOSS, "adler32"),
             "missing trailer": (C.DATA_LOSS, "without a trailer"),
             "truncated": (C.DATA_LOSS, "ended at element"),
             "gap": (C.INVALID_ARGUMENT, "chunk.start"),
@@ -256,10 +256,27 @@ def test_concurrent_workers_sum_exactly_over_grpc():
                 c.close()
 
 
-def test_crc_reference_value():
-    """The trailer CRC is zlib's CRC-32 (IEEE), whatever implementation computes it."""
-    data = b"123456789"
-    assert wire.crc32(data) == zlib.crc32(data) == 0xCBF43926
+def adler32_by_definition(data: bytes, start: int = 1) -> int:
+    """RFC 1950: A = 1 + sum of bytes, B = sum of the A's, both mod 65521; B << 16 | A."""
+    a, b = start & 0xFFFF, start >> 16
+    for byte in data:
+        a = (a + byte) % 65521
+        b = (b + a) % 65521
+    return b << 16 | a
+
+
+def test_checksum_is_adler32_by_definition():
+    """The trailer checksum is RFC 1950's Adler-32, whatever implementation computes it,
+    also when continued chunk by chunk and past zlib's 5552-byte reduction interval."""
+    assert wire.adler32(b"Wikipedia") == 0x11E60398  # the published example
+    data = np.random.default_rng(1).integers(0, 256, 20_000, dtype=np.uint8).tobytes()
+    data += b"\xff" * 12_000  # the largest bytes stress the modular reduction
+    want = adler32_by_definition(data)
+    assert wire.adler32(data) == zlib.adler32(data) == want
+    running = wire.ADLER_START
+    for lo in range(0, len(data), 7_001):
+        running = wire.adler32(data[lo : lo + 7_001], running)
+    assert running == want and wire.adler32(b"") == wire.ADLER_START
 
 
 def test_push_retries_unavailable_across_a_restart(tmp_path):

@@ -9,6 +9,8 @@ import pytest
 
 from models.config import ConfigError, build
 from models.optim import OptimConfig, Schedule, make_optimizer
+from protos import dtlab_ps_pb2 as pb
+from pserver import wire
 from pserver.blocked import BlockedOptimizer
 from pserver.consistency import Consistency
 from pserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
@@ -227,21 +229,49 @@ def test_worker_id_and_count_come_from_the_launcher(monkeypatch):
         WorkerConfig(num_workers=2).resolve()
 
 
-def test_snapshots_are_frozen_and_their_arrays_reused_only_when_unread():
+def test_a_snapshot_is_copied_only_when_an_update_overtakes_its_readers():
     s = store()
     join(s, 0)
     a = s.read(0, None, 1)  # a stream of version 0 still running
-    s.push(0, 0, 0, g(1))
+    assert a.tensor.values is s.params  # nothing copied yet
+    s.push(0, 0, 0, g(1))  # the update first gives version 0's reader a copy
     b = s.read(0, None, 1)
-    assert (a.version, b.version) == (0, 1) and a.tensor.values is not b.tensor.values
+    assert (a.version, b.version) == (0, 1) and a.tensor.values is not s.params
     np.testing.assert_array_equal(a.tensor.values, g(0))
     np.testing.assert_array_equal(b.tensor.values, g(-1))
+    copy = a.tensor.values
     s.release(a)  # nobody reads version 0 now: its array becomes spare
     s.release(b)
-    s.push(0, 1, 1, g(1))
+    s.push(0, 1, 1, g(1))  # nobody reads version 1: nothing is copied
     c = s.read(0, None, 1)
-    assert c.tensor.values is a.tensor.values  # reused, not allocated
-    np.testing.assert_array_equal(c.tensor.values, g(-2))
+    assert c.tensor.values is s.params and c.version == 2
     assert s.read(0, 2, 1).tensor is None  # not modified
     d = s.read(0, None, 1)
     assert d.tensor is c.tensor and c.tensor.readers == 2  # shared by readers of one version
+    s.push(0, 2, 2, g(1))
+    assert c.tensor.values is copy  # frozen into the spare array, not a new one
+    np.testing.assert_array_equal(c.tensor.values, g(-2))
+
+
+@pytest.mark.parametrize("overtaken_after", [0, 1, 3])
+def test_a_pull_overtaken_by_an_update_streams_its_own_version_whole(overtaken_after):
+    """Chunks streamed before and after an update that lands mid-pull are all of the
+    version the pull began with, and the trailer's checksum agrees."""
+    s = store()
+    join(s, 0)
+    s.push(0, 0, 0, np.arange(N, dtype=np.float32))
+    s.chunk_bytes = 8  # two elements per chunk: five chunks
+    read = s.read(0, None, 1)
+    want = s.params.copy()
+    msgs = read.tensor.stream(pb.PullHeader())
+    got = [next(msgs) for _ in range(1 + overtaken_after)]
+    s.push(0, 1, 1, g(100))
+    got += list(msgs)
+    s.release(read)
+    out = np.empty(N, np.float32)
+    asm = wire.Assembler(out)
+    for raw in got[1:-1]:
+        asm.add(*wire.parse_chunk(wire.split(raw)[1]))
+    asm.finish(wire.parse(pb.Trailer, wire.split(got[-1])[1]))
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(s.params, want - 100)

@@ -44,12 +44,12 @@ def test_chunk_codec_is_protobuf():
         assert (field, start, bytes(payload)) == (wire.CHUNK, 123456789, b"\x01\x02\x03\x04")
 
 
-def test_stream_round_trip_checks_order_and_crc():
+def test_stream_round_trip_checks_order_and_checksum():
     values = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
     msgs = list(wire.stream(pb.PushHeader(step=3), values, chunk_bytes=400))
     assert wire.split(msgs[0])[0] == wire.HEADER and wire.split(msgs[-1])[0] == wire.TRAILER
     trailer = wire.parse(pb.Trailer, wire.split(msgs[-1])[1])
-    assert trailer.chunks == 10 and trailer.crc32 == zlib.crc32(values.tobytes())
+    assert trailer.chunks == 10 and trailer.adler32 == zlib.adler32(values.tobytes())
 
     out = np.zeros_like(values)
     asm = wire.Assembler(out)
@@ -67,8 +67,8 @@ def test_stream_round_trip_checks_order_and_crc():
     with pytest.raises(InvalidArgument, match="runs past"):
         asm.add(0, memoryview(values[:4].tobytes()))
     asm.add(0, memoryview(values[:3].tobytes()))
-    with pytest.raises(DataLoss, match="crc32"):
-        asm.finish(pb.Trailer(crc32=trailer.crc32, chunks=1))
+    with pytest.raises(DataLoss, match="adler32"):
+        asm.finish(pb.Trailer(adler32=trailer.adler32, chunks=1))
 
 
 def test_snapshot_streams_match_the_plain_stream():
@@ -76,7 +76,7 @@ def test_snapshot_streams_match_the_plain_stream():
     snap = wire.Snapshot(values, chunk_bytes=256)
     want = list(wire.stream(pb.PullHeader(), values, 256))
     assert list(snap.stream(pb.PullHeader())) == want
-    assert list(snap.stream(pb.PullHeader())) == want  # a second reader, CRCs cached
+    assert list(snap.stream(pb.PullHeader())) == want  # a second reader, checksums cached
 
 
 @pytest.mark.parametrize("raw, match", [
@@ -104,13 +104,13 @@ def test_generated_stub_speaks_to_the_server():
             assert header.meta.dtype == pb.FLOAT32 and list(header.meta.shape) == [init.size]
             got = np.frombuffer(b"".join(r.chunk.data for r in replies[1:-1]), np.float32)
             np.testing.assert_array_equal(got, init.data)
-            assert replies[-1].trailer.crc32 == zlib.crc32(init.data.tobytes())
+            assert replies[-1].trailer.adler32 == zlib.adler32(init.data.tobytes())
 
             grad = np.ones(init.size, np.float32)
             meta = pb.TensorMeta(dtype=pb.FLOAT32, shape=[init.size], offset=0, version=0)
             reqs = [pb.PushRequest(header=pb.PushHeader(worker_id=0, step=0, shard=0, meta=meta)),
                     pb.PushRequest(chunk=pb.Chunk(start=0, data=grad.tobytes())),
-                    pb.PushRequest(trailer=pb.Trailer(crc32=zlib.crc32(grad.tobytes()),
+                    pb.PushRequest(trailer=pb.Trailer(adler32=zlib.adler32(grad.tobytes()),
                                                       chunks=1))]
             reply = stub.Push(iter(reqs), timeout=20)
             assert (reply.duplicate, reply.staleness, reply.version) == (False, 0, 1)

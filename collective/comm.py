@@ -61,6 +61,17 @@ def _flat(x, what: str = "buffer"):
     return x.reshape(-1)
 
 
+def _output(x, out, rows: int, operation: str):
+    """`out` checked to be (rows, *x.shape[1:]) of x's dtype, or a new such array."""
+    shape = (rows, *x.shape[1:])
+    if out is None:
+        return backend.array_module(x).empty(shape, dtype=x.dtype)
+    if out.shape != shape or out.dtype != x.dtype:
+        raise ValueError(f"{operation}: out must be {shape} {x.dtype}, "
+                         f"not {out.shape} {out.dtype}")
+    return out
+
+
 def _row_elems(x) -> int:
     return math.prod(x.shape[1:])
 
@@ -196,11 +207,7 @@ class Communicator:
             )
         row = _row_elems(x)
         total = sum(counts)
-        if out is None:
-            out = backend.array_module(x).empty((total, *x.shape[1:]), dtype=x.dtype)
-        if out.shape != (total, *x.shape[1:]) or out.dtype != x.dtype:
-            raise ValueError(f"allgather: out must be {(total, *x.shape[1:])} {x.dtype}, "
-                             f"not {out.shape} {out.dtype}")
+        out = _output(x, out, total, "allgather")
         self._agree.check("allgather", total * row, x.dtype, row)
         bounds = [b * row for b in np.cumsum([0, *counts]).tolist()]
         flat = _flat(out, "out")
@@ -240,11 +247,7 @@ class Communicator:
             recv_counts = theirs.tolist()
         recv_counts = [int(c) for c in recv_counts]
         total = sum(recv_counts)
-        if out is None:
-            out = backend.array_module(x).empty((total, *x.shape[1:]), dtype=x.dtype)
-        if out.shape != (total, *x.shape[1:]) or out.dtype != x.dtype:
-            raise ValueError(f"alltoallv: out must be {(total, *x.shape[1:])} {x.dtype}, "
-                             f"not {out.shape} {out.dtype}")
+        out = _output(x, out, total, "alltoallv")
         sb = [b * row for b in np.cumsum([0, *send_counts]).tolist()]
         rb = [b * row for b in np.cumsum([0, *recv_counts]).tolist()]
         send = self._place(_flat(x), "stage_in")[0]

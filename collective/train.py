@@ -29,10 +29,9 @@ from collective.comm import ALGOS, Communicator
 from collective.grid import ProcessGrid
 from models.checkpoint import CheckpointError
 from models.config import ConfigError, run_cli
-from models.cost import estimate
 from models.metrics import MetricsLog, run_header
 from models.session import build_session, parse
-from models.train import summary_lines
+from models.train import replica_cost, summary_lines
 from models.trainer import Trainer
 
 
@@ -92,9 +91,7 @@ def main(argv: list[str]) -> int:
     session = build_session(setup, rank=rank, world=grid.dp_size)
     params = session.params
 
-    cost = estimate(setup.model_name, setup.model, setup.run.batch_size * setup.run.grad_accum,
-                    optimizer=setup.optim.optimizer)
-    flops_per_step = cost.flops_step * grid.dp_size
+    flops_per_step = replica_cost(setup).flops_step * grid.dp_size
     reducer = DataParallelReducer(comm, params.grad, int(opts.bucket_mb * 1e6),
                                   opts.allreduce, opts.overlap)
     header = run_header(session, "sync", flops_per_step=flops_per_step,

@@ -17,7 +17,7 @@ from models.checkpoint import CheckpointError
 from models.config import run_cli
 from models.cost import estimate
 from models.metrics import MetricsLog, run_header
-from models.session import build_session, parse
+from models.session import Setup, build_session, parse
 from models.trainer import Summary, Trainer
 
 
@@ -33,11 +33,20 @@ def summary_lines(summary: Summary, flops_per_step: float | None) -> list[str]:
     return lines + [loss]
 
 
+def replica_cost(setup: Setup):
+    """The cost estimate of one replica's step as `setup` configures it (all
+    micro-batches; SGD with momentum keeps one state buffer, without none)."""
+    optimizer = setup.optim.optimizer
+    if optimizer == "sgd" and setup.optim.momentum > 0:
+        optimizer = "sgd-momentum"
+    return estimate(setup.model_name, setup.model,
+                    setup.run.batch_size * setup.run.grad_accum, optimizer=optimizer)
+
+
 def main(argv: list[str]) -> int:
     setup = parse(argv, prog="python -m models.train", description=__doc__.split("\n\n")[0])
     session = build_session(setup)
-    cost = estimate(setup.model_name, setup.model, setup.run.batch_size * setup.run.grad_accum,
-                    optimizer=setup.optim.optimizer)
+    cost = replica_cost(setup)
     header = run_header(session, "single", flops_per_step=cost.flops_step)
     log = MetricsLog(setup.run.metrics, header, append=setup.run.resume)
     print(f"{setup.model_name}: {session.params.size:,} parameters, data {header['dataset']}",

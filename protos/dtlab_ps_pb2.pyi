@@ -42,12 +42,14 @@ class TensorMeta(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("start", "data")
+    __slots__ = ("start", "data", "pad")
     START_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    PAD_FIELD_NUMBER: _ClassVar[int]
     start: int
     data: bytes
-    def __init__(self, start: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    pad: bytes
+    def __init__(self, start: _Optional[int] = ..., data: _Optional[bytes] = ..., pad: _Optional[bytes] = ...) -> None: ...
 
 class Trailer(_message.Message):
     __slots__ = ("chunks", "adler32")

@@ -14,11 +14,10 @@ Checkpoints see one state, as if it were a single optimizer.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 
 from models.optim import OptimConfig, make_optimizer
+from pserver.parallel import Parallel
 
 BLOCK = 1 << 18  # elements per block (1 MiB of float32)
 
@@ -31,25 +30,23 @@ class BlockedOptimizer:
         self.parts = [make_optimizer(cfg, params[lo:hi],
                                      None if decay_mask is None else decay_mask[lo:hi])
                       for lo, hi in self.bounds]
-        m, t = len(self.parts), max(1, min(threads, len(self.parts)))
-        self._groups = [(k * m // t, (k + 1) * m // t) for k in range(t)]
-        self._pool = ThreadPoolExecutor(t, thread_name_prefix="apply") if t > 1 else None
+        self.parallel = Parallel(threads, "apply")
 
     @property
     def steps(self) -> int:
         return self.parts[0].steps
 
-    def _run(self, first: int, last: int, param: np.ndarray, grad: np.ndarray, lr: float) -> None:
-        for (lo, hi), part in zip(self.bounds[first:last], self.parts[first:last], strict=True):
-            part.step(param[lo:hi], grad[lo:hi], lr)
-
-    def step(self, param: np.ndarray, grad: np.ndarray, lr: float) -> None:
+    def step(self, param: np.ndarray, grad, lr: float) -> None:
+        """One step; `grad` is an array or anything sliced like one (wire.ChunkedArray)."""
         if param.shape != grad.shape:
             raise ValueError(f"param shape {param.shape} != grad shape {grad.shape}")
-        if self._pool is None:
-            self._run(0, len(self.parts), param, grad, lr)
-        else:
-            list(self._pool.map(lambda g: self._run(*g, param, grad, lr), self._groups))
+
+        def run(blocks):
+            for k in blocks:
+                lo, hi = self.bounds[k]
+                self.parts[k].step(param[lo:hi], grad[lo:hi], lr)
+
+        self.parallel.over(run, range(len(self.parts)))
 
     def state_dict(self) -> dict:
         states = [p.state_dict() for p in self.parts]

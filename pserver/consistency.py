@@ -26,6 +26,7 @@ import numpy as np
 
 from protos import dtlab_ps_pb2 as pb
 from pserver.errors import FailedPrecondition
+from pserver.wire import ChunkedArray
 
 MODES = {"asp": pb.ASP, "ssp": pb.SSP, "bsp": pb.BSP}
 
@@ -110,15 +111,19 @@ class Round:
     total: np.ndarray
     contributors: dict[int, tuple[int, int]] = field(default_factory=dict)  # worker -> (step, read)
 
-    def add(self, worker: int, step: int, version_read: int, grad: np.ndarray) -> None:
+    def add(self, worker: int, step: int, version_read: int,
+            grad: np.ndarray | ChunkedArray) -> None:
         if worker in self.contributors:
             raise FailedPrecondition(
                 f"worker {worker} already pushed step {self.contributors[worker][0]} in this BSP "
                 "round; pull (which waits for the round) before pushing again", reason="round")
-        if self.contributors:
-            self.total += grad
-        else:
-            self.total[...] = grad
+        chunked = isinstance(grad, ChunkedArray)
+        for lo, piece in zip(grad.starts, grad.pieces, strict=True) if chunked else [(0, grad)]:
+            total = self.total[lo : lo + piece.size]
+            if self.contributors:
+                total += piece
+            else:
+                total[...] = piece
         self.contributors[worker] = (step, version_read)
 
     def complete(self, clocks: Clocks) -> bool:

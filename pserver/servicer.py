@@ -2,13 +2,15 @@
 
 Requests arrive as raw bytes (identity deserializers) and are decoded here,
 so a malformed message becomes INVALID_ARGUMENT with a message instead of
-gRPC's generic deserialization error, and push chunks are copied once, from
-the received bytes straight into a pooled gradient buffer (pserver.wire).
+gRPC's generic deserialization error, and a pushed gradient is never copied:
+its chunks stay in the received messages (pserver.wire.ChunkedArray) and the
+optimizer reads them there.
 
 A push is validated in full before the store sees it: header (shard, dtype,
-shape, offset, worker, version), then every chunk (order, size, finite
-values) as it arrives, then the trailer (count, Adler-32). Any failure, or a
-stream that breaks off, discards the buffer: nothing is applied.
+shape, offset, worker, version), every chunk's place (order, size) as it
+arrives, then, after the trailer, its count, the Adler-32 and finite values,
+checked on `parallel`'s threads. Any failure, or a stream that breaks off,
+drops the chunks: nothing is applied.
 """
 
 from __future__ import annotations
@@ -22,14 +24,17 @@ import numpy as np
 from protos import dtlab_ps_pb2 as pb
 from pserver import wire
 from pserver.errors import DataLoss, InvalidArgument, PSError
+from pserver.parallel import Parallel
 from pserver.store import PushResult, ShardStore
 
 log = logging.getLogger(__name__)
 
 class ParameterServerServicer:
     def __init__(self, store: ShardStore, max_message_bytes: int,
-                 checkpoint: Callable[[], tuple[str, int]] | None = None):
+                 checkpoint: Callable[[], tuple[str, int]] | None = None,
+                 parallel: Parallel | None = None):
         self.store, self.max_message_bytes, self._checkpoint = store, max_message_bytes, checkpoint
+        self.parallel = parallel or Parallel(1)
         lay = store.layout
         self.meta = pb.TensorMeta(dtype=wire.dtype_code(store.params.dtype), shape=[lay.length],
                                   offset=lay.offset)
@@ -121,26 +126,24 @@ class ParameterServerServicer:
             raise InvalidArgument(f"meta.offset {h.meta.offset}: shard {lay.shard} starts at "
                                   f"{want.offset}", reason="offset")
 
-    def _receive(self, requests: Iterator[bytes], buf: np.ndarray) -> None:
-        """Assemble chunks into `buf` and check the trailer; raises on any fault."""
-        asm = wire.Assembler(buf)
+    def _receive(self, requests: Iterator[bytes]) -> wire.ChunkedArray:
+        """The pushed gradient, checked in full; raises on any fault."""
+        params = self.store.params
+        grad = wire.ChunkedArray(params.size, params.dtype)
         for raw in requests:
             field, body = wire.split(raw)
-            if field != wire.CHUNK:
-                if field == wire.TRAILER:
-                    asm.finish(wire.parse(pb.Trailer, body))
-                    if next(requests, None) is not None:
-                        raise InvalidArgument("message after the trailer", reason="order")
-                    return
+            if field == wire.CHUNK:
+                grad.add(*wire.parse_chunk(body))
+            elif field == wire.TRAILER:
+                trailer = wire.parse(pb.Trailer, body)
+                if next(requests, None) is not None:
+                    raise InvalidArgument("message after the trailer", reason="order")
+                grad.finish(trailer, self.parallel, then=_check_finite)
+                return grad
+            else:
                 raise InvalidArgument("second header in one push stream", reason="order")
-            start, data = wire.parse_chunk(body)
-            view = asm.add(start, data)
-            if not np.isfinite(view).all():
-                i = start + int(np.flatnonzero(~np.isfinite(view))[0])
-                raise InvalidArgument(f"gradient element {i} is {view[i - start]}: non-finite "
-                                      "gradients are rejected", reason="nonfinite")
-        raise DataLoss(f"push stream ended without a trailer after {asm.chunks} chunks",
-                            reason="incomplete")
+        raise DataLoss(f"push stream ended without a trailer after {len(grad.pieces)} chunks",
+                       reason="incomplete")
 
     def Push(self, requests: Iterator[bytes], context) -> pb.PushReply:
         requests = iter(requests)
@@ -155,15 +158,22 @@ class ParameterServerServicer:
             self._check_header(h)
             result = self.store.admit(h.worker_id, h.step, h.meta.version)
             if result is None:
-                with self.store.receiving() as buf:
-                    self._receive(requests, buf)
-                    result = self.store.push(h.worker_id, h.step, h.meta.version, buf)
+                with self.store.receiving():
+                    grad = self._receive(requests)
+                    result = self.store.push(h.worker_id, h.step, h.meta.version, grad)
         except PSError as e:
             self._fail(context, e)
         except grpc.RpcError:  # the client went away mid-stream: nothing was applied
             self.store.reject("broken")
             context.abort(grpc.StatusCode.CANCELLED, "push stream broke off; nothing applied")
         return _reply(result)
+
+
+def _check_finite(start: int, values: np.ndarray) -> None:
+    if not np.isfinite(values).all():
+        i = int(np.flatnonzero(~np.isfinite(values))[0])
+        raise InvalidArgument(f"gradient element {start + i} is {values[i]}: non-finite "
+                              "gradients are rejected", reason="nonfinite")
 
 
 def _dtype_name(code: int) -> str:

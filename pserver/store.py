@@ -39,11 +39,11 @@ from pserver.blocked import BlockedOptimizer
 from pserver.consistency import Clocks, Consistency, Round, WorkerState
 from pserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from pserver.staleness import StalenessLog
-from pserver.wire import CHUNK_BYTES, Snapshot
+from pserver.wire import CHUNK_BYTES, ChunkedArray, Snapshot
 
 log = logging.getLogger(__name__)
 
-_POOL_SIZE = 4  # arrays kept for reuse of each kind (fresh 64 MB arrays cost page faults)
+_POOL_SIZE = 4  # frozen snapshot arrays kept for reuse (fresh 64 MB arrays cost page faults)
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,6 @@ class ShardStore:
         self.apply_seconds = 0.0
         self._snapshot: Read | None = None
         self._spare: list[np.ndarray] = []  # frozen snapshot arrays nobody reads any more
-        self._pool: list[np.ndarray] = []  # gradient buffers
         self._closed = False
 
     # -- workers ---------------------------------------------------------------------------
@@ -220,22 +219,18 @@ class ShardStore:
         return PushResult(True, 0, self.version)
 
     @contextlib.contextmanager
-    def receiving(self) -> Iterator[np.ndarray]:
-        """A buffer for one incoming gradient, counted in flight while it is held."""
+    def receiving(self) -> Iterator[None]:
+        """Counts one incoming push stream in flight while it is received and applied."""
         with self._cond:
-            buf = self._pool.pop() if self._pool else None
             self.counters["in_flight"] += 1
-        if buf is None:
-            buf = np.empty_like(self.params)
         try:
-            yield buf
+            yield
         finally:
             with self._cond:
                 self.counters["in_flight"] -= 1
-                if len(self._pool) < _POOL_SIZE:
-                    self._pool.append(buf)
 
-    def push(self, worker: int, step: int, version_read: int, grad: np.ndarray) -> PushResult:
+    def push(self, worker: int, step: int, version_read: int,
+             grad: np.ndarray | ChunkedArray) -> PushResult:
         """Apply (ASP, SSP) or add to the round (BSP) one validated gradient."""
         with self._cond:
             screened = self._screen(worker, step, version_read)
@@ -265,7 +260,8 @@ class ShardStore:
         self._apply(self._round.mean(), contributions)
         self._round.contributors.clear()
 
-    def _apply(self, grad: np.ndarray, contributions: list[tuple[int, int, int]]) -> None:
+    def _apply(self, grad: np.ndarray | ChunkedArray,
+               contributions: list[tuple[int, int, int]]) -> None:
         """One optimizer step; called with the lock held."""
         stalenesses = [self.version - read for _, _, read in contributions]
         lr = self._lr(stalenesses)

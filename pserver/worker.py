@@ -51,6 +51,7 @@ from models.train import summary_lines
 from models.trainer import Summary
 from protos import dtlab_ps_pb2 as pb
 from pserver import wire
+from pserver.allocator import keep_freed_memory
 from pserver.client import PSClient
 from pserver.config import ClientConfig
 from pserver.errors import PSError
@@ -158,6 +159,7 @@ def main(argv: list[str]) -> int:
     client_cfg = from_namespace(ClientConfig, setup.extra)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keep_freed_memory()
     session = build_session(setup, rank=wid, world=world)
     client = PSClient(client_cfg)
     try:

@@ -51,6 +51,7 @@ from models.config import ConfigError, add_flags, build, from_namespace, run_cli
 from models.optim import OptimConfig, Schedule
 from protos import dtlab_ps_pb2 as pb
 from pserver import wire
+from pserver.allocator import keep_freed_memory
 from pserver.blocked import BlockedOptimizer
 from pserver.client import PSClient
 from pserver.config import ClientConfig, ServerConfig
@@ -121,6 +122,7 @@ def ceiling_handler(length: int) -> grpc.GenericRpcHandler:
 
 
 def serve(elements: int, shard: int, num_shards: int, optimizer: str, ready: str) -> None:
+    keep_freed_memory()  # as pserver's daemon does
     layout = ShardLayout(MODEL, elements, shard, num_shards)
     params = np.zeros(layout.length, np.float32)
     ocfg = build(OptimConfig, {"optimizer": optimizer, "lr": 1e-6, "warmup": 0,
@@ -220,6 +222,7 @@ class BenchWorker:
 
 
 def worker_main(wid: int, conn, barriers: dict[int, mp.Barrier]) -> None:
+    keep_freed_memory()  # as pserver's worker does
     worker = None
     while True:
         cmd, *args = conn.recv()

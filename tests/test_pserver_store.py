@@ -14,6 +14,7 @@ from pserver import wire
 from pserver.blocked import BlockedOptimizer
 from pserver.consistency import Consistency
 from pserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from pserver.parallel import Parallel
 from pserver.store import ShardLayout, ShardStore
 from pserver.worker import RANK_VARS, SIZE_VARS, WorkerConfig
 
@@ -37,6 +38,16 @@ def join(s: ShardStore, *workers: int) -> None:
 
 def g(value: float) -> np.ndarray:
     return np.full(N, value, np.float32)
+
+
+def chunked(values: np.ndarray, chunk_bytes: int) -> wire.ChunkedArray:
+    """`values` as the server receives a push of it: views into the chunk messages."""
+    msgs = list(wire.stream(pb.PushHeader(), values, chunk_bytes))
+    out = wire.ChunkedArray(values.size, values.dtype)
+    for raw in msgs[1:-1]:
+        out.add(*wire.parse_chunk(wire.split(raw)[1]))
+    out.finish(wire.parse(pb.Trailer, wire.split(msgs[-1])[1]), Parallel(1))
+    return out
 
 
 def test_layout_is_contiguous_and_balanced():
@@ -103,7 +114,7 @@ def test_bsp_averages_one_gradient_per_worker_then_applies_once():
     assert r0.pending and s.version == 0 and not s.params.any()
     with pytest.raises(FailedPrecondition, match="already pushed"):
         s.push(0, 1, 0, g(1))
-    r1 = s.push(1, 0, 0, g(3))
+    r1 = s.push(1, 0, 0, chunked(g(3), 12))  # as received: three chunks of views
     assert not r1.pending and s.version == 1
     np.testing.assert_array_equal(s.params, g(-2))  # mean of 1 and 3
     assert s.stats().staleness.total == 2
@@ -196,15 +207,18 @@ def test_blocked_optimizer_is_bit_identical_to_one_instance(optim):
     rng = np.random.default_rng(0)
     n = 1000  # not a multiple of the block
     mask = (rng.random(n) < 0.7).astype(np.float32)
-    whole, blocked = [rng.standard_normal(n).astype(np.float32)] * 2
-    whole, blocked = whole.copy(), blocked.copy()
+    whole = rng.standard_normal(n).astype(np.float32)
+    blocked, from_chunks = whole.copy(), whole.copy()
     one = make_optimizer(cfg, whole, decay_mask=mask)
     parts = BlockedOptimizer(cfg, blocked, mask, block=128, threads=3)
+    parts_chunked = BlockedOptimizer(cfg, from_chunks, mask, block=128, threads=2)
     for t in range(5):
         g = rng.standard_normal(n).astype(np.float32)
         one.step(whole, g, 1e-2 * (t + 1))
         parts.step(blocked, g, 1e-2 * (t + 1))
+        parts_chunked.step(from_chunks, chunked(g, 400), 1e-2 * (t + 1))  # blocks span chunks
     np.testing.assert_array_equal(blocked, whole)
+    np.testing.assert_array_equal(from_chunks, whole)
     state, want = parts.state_dict(), one.state_dict()
     assert state.keys() == want.keys() and state["steps"] == want["steps"] == 5
     for k in state:
@@ -268,10 +282,9 @@ def test_a_pull_overtaken_by_an_update_streams_its_own_version_whole(overtaken_a
     s.push(0, 1, 1, g(100))
     got += list(msgs)
     s.release(read)
-    out = np.empty(N, np.float32)
-    asm = wire.Assembler(out)
+    out = wire.ChunkedArray(N, np.float32)
     for raw in got[1:-1]:
-        asm.add(*wire.parse_chunk(wire.split(raw)[1]))
-    asm.finish(wire.parse(pb.Trailer, wire.split(got[-1])[1]))
-    np.testing.assert_array_equal(out, want)
+        out.add(*wire.parse_chunk(wire.split(raw)[1]))
+    out.finish(wire.parse(pb.Trailer, wire.split(got[-1])[1]), Parallel(2))
+    np.testing.assert_array_equal(out[0:N], want)
     np.testing.assert_array_equal(s.params, want - 100)

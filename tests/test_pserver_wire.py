@@ -16,6 +16,7 @@ from protos import dtlab_ps_pb2 as pb
 from protos import dtlab_ps_pb2_grpc as pb_grpc
 from pserver import wire
 from pserver.errors import DataLoss, InvalidArgument
+from pserver.parallel import Parallel
 
 GENERATED = ("dtlab_ps_pb2.py", "dtlab_ps_pb2_grpc.py", "dtlab_ps_pb2.pyi")
 
@@ -44,31 +45,82 @@ def test_chunk_codec_is_protobuf():
         assert (field, start, bytes(payload)) == (wire.CHUNK, 123456789, b"\x01\x02\x03\x04")
 
 
-def test_stream_round_trip_checks_order_and_checksum():
+@pytest.mark.parametrize("start", [0, 1, 127, 128, 1 << 14, 1 << 21, 1 << 35])
+@pytest.mark.parametrize("nbytes", [0, 4, 100, (1 << 14) - 4, 1 << 20, (1 << 21) - 4, 1 << 21])
+def test_chunk_data_starts_aligned_and_the_pad_is_ignored(start, nbytes):
+    """The pad field puts the data a multiple of ALIGN bytes into every message, whatever
+    the varint widths; protobuf's own parser and ours both read it as plain data."""
+    data = bytes(range(256)) * (nbytes // 256) + bytes(nbytes % 256)
+    raw = wire.chunk_message(start, memoryview(data))
+    assert (len(raw) - nbytes) % wire.ALIGN == 0
+    chunk = pb.PullReply.FromString(raw).chunk
+    assert (chunk.start, chunk.data) == (start, data)
+    got_start, got = wire.parse_chunk(wire.split(raw)[1])
+    assert (got_start, bytes(got)) == (start, data)
+
+
+def test_adler32_combine_equals_adler32_of_the_concatenation():
+    rng = np.random.default_rng(1)
+    for n1, n2 in [(0, 0), (0, 5), (5, 0), (1, 1), (65520, 65522), (300000, 70000)]:
+        a, b = rng.bytes(n1), rng.bytes(n2)
+        assert wire.adler32_combine(zlib.adler32(a), zlib.adler32(b), n2) == zlib.adler32(a + b)
+
+
+def received(msgs, n: int, dtype=np.float32) -> wire.ChunkedArray:
+    got = wire.ChunkedArray(n, dtype)
+    for raw in msgs:
+        got.add(*wire.parse_chunk(wire.split(raw)[1]))
+    return got
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_stream_round_trip_checks_order_and_checksum(threads):
     values = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
     msgs = list(wire.stream(pb.PushHeader(step=3), values, chunk_bytes=400))
     assert wire.split(msgs[0])[0] == wire.HEADER and wire.split(msgs[-1])[0] == wire.TRAILER
     trailer = wire.parse(pb.Trailer, wire.split(msgs[-1])[1])
     assert trailer.chunks == 10 and trailer.adler32 == zlib.adler32(values.tobytes())
 
-    out = np.zeros_like(values)
-    asm = wire.Assembler(out)
-    for raw in msgs[1:-1]:
-        asm.add(*wire.parse_chunk(wire.split(raw)[1]))
-    asm.finish(trailer)
-    np.testing.assert_array_equal(out, values)
+    parallel, out = Parallel(threads), np.zeros_like(values)
+    got = received(msgs[1:-1], values.size)
+    assert all(p.flags.aligned for p in got.pieces)  # read in place: the pad aligned them
 
-    asm = wire.Assembler(np.zeros_like(values))
-    with pytest.raises(InvalidArgument, match="expected 0"):
-        asm.add(*wire.parse_chunk(wire.split(msgs[2])[1]))  # a gap
-    with pytest.raises(InvalidArgument, match="whole number"):
-        asm.add(0, memoryview(b"\x00" * 6))
-    asm = wire.Assembler(np.zeros(3, np.float32))
-    with pytest.raises(InvalidArgument, match="runs past"):
-        asm.add(0, memoryview(values[:4].tobytes()))
-    asm.add(0, memoryview(values[:3].tobytes()))
+    def unpack(lo, piece):
+        out[lo : lo + piece.size] = piece
+
+    got.finish(trailer, parallel, then=unpack)
+    np.testing.assert_array_equal(out, values)
+    np.testing.assert_array_equal(got[210:290], values[210:290])  # a view inside chunk 2
+    assert np.shares_memory(got[210:290], got.pieces[2])
+    np.testing.assert_array_equal(got[90:910], values[90:910])  # gathered across chunks
+    flipped = list(msgs[1:-1])
+    flipped[4] = flipped[4][:-1] + bytes([flipped[4][-1] ^ 1])
     with pytest.raises(DataLoss, match="adler32"):
-        asm.finish(pb.Trailer(adler32=trailer.adler32, chunks=1))
+        received(flipped, values.size).finish(trailer, parallel, then=unpack)
+    with pytest.raises(DataLoss, match="chunks"):
+        received(msgs[1:-1], values.size).finish(pb.Trailer(adler32=trailer.adler32, chunks=9),
+                                                 parallel)
+
+    def reject(lo, piece):
+        if lo >= 500:
+            raise InvalidArgument("no", reason="test")
+
+    with pytest.raises(InvalidArgument, match="no"):
+        received(msgs[1:-1], values.size).finish(trailer, parallel, then=reject)
+
+    got = wire.ChunkedArray(values.size, np.float32)
+    with pytest.raises(InvalidArgument, match="expected 0"):
+        got.add(*wire.parse_chunk(wire.split(msgs[2])[1]))  # a gap
+    with pytest.raises(InvalidArgument, match="whole number"):
+        got.add(0, memoryview(b"\x00" * 6))
+    got = wire.ChunkedArray(3, np.float32)
+    with pytest.raises(InvalidArgument, match="runs past"):
+        got.add(0, memoryview(values[:4].tobytes()))
+    got.add(0, memoryview(values[:3].tobytes()))
+    with pytest.raises(DataLoss, match="adler32"):
+        got.finish(pb.Trailer(adler32=trailer.adler32, chunks=1), parallel)
+    with pytest.raises(DataLoss, match="ended at element 0"):
+        wire.ChunkedArray(3, np.float32).finish(pb.Trailer(chunks=0), parallel)
 
 
 def test_snapshot_streams_match_the_plain_stream():

@@ -1,0 +1,41 @@
+"""Keep freed memory in the process, so that bulk transfers stop re-faulting fresh pages.
+
+gRPC hands every received ~1 MiB message to Python as a new bytes object,
+and the sender builds one per message too. With glibc's defaults a block
+that size is served by mmap (M_MMAP_THRESHOLD starts at 128 KiB and only
+adapts upwards as such blocks are freed) and free memory at the top of the
+heap beyond M_TRIM_THRESHOLD goes back to the kernel, so the next transfer
+touches new pages: 12-15 thousand minor page faults per 64 MB received were
+measured here, and the plain gRPC stream itself moved 0.9-1.5 GB/s on this
+machine instead of 1.9-2.1 GB/s with the thresholds fixed as below (the
+same effect as GLIBC_TUNABLES=glibc.malloc.trim_threshold=...:
+glibc.malloc.mmap_threshold=...). The price is that a process keeps the
+memory of its largest transfer mapped after it ends: for a daemon and a
+worker that repeat the same transfers, that is the point.
+
+Elsewhere than glibc (musl, macOS) this does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+log = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
+TRIM_THRESHOLD = 1 << 30  # return free heap-top memory to the kernel only beyond 1 GiB
+MMAP_THRESHOLD = 32 << 20  # mmap only blocks of 32 MiB and more (glibc's maximum)
+
+
+def keep_freed_memory() -> bool:
+    """Fix glibc's trim and mmap thresholds for this process; False where there is no glibc."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    ok = bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) and
+              mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    log.debug("malloc thresholds fixed: %s", ok)
+    return ok

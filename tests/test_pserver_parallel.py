@@ -1,0 +1,43 @@
+"""The thread helper that splits work into contiguous groups, and the allocator setting."""
+
+from __future__ import annotations
+
+import platform
+import threading
+
+import pytest
+
+from pserver.allocator import keep_freed_memory
+from pserver.parallel import Parallel
+
+
+@pytest.mark.parametrize("threads, n", [(1, 5), (2, 5), (3, 2), (4, 0), (3, 10)])
+def test_groups_are_contiguous_balanced_and_in_order(threads, n):
+    parallel = Parallel(threads)
+    groups = parallel.groups(range(n))
+    assert [i for g in groups for i in g] == list(range(n))
+    assert len(groups) == max(1, min(threads, n))
+    sizes = [len(g) for g in groups]
+    assert max(sizes) - min(sizes) <= 1
+    seen = []
+    assert parallel.over(lambda g: (seen.append(threading.get_ident()), sum(g))[1],
+                         range(n)) == [sum(g) for g in groups]
+    parallel.close()
+
+
+def test_an_error_in_a_group_reaches_the_caller():
+    parallel = Parallel(2)
+
+    def fail(group):
+        if 3 in group:
+            raise ValueError("group with 3")
+        return len(group)
+
+    with pytest.raises(ValueError, match="group with 3"):
+        parallel.over(fail, range(4))
+    parallel.close()
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_malloc_thresholds_can_be_fixed_twice():
+    assert keep_freed_memory() is keep_freed_memory() is True

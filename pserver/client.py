@@ -29,7 +29,6 @@ from protos import dtlab_ps_pb2 as pb
 from pserver import auth, wire
 from pserver.config import ClientConfig
 from pserver.errors import DataLoss, InvalidArgument
-from pserver.parallel import Parallel
 from pserver.wire import SERVICE
 
 log = logging.getLogger(__name__)
@@ -40,10 +39,8 @@ _MAX_BACKOFF_S = 2.0
 class ShardClient:
     """One shard's channel and calls."""
 
-    def __init__(self, address: str, cfg: ClientConfig, max_message_bytes: int = 64 << 20,
-                 parallel: Parallel | None = None):
+    def __init__(self, address: str, cfg: ClientConfig, max_message_bytes: int = 64 << 20):
         self.address, self.cfg = address, cfg
-        self.parallel = parallel or Parallel(1)
         self._metadata = auth.call_metadata(auth.read_token(cfg.token_file, cfg.token_env))
         # reconnect within ~0.1-2 s (gRPC's default backoff starts at 1 s, grows to 120 s),
         # so that retries find a restarted shard
@@ -166,16 +163,16 @@ class ShardClient:
         self._check_meta(header.meta, out)
         if header.not_modified:
             return header.meta.version, False
-        received = wire.ChunkedArray(out.size, out.dtype)
+        def unpack(lo: int, values: np.ndarray) -> None:
+            out[lo : lo + values.size] = values
+
+        received = wire.ChunkedArray(out.size, out.dtype, on_chunk=unpack)
         for raw in call:
             field, body = wire.split(raw)
             if field == wire.CHUNK:
                 received.add(*wire.parse_chunk(body))
             elif field == wire.TRAILER:
-                def unpack(lo: int, values: np.ndarray) -> None:
-                    out[lo : lo + values.size] = values
-
-                received.finish(wire.parse(pb.Trailer, body), self.parallel, then=unpack)
+                received.finish(wire.parse(pb.Trailer, body))
                 return header.meta.version, True
             else:
                 raise InvalidArgument(f"{self.address}: second header in a pull stream")
@@ -201,8 +198,7 @@ class PSClient:
 
     def __init__(self, cfg: ClientConfig):
         self.cfg = cfg
-        self.parallel = Parallel(cfg.threads, "ps-unpack")
-        self.shards = [ShardClient(a, cfg, parallel=self.parallel) for a in cfg.addresses()]
+        self.shards = [ShardClient(a, cfg) for a in cfg.addresses()]
         self._pool = ThreadPoolExecutor(len(self.shards), thread_name_prefix="ps-client")
         self.versions: list[int | None] = [None] * len(self.shards)
         self.worker = -1
@@ -274,4 +270,3 @@ class PSClient:
         for s in self.shards:
             s.close()
         self._pool.shutdown(wait=True)
-        self.parallel.close()

@@ -35,8 +35,7 @@ class ServerConfig:
     chunk_bytes: int = _f(1 << 20, "bytes per pulled chunk message")
     max_message_bytes: int = _f(4 << 20, "largest message accepted or sent")
     threads: int = _f(64, "gRPC handler threads (each waiting pull holds one)")
-    apply_threads: int = _f(2, "threads that check pushed chunks and run the optimizer "
-                               "on blocks of the shard")
+    apply_threads: int = _f(2, "threads that run the optimizer on blocks of the shard")
     checkpoint_dir: str = _f("", "write a checkpoint here on SIGTERM and on SaveCheckpoint")
     resume: bool = _f(False, "start from the newest checkpoint in --checkpoint-dir")
     metrics_port: int = _f(-1, "serve Prometheus GET /metrics here (-1: off, 0: a free port)")
@@ -94,7 +93,6 @@ class ClientConfig:
     retries: int = _f(8, "retries of an UNAVAILABLE call, with exponential backoff (~7 s)")
     backoff_s: float = _f(0.05, "first backoff delay")
     chunk_bytes: int = _f(1 << 20, "bytes per pushed chunk message")
-    threads: int = _f(2, "threads that check and unpack each pulled tensor")
 
     def validate(self):
         if not self.addresses():
@@ -103,8 +101,7 @@ class ClientConfig:
             host, _, port = a.rpartition(":")
             if not host or not port.isdigit():
                 raise ConfigError(f"--servers: {a!r} is not host:port")
-        positive(self, "rpc_timeout_s", "connect_timeout_s", "backoff_s", "chunk_bytes",
-                 "threads")
+        positive(self, "rpc_timeout_s", "connect_timeout_s", "backoff_s", "chunk_bytes")
         non_negative(self, "retries")
         if self.token_file and self.token_env:
             raise ConfigError("give the token by --token-file or --token-env, not both")

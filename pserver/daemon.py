@@ -34,7 +34,6 @@ from pserver.blocked import BlockedOptimizer
 from pserver.config import ServerConfig
 from pserver.consistency import Consistency
 from pserver.metrics import MetricsServer
-from pserver.parallel import Parallel
 from pserver.servicer import ParameterServerServicer, handler
 from pserver.store import ShardLayout, ShardStore
 from pserver.wire import SERVICE
@@ -103,8 +102,7 @@ class Daemon:
             options=[*wire.transport_options(cfg.max_message_bytes), ("grpc.so_reuseport", 0)])
         self.servicer = ParameterServerServicer(
             self.store, cfg.max_message_bytes,
-            checkpoint=self.save_checkpoint if cfg.checkpoint_dir else None,
-            parallel=Parallel(cfg.apply_threads, "check"))
+            checkpoint=self.save_checkpoint if cfg.checkpoint_dir else None)
         self.server.add_generic_rpc_handlers((handler(self.servicer), *handlers))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

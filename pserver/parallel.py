@@ -1,10 +1,9 @@
 """Split a sequence into contiguous groups and run one function per group on a thread pool.
 
-The shard's optimizer blocks and the chunks of a received tensor are
-processed this way: NumPy and ISA-L release the GIL in their loops, so
-groups run on separate cores, and each group walks its items in order
-(cache-friendly; a running checksum can be combined group by group). With
-one thread everything runs inline in the caller.
+The shard's optimizer runs its blocks this way: NumPy releases the GIL in
+its loops, so groups run on separate cores, and each group walks its own
+contiguous run of memory. With one thread everything runs inline in the
+caller.
 """
 
 from __future__ import annotations

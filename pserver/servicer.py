@@ -7,10 +7,9 @@ its chunks stay in the received messages (pserver.wire.ChunkedArray) and the
 optimizer reads them there.
 
 A push is validated in full before the store sees it: header (shard, dtype,
-shape, offset, worker, version), every chunk's place (order, size) as it
-arrives, then, after the trailer, its count, the Adler-32 and finite values,
-checked on `parallel`'s threads. Any failure, or a stream that breaks off,
-drops the chunks: nothing is applied.
+shape, offset, worker, version), then every chunk (order, size, finite
+values) as it arrives, then the trailer (count, Adler-32). Any failure, or a
+stream that breaks off, drops the chunks: nothing is applied.
 """
 
 from __future__ import annotations
@@ -24,17 +23,14 @@ import numpy as np
 from protos import dtlab_ps_pb2 as pb
 from pserver import wire
 from pserver.errors import DataLoss, InvalidArgument, PSError
-from pserver.parallel import Parallel
 from pserver.store import PushResult, ShardStore
 
 log = logging.getLogger(__name__)
 
 class ParameterServerServicer:
     def __init__(self, store: ShardStore, max_message_bytes: int,
-                 checkpoint: Callable[[], tuple[str, int]] | None = None,
-                 parallel: Parallel | None = None):
+                 checkpoint: Callable[[], tuple[str, int]] | None = None):
         self.store, self.max_message_bytes, self._checkpoint = store, max_message_bytes, checkpoint
-        self.parallel = parallel or Parallel(1)
         lay = store.layout
         self.meta = pb.TensorMeta(dtype=wire.dtype_code(store.params.dtype), shape=[lay.length],
                                   offset=lay.offset)
@@ -129,7 +125,7 @@ class ParameterServerServicer:
     def _receive(self, requests: Iterator[bytes]) -> wire.ChunkedArray:
         """The pushed gradient, checked in full; raises on any fault."""
         params = self.store.params
-        grad = wire.ChunkedArray(params.size, params.dtype)
+        grad = wire.ChunkedArray(params.size, params.dtype, on_chunk=_check_finite)
         for raw in requests:
             field, body = wire.split(raw)
             if field == wire.CHUNK:
@@ -138,7 +134,7 @@ class ParameterServerServicer:
                 trailer = wire.parse(pb.Trailer, body)
                 if next(requests, None) is not None:
                     raise InvalidArgument("message after the trailer", reason="order")
-                grad.finish(trailer, self.parallel, then=_check_finite)
+                grad.finish(trailer)
                 return grad
             else:
                 raise InvalidArgument("second header in one push stream", reason="order")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Parameter-server push and pull throughput next to a plain gRPC streaming ceiling.
+"""Parameter-server push and pull throughput next to plain gRPC streams of the same tensor.
 
     python scripts/bench_pserver.py --json bench-pserver.json
     python scripts/bench_pserver.py --tiny --json /tmp/bench.json    # a few seconds (the suite)
@@ -13,12 +13,19 @@ processes (the real pserver.client.PSClient) repeat, in lock-step rounds:
                the reply comes after the server applied it (optimizer included)
     pull       worker 0 pushes (untimed) so the version moves, then every
                worker pulls all shards in full, in parallel
-    ceiling    the same bytes, as the same ~1 MiB chunk messages, prebuilt,
-               streamed to a trivial sink (client streaming) or from a trivial
-               source (server streaming) on the same gRPC servers, with the
-               same channel options: what gRPC alone can move here
+    ceiling    a plain gRPC stream of the same tensor: the sender makes each
+               ~1 MiB message from the array as gRPC asks for it (one
+               `tobytes()`, no framing, no checksum), to a trivial sink (client
+               streaming) or from a trivial source (server streaming) on the
+               same gRPC servers, with the same channel options: what moving
+               this tensor over gRPC costs before the parameter server adds
+               its own work (checksums, checks, the optimizer)
+    transport  the same messages made beforehand and streamed as they are:
+               gRPC's own limit here, which no sender of fresh data reaches
+               (on 2 cores, making each message in-stream costs the core that
+               keeps the stream going: ~25% of the rate at 64 MB)
 
-Ceiling and measured rounds alternate, so machine noise hits both alike.
+The three alternate round by round, so machine noise hits all alike.
 A round's time is from the first worker's start to the last one's end
 (CLOCK_MONOTONIC is shared by all processes); the table shows the median.
 GB/s = W * bytes / time (GB = 1e9 B). apply(ms) is the server's optimizer
@@ -40,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,7 +57,6 @@ import numpy as np
 
 from models.config import ConfigError, add_flags, build, from_namespace, run_cli
 from models.optim import OptimConfig, Schedule
-from protos import dtlab_ps_pb2 as pb
 from pserver import wire
 from pserver.allocator import keep_freed_memory
 from pserver.blocked import BlockedOptimizer
@@ -98,26 +105,32 @@ def _numbers(text: str, name: str = "") -> list[float]:
 # -- server process -------------------------------------------------------------------------
 
 
+def plain(values: np.ndarray) -> Iterator[bytes]:
+    """A plain stream of `values`: each ~1 MiB message made from the array when asked for."""
+    for lo, hi in wire.chunk_bounds(values.size, values.itemsize, wire.CHUNK_BYTES):
+        yield values[lo:hi].tobytes()
+
+
 def prebuilt(values: np.ndarray) -> list[bytes]:
-    """The chunk messages of `values`, made once: the ceiling streams them as they are."""
-    return list(wire.Snapshot(values).stream(pb.PullHeader()))[1:-1]
+    """The plain stream's messages, made once: the transport streams them as they are."""
+    return list(plain(values))
 
 
 def ceiling_handler(length: int) -> grpc.GenericRpcHandler:
-    """Sink and Source of prebuilt chunk messages: gRPC streaming with nothing else."""
-    source = prebuilt(np.zeros(length, np.float32))
+    """A sink for client streams, and sources of plain and of prebuilt messages."""
+    values = np.zeros(length, np.float32)
+    messages = prebuilt(values)
 
     def sink(requests, context):
         for _ in requests:
             pass
         return b""
 
-    def produce(request, context):
-        yield from source
-
     return grpc.method_handlers_generic_handler(CEILING, {
         "Sink": grpc.stream_unary_rpc_method_handler(sink),
-        "Source": grpc.unary_stream_rpc_method_handler(produce),
+        "Source": grpc.unary_stream_rpc_method_handler(lambda request, context: plain(values)),
+        "Prebuilt": grpc.unary_stream_rpc_method_handler(
+            lambda request, context: iter(messages)),
     })
 
 
@@ -185,13 +198,22 @@ class BenchWorker:
         self.step = self.client.connect(wid, MODEL, elements)
         self.client.pull(self.params)
         self.pool = ThreadPoolExecutor(len(addresses))
-        self.ceiling = []
+        self.plain = []  # per shard: channel, its slice of the gradient, prebuilt messages
         for s in self.client.shards:
             channel = grpc.insecure_channel(s.address, options=wire.transport_options(4 * MB))
             lo, n = s.info.meta.offset, s.info.meta.shape[0]
-            messages = prebuilt(self.grad[lo : lo + n])
-            self.ceiling.append((channel, channel.stream_unary(f"/{CEILING}/Sink"),
-                                 channel.unary_stream(f"/{CEILING}/Source"), messages))
+            part = self.grad[lo : lo + n]
+            self.plain.append((channel, part, prebuilt(part)))
+
+    def _each(self, fn) -> None:
+        list(self.pool.map(fn, self.plain))
+
+    def _sink(self, channel, messages) -> None:
+        channel.stream_unary(f"/{CEILING}/Sink")(messages, timeout=120)
+
+    def _drain(self, channel, method: str) -> None:
+        for _ in channel.unary_stream(f"/{CEILING}/{method}")(b"", timeout=120):
+            pass
 
     def push(self) -> None:
         self.client.push(self.grad, self.step)
@@ -201,21 +223,23 @@ class BenchWorker:
         self.client.versions = [None] * len(self.client.shards)  # a full transfer each time
         self.client.pull(self.params)
 
-    def cpush(self) -> None:
-        list(self.pool.map(lambda c: c[1](iter(c[3]), timeout=120), self.ceiling))
+    def ceiling_push(self) -> None:
+        self._each(lambda p: self._sink(p[0], plain(p[1])))
 
-    def cpull(self) -> None:
-        def one(c):
-            for _ in c[2](b"", timeout=120):
-                pass
+    def transport_push(self) -> None:
+        self._each(lambda p: self._sink(p[0], iter(p[2])))
 
-        list(self.pool.map(one, self.ceiling))
+    def ceiling_pull(self) -> None:
+        self._each(lambda p: self._drain(p[0], "Source"))
+
+    def transport_pull(self) -> None:
+        self._each(lambda p: self._drain(p[0], "Prebuilt"))
 
     def stats(self) -> list[tuple[float, int]]:
         return [(s.apply_seconds, s.updates) for s in self.client.stats()]
 
     def close(self) -> None:
-        for channel, *_ in self.ceiling:
+        for channel, *_ in self.plain:
             channel.close()
         self.client.close()
         self.pool.shutdown()
@@ -292,40 +316,47 @@ def rounds_for(nbytes: int, cfg: BenchConfig) -> int:
     return cfg.rounds or max(5, min(20, (64 * MB) // max(1, nbytes) * 5 // 4))
 
 
-def warm_up(workers: Workers, op: str, ceiling_op: str, width: int, warmup: int) -> None:
+def sequence(op: str) -> tuple[str, str, str]:
+    """The round kinds measured together: the operation, its ceiling, its transport."""
+    return op, f"ceiling_{op}", f"transport_{op}"
+
+
+def warm_up(workers: Workers, op: str, width: int, warmup: int) -> None:
     """Untimed rounds: first-touch page faults, connection windows, snapshot caches."""
     for _ in range(warmup):
-        workers.round(ceiling_op, width)
-        workers.round(op, width)
+        for kind in sequence(op):
+            workers.round(kind, width)
 
 
-def measure(workers: Workers, op: str, ceiling_op: str, width: int,
-            rounds: int) -> tuple[float, float]:
-    """Median round time of `op` and of its ceiling, alternating round by round."""
-    times, ceiling = [], []
+def measure(workers: Workers, op: str, width: int, rounds: int) -> list[float]:
+    """Median round times of `op`, its ceiling and its transport, interleaved by round."""
+    times = {kind: [] for kind in sequence(op)}
     for _ in range(rounds):
-        ceiling.append(workers.round(ceiling_op, width))
-        times.append(workers.round(op, width))
-    return statistics.median(times), statistics.median(ceiling)
+        for kind in reversed(sequence(op)):
+            times[kind].append(workers.round(kind, width))
+    return [statistics.median(times[kind]) for kind in sequence(op)]
 
 
-def row(op, nbytes, width, shards, optimizer, t, tc, apply_ms, rounds) -> dict:
-    gbps, ceil = width * nbytes / t / 1e9, width * nbytes / tc / 1e9
+def row(op, nbytes, width, shards, optimizer, times, apply_ms, rounds) -> dict:
+    gbps, ceiling, transport = (width * nbytes / t / 1e9 for t in times)
     return {"op": op, "bytes": nbytes, "workers": width, "shards": shards,
-            "optimizer": optimizer, "time_ms": t * 1e3, "gbps": gbps, "ceiling_gbps": ceil,
-            "ratio": gbps / ceil, "apply_ms": apply_ms, "updates_per_s": width / t,
-            "rounds": rounds}
+            "optimizer": optimizer, "time_ms": times[0] * 1e3, "gbps": gbps,
+            "ceiling_gbps": ceiling, "ratio": gbps / ceiling, "transport_gbps": transport,
+            "transport_ratio": gbps / transport, "apply_ms": apply_ms,
+            "updates_per_s": width / times[0], "rounds": rounds}
 
 
 HEADER = (f"#{'op':>5} {'size':>10} {'W':>2} {'S':>2} {'opt':>5} {'time(ms)':>9} "
-          f"{'GB/s':>7} {'ceil GB/s':>9} {'%ceil':>6} {'apply(ms)':>9} {'upd/s':>8}")
+          f"{'GB/s':>7} {'ceil GB/s':>9} {'%ceil':>6} {'xport GB/s':>10} {'%xport':>7} "
+          f"{'apply(ms)':>9} {'upd/s':>8}")
 
 
 def show(r: dict) -> str:
     apply_ms = "-" if r["apply_ms"] is None else f"{r['apply_ms']:.2f}"
     return (f" {r['op']:>5} {r['bytes']:>10} {r['workers']:>2} {r['shards']:>2} "
             f"{r['optimizer']:>5} {r['time_ms']:>9.2f} {r['gbps']:>7.3f} "
-            f"{r['ceiling_gbps']:>9.3f} {100 * r['ratio']:>5.0f}% {apply_ms:>9} "
+            f"{r['ceiling_gbps']:>9.3f} {100 * r['ratio']:>5.0f}% "
+            f"{r['transport_gbps']:>10.3f} {100 * r['transport_ratio']:>6.0f}% {apply_ms:>9} "
             f"{r['updates_per_s']:>8.1f}")
 
 
@@ -357,18 +388,18 @@ def sweep(cfg: BenchConfig) -> list[dict]:
 def run_one(workers: Workers, cfg: BenchConfig, nbytes: int, width: int, shards: int,
             optimizer: str) -> list[dict]:
     rounds = rounds_for(nbytes, cfg)
-    warm_up(workers, "push", "cpush", width, cfg.warmup)
+    warm_up(workers, "push", width, cfg.warmup)
     before = workers.ask(1, "stats")[0]
-    t, tc = measure(workers, "push", "cpush", width, rounds)
+    times = measure(workers, "push", width, rounds)
     after = workers.ask(1, "stats")[0]
     per_shard = [(a[0] - b[0]) / max(1, a[1] - b[1]) for a, b in zip(after, before, strict=True)]
-    out = [row("push", nbytes, width, shards, optimizer, t, tc,
+    out = [row("push", nbytes, width, shards, optimizer, times,
                1e3 * statistics.mean(per_shard), rounds)]
     print(show(out[-1]), flush=True)
     if optimizer == _first_optimizer(cfg):  # a pull does not involve the optimizer
-        warm_up(workers, "pull", "cpull", width, cfg.warmup)
-        t, tc = measure(workers, "pull", "cpull", width, rounds)
-        out.append(row("pull", nbytes, width, shards, optimizer, t, tc, None, rounds))
+        warm_up(workers, "pull", width, cfg.warmup)
+        times = measure(workers, "pull", width, rounds)
+        out.append(row("pull", nbytes, width, shards, optimizer, times, None, rounds))
         print(show(out[-1]), flush=True)
     return out
 

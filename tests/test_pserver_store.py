@@ -14,7 +14,6 @@ from pserver import wire
 from pserver.blocked import BlockedOptimizer
 from pserver.consistency import Consistency
 from pserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
-from pserver.parallel import Parallel
 from pserver.store import ShardLayout, ShardStore
 from pserver.worker import RANK_VARS, SIZE_VARS, WorkerConfig
 
@@ -46,7 +45,7 @@ def chunked(values: np.ndarray, chunk_bytes: int) -> wire.ChunkedArray:
     out = wire.ChunkedArray(values.size, values.dtype)
     for raw in msgs[1:-1]:
         out.add(*wire.parse_chunk(wire.split(raw)[1]))
-    out.finish(wire.parse(pb.Trailer, wire.split(msgs[-1])[1]), Parallel(1))
+    out.finish(wire.parse(pb.Trailer, wire.split(msgs[-1])[1]))
     return out
 
 
@@ -285,6 +284,6 @@ def test_a_pull_overtaken_by_an_update_streams_its_own_version_whole(overtaken_a
     out = wire.ChunkedArray(N, np.float32)
     for raw in got[1:-1]:
         out.add(*wire.parse_chunk(wire.split(raw)[1]))
-    out.finish(wire.parse(pb.Trailer, wire.split(got[-1])[1]), Parallel(2))
+    out.finish(wire.parse(pb.Trailer, wire.split(got[-1])[1]))
     np.testing.assert_array_equal(out[0:N], want)
     np.testing.assert_array_equal(s.params, want - 100)

@@ -16,7 +16,6 @@ from protos import dtlab_ps_pb2 as pb
 from protos import dtlab_ps_pb2_grpc as pb_grpc
 from pserver import wire
 from pserver.errors import DataLoss, InvalidArgument
-from pserver.parallel import Parallel
 
 GENERATED = ("dtlab_ps_pb2.py", "dtlab_ps_pb2_grpc.py", "dtlab_ps_pb2.pyi")
 
@@ -59,36 +58,28 @@ def test_chunk_data_starts_aligned_and_the_pad_is_ignored(start, nbytes):
     assert (got_start, bytes(got)) == (start, data)
 
 
-def test_adler32_combine_equals_adler32_of_the_concatenation():
-    rng = np.random.default_rng(1)
-    for n1, n2 in [(0, 0), (0, 5), (5, 0), (1, 1), (65520, 65522), (300000, 70000)]:
-        a, b = rng.bytes(n1), rng.bytes(n2)
-        assert wire.adler32_combine(zlib.adler32(a), zlib.adler32(b), n2) == zlib.adler32(a + b)
-
-
-def received(msgs, n: int, dtype=np.float32) -> wire.ChunkedArray:
-    got = wire.ChunkedArray(n, dtype)
+def received(msgs, n: int, on_chunk=None) -> wire.ChunkedArray:
+    got = wire.ChunkedArray(n, np.float32, on_chunk)
     for raw in msgs:
         got.add(*wire.parse_chunk(wire.split(raw)[1]))
     return got
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_stream_round_trip_checks_order_and_checksum(threads):
+def test_stream_round_trip_checks_order_and_checksum():
     values = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
     msgs = list(wire.stream(pb.PushHeader(step=3), values, chunk_bytes=400))
     assert wire.split(msgs[0])[0] == wire.HEADER and wire.split(msgs[-1])[0] == wire.TRAILER
     trailer = wire.parse(pb.Trailer, wire.split(msgs[-1])[1])
     assert trailer.chunks == 10 and trailer.adler32 == zlib.adler32(values.tobytes())
 
-    parallel, out = Parallel(threads), np.zeros_like(values)
-    got = received(msgs[1:-1], values.size)
-    assert all(p.flags.aligned for p in got.pieces)  # read in place: the pad aligned them
+    out = np.zeros_like(values)
 
     def unpack(lo, piece):
         out[lo : lo + piece.size] = piece
 
-    got.finish(trailer, parallel, then=unpack)
+    got = received(msgs[1:-1], values.size, unpack)
+    assert all(p.flags.aligned for p in got.pieces)  # read in place: the pad aligned them
+    got.finish(trailer)
     np.testing.assert_array_equal(out, values)
     np.testing.assert_array_equal(got[210:290], values[210:290])  # a view inside chunk 2
     assert np.shares_memory(got[210:290], got.pieces[2])
@@ -96,17 +87,16 @@ def test_stream_round_trip_checks_order_and_checksum(threads):
     flipped = list(msgs[1:-1])
     flipped[4] = flipped[4][:-1] + bytes([flipped[4][-1] ^ 1])
     with pytest.raises(DataLoss, match="adler32"):
-        received(flipped, values.size).finish(trailer, parallel, then=unpack)
+        received(flipped, values.size).finish(trailer)
     with pytest.raises(DataLoss, match="chunks"):
-        received(msgs[1:-1], values.size).finish(pb.Trailer(adler32=trailer.adler32, chunks=9),
-                                                 parallel)
+        received(msgs[1:-1], values.size).finish(pb.Trailer(adler32=trailer.adler32, chunks=9))
 
     def reject(lo, piece):
         if lo >= 500:
             raise InvalidArgument("no", reason="test")
 
     with pytest.raises(InvalidArgument, match="no"):
-        received(msgs[1:-1], values.size).finish(trailer, parallel, then=reject)
+        received(msgs[1:-1], values.size, reject)
 
     got = wire.ChunkedArray(values.size, np.float32)
     with pytest.raises(InvalidArgument, match="expected 0"):
@@ -118,9 +108,9 @@ def test_stream_round_trip_checks_order_and_checksum(threads):
         got.add(0, memoryview(values[:4].tobytes()))
     got.add(0, memoryview(values[:3].tobytes()))
     with pytest.raises(DataLoss, match="adler32"):
-        got.finish(pb.Trailer(adler32=trailer.adler32, chunks=1), parallel)
+        got.finish(pb.Trailer(adler32=trailer.adler32, chunks=1))
     with pytest.raises(DataLoss, match="ended at element 0"):
-        wire.ChunkedArray(3, np.float32).finish(pb.Trailer(chunks=0), parallel)
+        wire.ChunkedArray(3, np.float32).finish(pb.Trailer(chunks=0))
 
 
 def test_snapshot_streams_match_the_plain_stream():

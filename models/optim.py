@@ -51,15 +51,23 @@ class OptimConfig:
 
 
 class Optimizer:
-    """Base: holds lr, weight decay, the decay mask and a scratch buffer."""
+    """Base: holds lr, weight decay, the decay mask and a scratch buffer.
+
+    `scratch` (shaped like the parameters) may be shared by optimizers that
+    never step at the same time, so that it stays in cache between them.
+    """
 
     state_names: tuple[str, ...] = ()
 
-    def __init__(self, param_template, lr: float, weight_decay: float = 0.0, decay_mask=None):
+    def __init__(self, param_template, lr: float, weight_decay: float = 0.0, decay_mask=None,
+                 scratch=None):
         xp = array_module(param_template)
         self.lr, self.weight_decay, self.decay_mask = lr, weight_decay, decay_mask
         self.steps = 0
-        self._tmp = xp.empty_like(param_template)
+        if scratch is not None and scratch.shape != param_template.shape:
+            raise ValueError(f"scratch shape {scratch.shape} != param shape "
+                             f"{param_template.shape}")
+        self._tmp = xp.empty_like(param_template) if scratch is None else scratch
         for name in self.state_names:
             setattr(self, name, xp.zeros_like(param_template))
 
@@ -154,9 +162,9 @@ class AdamW(Adam):
     decoupled = True
 
 
-def make_optimizer(cfg: OptimConfig, param_template, decay_mask=None) -> Optimizer:
+def make_optimizer(cfg: OptimConfig, param_template, decay_mask=None, scratch=None) -> Optimizer:
     """The optimizer `cfg` names, for a flat array shaped like `param_template`."""
-    kw = {"weight_decay": cfg.weight_decay, "decay_mask": decay_mask}
+    kw = {"weight_decay": cfg.weight_decay, "decay_mask": decay_mask, "scratch": scratch}
     if cfg.optimizer == "sgd":
         return SGD(param_template, cfg.lr, cfg.momentum, cfg.nesterov, **kw)
     cls = Adam if cfg.optimizer == "adam" else AdamW

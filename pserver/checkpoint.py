@@ -3,12 +3,15 @@
     CHECKPOINT_DIR/shard-<i>-of-<S>/step-<version>/
         params.npy            the shard's parameters
         opt.<name>.npy        each optimizer state buffer (moments, velocity)
+        round.npy             the gradient sum of an unfinished BSP round, if any
         meta.json             version, layout, full config, worker clocks and
-                              next steps, optimizer steps, file digests
+                              next steps, optimizer steps, staleness histograms,
+                              the BSP round's (worker: [step, version read]),
+                              file digests
 
-The step of the directory is the shard's version. Gradients waiting in an
-unfinished BSP round are not saved; the workers' steps are rolled back
-instead (ShardStore.state), so a restarted server accepts them again.
+The step of the directory is the shard's version. A restarted server goes on
+from exactly this state: the staleness histograms keep counting, and a BSP
+round completes when the workers not yet in it push.
 `load` raises models.checkpoint.CheckpointError naming the file for a
 missing or corrupt file, and for a checkpoint of another shard or optimizer.
 """
@@ -19,6 +22,7 @@ import os
 
 from models import checkpoint
 from models.checkpoint import CheckpointError
+from pserver.staleness import StalenessLog
 from pserver.store import ShardLayout
 
 
@@ -33,12 +37,16 @@ def _layout(layout: ShardLayout) -> dict:
 
 def save(root: str, layout: ShardLayout, state: dict, config: dict) -> str:
     """Write `state` (ShardStore.state()) as the checkpoint of its version; returns its path."""
-    opt = state["optimizer"]
+    opt, pending = state["optimizer"], state["round"]
     arrays = {"params": state["params"],
               **{f"opt.{k}": v for k, v in opt.items() if k != "steps"}}
     meta = {"layout": _layout(layout), "version": state["version"],
             "optimizer_steps": int(opt["steps"]),
-            "workers": {str(w): s for w, s in state["workers"].items()}, "config": config}
+            "workers": {str(w): s for w, s in state["workers"].items()},
+            "staleness": state["staleness"], "config": config}
+    if pending:
+        arrays["round"] = pending["total"]
+        meta["round"] = {str(w): list(c) for w, c in pending["contributors"].items()}
     return checkpoint.save(shard_dir(root, layout), state["version"], arrays, meta)
 
 
@@ -55,6 +63,11 @@ def load(path: str, layout: ShardLayout, optimizer: str) -> dict:
         saved_optimizer = meta["config"]["optim"]["optimizer"]
         steps, workers = int(meta["optimizer_steps"]), meta["workers"]
         params = arrays["params"]
+        pending = None
+        if "round" in meta:
+            pending = {"total": arrays["round"], "contributors": {
+                int(w): (int(step), int(read)) for w, (step, read) in meta["round"].items()}}
+        staleness = StalenessLog.from_dict(meta.get("staleness", {"shard": {}, "workers": {}}))
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: not a parameter-server checkpoint ({e!r})") from None
     if saved != _layout(layout):
@@ -68,4 +81,5 @@ def load(path: str, layout: ShardLayout, optimizer: str) -> dict:
                               f"shard holds ({layout.length},)")
     opt = {k[len("opt."):]: v for k, v in arrays.items() if k.startswith("opt.")}
     return {"version": version, "params": params, "optimizer": {"steps": steps, **opt},
-            "workers": {int(w): s for w, s in workers.items()}}
+            "workers": {int(w): s for w, s in workers.items()},
+            "staleness": staleness.to_dict(), "round": pending}

@@ -44,6 +44,24 @@ class Histogram:
         return pb.Histogram(counts=dict(self.counts), total=self.total, sum=self.sum,
                             max=self.max)
 
+    def to_dict(self) -> dict:
+        """A JSON-able copy (checkpoints keep it): {"staleness": count}."""
+        return {str(s): c for s, c in sorted(self.counts.items())}
+
+    @classmethod
+    def from_dict(cls, counts: dict) -> Histogram:
+        """The histogram `to_dict` wrote; ValueError for anything else."""
+        h = cls()
+        for s, c in counts.items():
+            s, c = int(s), int(c)
+            if s < 0 or c <= 0:
+                raise ValueError(f"staleness {s}: count {c}")
+            h.counts[s] = c
+            h.total += c
+            h.sum += s * c
+            h.max = max(h.max, s)
+        return h
+
 
 class StalenessLog:
     """The shard's histogram and one per worker, updated together."""
@@ -58,3 +76,16 @@ class StalenessLog:
 
     def worker(self, worker: int) -> Histogram:
         return self.workers.get(worker) or Histogram()
+
+    def to_dict(self) -> dict:
+        return {"shard": self.shard.to_dict(),
+                "workers": {str(w): h.to_dict() for w, h in sorted(self.workers.items())}}
+
+    @classmethod
+    def from_dict(cls, state: dict) -> StalenessLog:
+        log = cls()
+        log.shard = Histogram.from_dict(state["shard"])
+        log.workers = {int(w): Histogram.from_dict(h) for w, h in state["workers"].items()}
+        if sum(h.total for h in log.workers.values()) != log.shard.total:
+            raise ValueError("the workers' staleness counts do not add up to the shard's")
+        return log

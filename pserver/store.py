@@ -322,30 +322,36 @@ class ShardStore:
                 pushes_in_flight=c["in_flight"])
 
     def state(self) -> dict:
-        """A consistent copy of everything a checkpoint keeps.
-
-        Gradients waiting in an unfinished BSP round are not kept: their
-        workers' clocks and next steps are rolled back, so that the same
-        steps are accepted again after a restart.
-        """
+        """A consistent copy of everything a checkpoint keeps: parameters, optimizer,
+        version, the workers' clocks and next steps, the staleness histograms, and
+        an unfinished BSP round (the gradient sum so far and who is in it), so that
+        a restarted server finishes the round with the workers still to push."""
         with self._cond:
-            workers = {}
-            pending = self._round.contributors if self._round is not None else {}
-            for w, s in self.clocks.workers.items():
-                clock, next_step = s.clock, s.next_step
-                if w in pending:
-                    clock, next_step = clock - 1, pending[w][0]
-                workers[w] = {"clock": clock, "next_step": next_step, "active": s.active}
+            workers = {w: {"clock": s.clock, "next_step": s.next_step, "active": s.active}
+                       for w, s in self.clocks.workers.items()}
             opt = {k: (v.copy() if isinstance(v, np.ndarray) else v)
                    for k, v in self.optimizer.state_dict().items()}
+            pending = None
+            if self._round is not None and self._round.contributors:
+                pending = {"total": self._round.total.copy(),
+                           "contributors": dict(self._round.contributors)}
             return {"version": self.version, "params": self.params.copy(), "optimizer": opt,
-                    "workers": workers}
+                    "workers": workers, "staleness": self.staleness.to_dict(),
+                    "round": pending}
 
     def load_state(self, state: dict) -> None:
+        """Restore what `state` returned; ValueError (nothing changed) if it does not fit."""
+        pending = state.get("round")
+        if state["params"].shape != self.params.shape:
+            raise ValueError(f"checkpoint params shape {state['params'].shape} != "
+                             f"shard shape {self.params.shape}")
+        if pending and self._round is None:
+            raise ValueError("it holds an unfinished BSP round: resume with --consistency bsp")
+        if pending and pending["total"].shape != self.params.shape:
+            raise ValueError(f"BSP round shape {pending['total'].shape} != shard shape "
+                             f"{self.params.shape}")
+        staleness = StalenessLog.from_dict(state["staleness"]) if "staleness" in state else None
         with self._cond:
-            if state["params"].shape != self.params.shape:
-                raise ValueError(f"checkpoint params shape {state['params'].shape} != "
-                                 f"shard shape {self.params.shape}")
             self._unshare()
             self.params[...] = state["params"]
             self.optimizer.load_state_dict(state["optimizer"])
@@ -353,3 +359,9 @@ class ShardStore:
             for w, s in state["workers"].items():
                 self.clocks.workers[int(w)] = WorkerState(int(s["clock"]), int(s["next_step"]),
                                                           bool(s["active"]))
+            if staleness is not None:
+                self.staleness = staleness
+            if pending:
+                self._round.total[...] = pending["total"]
+                self._round.contributors = {int(w): (int(step), int(read)) for w, (step, read)
+                                            in pending["contributors"].items()}

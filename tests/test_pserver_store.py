@@ -10,7 +10,7 @@ import pytest
 from models.config import ConfigError, build
 from models.optim import OptimConfig, Schedule, make_optimizer
 from protos import dtlab_ps_pb2 as pb
-from pserver import wire
+from pserver import checkpoint, wire
 from pserver.blocked import BlockedOptimizer
 from pserver.consistency import Consistency
 from pserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
@@ -128,12 +128,41 @@ def test_bsp_round_completes_when_a_worker_leaves():
     np.testing.assert_array_equal(s.params, g(-2))
 
 
-def test_bsp_checkpoint_state_rolls_back_pending_round():
-    s = store("bsp")
-    join(s, 0, 1)
-    s.push(0, 0, 0, g(1))
-    state = s.state()
-    assert state["workers"][0] == {"clock": 0, "next_step": 0, "active": True}
+def test_state_keeps_an_unfinished_bsp_round_and_the_staleness_histograms(tmp_path):
+    """A shard restored from state() mid-round finishes the round as if never stopped."""
+    def first_half(s: ShardStore) -> None:
+        join(s, 0, 1)
+        s.push(0, 0, 0, g(1))
+        s.push(1, 0, 0, g(3))  # round 1 applied: version 1
+        s.push(0, 1, 1, g(5))  # round 2: worker 0 is in, worker 1 not yet
+
+    straight = store("bsp")
+    first_half(straight)
+    straight.push(1, 1, 1, g(7))
+
+    before = store("bsp")
+    first_half(before)
+    state = before.state()
+    assert state["workers"][0] == {"clock": 2, "next_step": 2, "active": True}
+    assert state["round"]["contributors"] == {0: (1, 1)}
+    layout = before.layout
+    path = checkpoint.save(str(tmp_path), layout, state, {"optim": {"optimizer": "sgd"}})
+    restored = store("bsp")
+    restored.load_state(checkpoint.load(path, layout, "sgd"))
+    with pytest.raises(FailedPrecondition, match="already pushed"):
+        restored.push(0, 2, 1, g(5))
+    assert restored.push(0, 1, 1, g(5)).duplicate  # a retry of the saved push
+    r = restored.push(1, 1, 1, g(7))
+    assert (r.pending, r.version) == (False, 2)
+    np.testing.assert_array_equal(restored.params, straight.params)  # -2, then -6
+    assert restored.stats().staleness == straight.stats().staleness
+    assert restored.stats().workers[1].staleness.total == 2
+
+    with pytest.raises(ValueError, match="--consistency bsp"):
+        store("asp").load_state(state)
+    bad = dict(state, staleness={"shard": {"0": 2}, "workers": {"0": {"0": 1}}})
+    with pytest.raises(ValueError, match="add up"):
+        store("bsp").load_state(bad)
 
 
 def test_ssp_pull_waits_while_a_worker_is_too_far_ahead():

@@ -138,7 +138,7 @@ class ParameterServerServicer:
                 return grad
             else:
                 raise InvalidArgument("second header in one push stream", reason="order")
-        raise DataLoss(f"push stream ended without a trailer after {len(grad.pieces)} chunks",
+        raise DataLoss(f"push stream ended without a trailer after {grad.chunks} chunks",
                        reason="incomplete")
 
     def Push(self, requests: Iterator[bytes], context) -> pb.PushReply:

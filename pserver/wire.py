@@ -322,18 +322,20 @@ class ChunkedArray:
     (the chunks had to come back from memory).
 
     Slicing gives a view when the slice lies inside one chunk (an optimizer
-    block of the chunk size always does) and a copy otherwise.
+    block of the chunk size always does) and a copy otherwise. With
+    keep=False the chunks are only handed to `on_chunk` (a pull copying into
+    the model's buffer), so each message can be freed as soon as it is used.
     """
 
     def __init__(self, size: int, dtype,
-                 on_chunk: Callable[[int, np.ndarray], None] | None = None):
+                 on_chunk: Callable[[int, np.ndarray], None] | None = None, keep: bool = True):
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.size, self.shape = size, (size,)
         self.nbytes = size * self.dtype.itemsize
-        self.on_chunk = on_chunk
+        self.on_chunk, self.keep = on_chunk, keep
         self.starts: list[int] = []
         self.pieces: list[np.ndarray] = []
-        self.filled = 0
+        self.filled = self.chunks = 0
         self.checksum = ADLER_START
 
     def add(self, start: int, data: memoryview) -> None:
@@ -354,22 +356,25 @@ class ChunkedArray:
         self.checksum = adler32(values, self.checksum)
         if self.on_chunk is not None:
             self.on_chunk(start, values)
-        self.starts.append(start)
-        self.pieces.append(values)
-        self.filled = hi
+        if self.keep:
+            self.starts.append(start)
+            self.pieces.append(values)
+        self.filled, self.chunks = hi, self.chunks + 1
 
     def finish(self, trailer: pb.Trailer) -> None:
         if self.filled != self.size:
             raise DataLoss(f"stream ended at element {self.filled} of {self.size}",
                            reason="incomplete")
-        if trailer.chunks != len(self.pieces):
-            raise DataLoss(f"trailer.chunks {trailer.chunks} != {len(self.pieces)} chunks "
-                           "received", reason="incomplete")
+        if trailer.chunks != self.chunks:
+            raise DataLoss(f"trailer.chunks {trailer.chunks} != {self.chunks} chunks received",
+                           reason="incomplete")
         if trailer.adler32 != self.checksum:
             raise DataLoss(f"trailer.adler32 {trailer.adler32:#010x} != {self.checksum:#010x} "
                            "computed over the received bytes", reason="checksum")
 
     def __getitem__(self, index: slice) -> np.ndarray:
+        if not self.keep:
+            raise ValueError("this ChunkedArray handed its chunks on and kept none (keep=False)")
         lo, hi, step = index.indices(self.size)
         if step != 1:
             raise IndexError("ChunkedArray supports contiguous slices only")

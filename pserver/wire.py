@@ -194,6 +194,8 @@ _START_KEY, _DATA_KEY, _PAD_KEY = (_varint(f << 3 | t) for f, t in ((1, _VARINT)
 
 
 def _chunk_prefix(start: int, nbytes: int, pad: int) -> bytes:
+    """Everything before a chunk's data; `pad` is the pad field's size in bytes, key and
+    length included (0: no pad field)."""
     inner = _START_KEY + _varint(start)
     if pad:
         inner += _PAD_KEY + _varint(pad - 2) + bytes(pad - 2)
@@ -211,8 +213,11 @@ def chunk_message(start: int, data: memoryview) -> bytes:
     """
     pad = 0
     prefix = _chunk_prefix(start, len(data), pad)
-    while len(prefix) % ALIGN:  # the pad field is >= 2 bytes; lengthening it can grow a varint
-        pad = pad + (-len(prefix) % ALIGN) if pad else 2 + (-(len(prefix) + 2) % ALIGN)
+    while len(prefix) % ALIGN:
+        # a pad field takes at least 2 bytes (key, length); growing the message can also
+        # widen its length varint by a byte, hence the loop
+        short = -len(prefix) % ALIGN
+        pad = pad + short if pad else short if short >= 2 else short + ALIGN
         prefix = _chunk_prefix(start, len(data), pad)
     return b"".join((prefix, data))
 

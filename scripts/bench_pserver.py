@@ -22,8 +22,8 @@ processes (the real pserver.client.PSClient) repeat, in lock-step rounds:
                its own work (checksums, checks, the optimizer)
     transport  the same messages made beforehand and streamed as they are:
                gRPC's own limit here, which no sender of fresh data reaches
-               (on 2 cores, making each message in-stream costs the core that
-               keeps the stream going: ~25% of the rate at 64 MB)
+               (making each message in-stream costs the core that keeps the
+               stream going: 5-15% of the rate at 64 MB on 2 cores here)
 
 The three alternate round by round, so machine noise hits all alike.
 A round's time is from the first worker's start to the last one's end

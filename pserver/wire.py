@@ -55,6 +55,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name  # dtlab.p
 _LEN, _VARINT, _I32, _I64 = 2, 0, 5, 1  # protobuf wire types used here
 ADLER_START = 1  # Adler-32 of no bytes: where every running checksum starts
 ALIGN = 16  # chunk data starts this many bytes into its message times a whole number
+KEEP_BYTES = 64 << 10  # received chunks this big are used in place; smaller ones are copied
 
 
 def transport_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -326,7 +327,10 @@ class ChunkedArray:
     threads, it came to ~9 ms more per 64 MB push on this 2-core machine
     (the chunks had to come back from memory).
 
-    Slicing gives a view when the slice lies inside one chunk (an optimizer
+    Chunks under KEEP_BYTES are copied instead, consecutive ones into one
+    piece of a tensor-sized buffer, so that what a stream holds stays within
+    about twice the tensor's size however small a sender cuts its chunks.
+    Slicing gives a view when the slice lies inside one piece (an optimizer
     block of the chunk size always does) and a copy otherwise. With
     keep=False the chunks are only handed to `on_chunk` (a pull copying into
     the model's buffer), so each message can be freed as soon as it is used.
@@ -342,6 +346,8 @@ class ChunkedArray:
         self.pieces: list[np.ndarray] = []
         self.filled = self.chunks = 0
         self.checksum = ADLER_START
+        self._copies: np.ndarray | None = None  # small chunks, copied
+        self._run: int | None = None  # where the current run of copied chunks starts
 
     def add(self, start: int, data: memoryview) -> None:
         isz = self.dtype.itemsize
@@ -361,12 +367,26 @@ class ChunkedArray:
         self.checksum = adler32(values, self.checksum)
         if self.on_chunk is not None:
             self.on_chunk(start, values)
-        if self.keep:
+        if self.keep and values.nbytes >= KEEP_BYTES:
+            self._end_run()
             self.starts.append(start)
             self.pieces.append(values)
+        elif self.keep:
+            if self._copies is None:
+                self._copies = np.empty(self.size, self.dtype)
+            self._copies[start:hi] = values
+            self._run = start if self._run is None else self._run
         self.filled, self.chunks = hi, self.chunks + 1
 
+    def _end_run(self) -> None:
+        """The copied chunks since the last kept one become one piece."""
+        if self._run is not None:
+            self.starts.append(self._run)
+            self.pieces.append(self._copies[self._run : self.filled])
+            self._run = None
+
     def finish(self, trailer: pb.Trailer) -> None:
+        self._end_run()
         if self.filled != self.size:
             raise DataLoss(f"stream ended at element {self.filled} of {self.size}",
                            reason="incomplete")

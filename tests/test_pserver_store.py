@@ -244,7 +244,7 @@ def test_blocked_optimizer_is_bit_identical_to_one_instance(optim):
         g = rng.standard_normal(n).astype(np.float32)
         one.step(whole, g, 1e-2 * (t + 1))
         parts.step(blocked, g, 1e-2 * (t + 1))
-        parts_chunked.step(from_chunks, chunked(g, 400), 1e-2 * (t + 1))  # blocks span chunks
+        parts_chunked.step(from_chunks, chunked(g, 400), 1e-2 * (t + 1))  # chunks copied
     np.testing.assert_array_equal(blocked, whole)
     np.testing.assert_array_equal(from_chunks, whole)
     state, want = parts.state_dict(), one.state_dict()
@@ -257,6 +257,21 @@ def test_blocked_optimizer_is_bit_identical_to_one_instance(optim):
     if len(state) > 1:
         with pytest.raises(ValueError, match="shape"):
             fresh.load_state_dict({k: v if k == "steps" else v[:-1] for k, v in state.items()})
+
+
+def test_blocked_optimizer_reads_a_pushed_gradient_in_place_and_across_chunks():
+    cfg = build(OptimConfig, {"optimizer": "adam"})
+    rng = np.random.default_rng(1)
+    n = 3 * wire.KEEP_BYTES // 4 + 11  # three chunks used in place, a short one copied
+    whole = rng.standard_normal(n).astype(np.float32)
+    blocked = whole.copy()
+    one, parts = make_optimizer(cfg, whole), BlockedOptimizer(cfg, blocked, block=5000,
+                                                             threads=2)
+    for _ in range(3):
+        g = rng.standard_normal(n).astype(np.float32)
+        one.step(whole, g, 1e-3)
+        parts.step(blocked, chunked(g, wire.KEEP_BYTES), 1e-3)  # blocks straddle chunks
+    np.testing.assert_array_equal(blocked, whole)
 
 
 def test_worker_id_and_count_come_from_the_launcher(monkeypatch):

@@ -201,7 +201,7 @@ class WorkerStats(_message.Message):
     def __init__(self, clock: _Optional[int] = ..., next_step: _Optional[int] = ..., active: _Optional[bool] = ..., staleness: _Optional[_Union[Histogram, _Mapping]] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard", "num_shards", "consistency", "version", "updates", "pushes", "duplicates", "rejected", "pulls", "pulls_not_modified", "bytes_received", "bytes_sent", "staleness", "workers", "max_clock_lead", "lr", "apply_seconds", "pushes_in_flight")
+    __slots__ = ("shard", "num_shards", "consistency", "version", "updates", "pushes", "duplicates", "rejected", "pulls", "pulls_not_modified", "bytes_received", "bytes_sent", "staleness", "workers", "max_clock_lead", "lr", "apply_seconds", "pushes_in_flight", "receive_seconds", "check_seconds")
     class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +234,8 @@ class StatsReply(_message.Message):
     LR_FIELD_NUMBER: _ClassVar[int]
     APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PUSHES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHECK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     consistency: Consistency
@@ -252,7 +254,9 @@ class StatsReply(_message.Message):
     lr: float
     apply_seconds: float
     pushes_in_flight: int
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., version: _Optional[int] = ..., updates: _Optional[int] = ..., pushes: _Optional[int] = ..., duplicates: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., pulls: _Optional[int] = ..., pulls_not_modified: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., staleness: _Optional[_Union[Histogram, _Mapping]] = ..., workers: _Optional[_Mapping[int, WorkerStats]] = ..., max_clock_lead: _Optional[int] = ..., lr: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ...) -> None: ...
+    receive_seconds: float
+    check_seconds: float
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., version: _Optional[int] = ..., updates: _Optional[int] = ..., pushes: _Optional[int] = ..., duplicates: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., pulls: _Optional[int] = ..., pulls_not_modified: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., staleness: _Optional[_Union[Histogram, _Mapping]] = ..., workers: _Optional[_Mapping[int, WorkerStats]] = ..., max_clock_lead: _Optional[int] = ..., lr: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., check_seconds: _Optional[float] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()

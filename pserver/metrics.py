@@ -31,6 +31,8 @@ _COUNTERS = (
     ("bytes_received", "gradient bytes accepted"),
     ("bytes_sent", "parameter bytes served"),
     ("apply_seconds", "seconds spent in the optimizer"),
+    ("receive_seconds", "seconds receiving push streams, header to checked trailer"),
+    ("check_seconds", "of those, seconds checking chunks (Adler-32, finite values)"),
 )
 
 

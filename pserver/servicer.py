@@ -15,6 +15,7 @@ stream that breaks off, drops the chunks: nothing is applied.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -155,7 +156,9 @@ class ParameterServerServicer:
             result = self.store.admit(h.worker_id, h.step, h.meta.version)
             if result is None:
                 with self.store.receiving():
+                    t0 = time.perf_counter()
                     grad = self._receive(requests)
+                    self.store.received(time.perf_counter() - t0, grad.check_seconds)
                     result = self.store.push(h.worker_id, h.step, h.meta.version, grad)
         except PSError as e:
             self._fail(context, e)

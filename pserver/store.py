@@ -105,7 +105,7 @@ class ShardStore:
         self.rejected: Counter[str] = Counter()
         self.max_lead = 0
         self.last_lr = 0.0
-        self.apply_seconds = 0.0
+        self.apply_seconds = self.receive_seconds = self.check_seconds = 0.0
         self._snapshot: Read | None = None
         self._spare: list[np.ndarray] = []  # frozen snapshot arrays nobody reads any more
         self._closed = False
@@ -229,6 +229,12 @@ class ShardStore:
             with self._cond:
                 self.counters["in_flight"] -= 1
 
+    def received(self, seconds: float, check_seconds: float) -> None:
+        """A push stream took `seconds` to arrive, `check_seconds` of them in its checks."""
+        with self._cond:
+            self.receive_seconds += seconds
+            self.check_seconds += check_seconds
+
     def push(self, worker: int, step: int, version_read: int,
              grad: np.ndarray | ChunkedArray) -> PushResult:
         """Apply (ASP, SSP) or add to the round (BSP) one validated gradient."""
@@ -319,7 +325,8 @@ class ShardStore:
                 bytes_received=c["bytes_received"], bytes_sent=c["bytes_sent"],
                 staleness=self.staleness.shard.to_proto(), workers=workers,
                 max_clock_lead=self.max_lead, lr=self.last_lr, apply_seconds=self.apply_seconds,
-                pushes_in_flight=c["in_flight"])
+                pushes_in_flight=c["in_flight"], receive_seconds=self.receive_seconds,
+                check_seconds=self.check_seconds)
 
     def state(self) -> dict:
         """A consistent copy of everything a checkpoint keeps: parameters, optimizer,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import sys
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator
 
@@ -346,6 +347,7 @@ class ChunkedArray:
         self.pieces: list[np.ndarray] = []
         self.filled = self.chunks = 0
         self.checksum = ADLER_START
+        self.check_seconds = 0.0  # in the checksum and `on_chunk`
         self._copies: np.ndarray | None = None  # small chunks, copied
         self._run: int | None = None  # where the current run of copied chunks starts
 
@@ -364,9 +366,11 @@ class ChunkedArray:
             raise InvalidArgument(
                 f"chunk [{start}, {hi}) runs past the tensor length {self.size}", reason="length")
         values = np.frombuffer(data, self.dtype)
+        t0 = time.perf_counter()
         self.checksum = adler32(values, self.checksum)
         if self.on_chunk is not None:
             self.on_chunk(start, values)
+        self.check_seconds += time.perf_counter() - t0
         if self.keep and values.nbytes >= KEEP_BYTES:
             self._end_run()
             self.starts.append(start)

@@ -28,9 +28,10 @@ processes (the real pserver.client.PSClient) repeat, in lock-step rounds:
 The three alternate round by round, so machine noise hits all alike.
 A round's time is from the first worker's start to the last one's end
 (CLOCK_MONOTONIC is shared by all processes); the table shows the median.
-GB/s = W * bytes / time (GB = 1e9 B). apply(ms) is the server's optimizer
-time per update, from the shards' own counters (pserver Stats), reported
-apart from the transfer.
+GB/s = W * bytes / time (GB = 1e9 B). The shards' own clocks (pserver
+Stats, mean over shards) split a push: recv(ms), its stream from header to
+checked trailer, of which check(ms) went to the per-chunk Adler-32 and
+finiteness checks, and apply(ms), the optimizer's step (per update).
 """
 
 from __future__ import annotations
@@ -235,8 +236,10 @@ class BenchWorker:
     def transport_pull(self) -> None:
         self._each(lambda p: self._drain(p[0], "Prebuilt"))
 
-    def stats(self) -> list[tuple[float, int]]:
-        return [(s.apply_seconds, s.updates) for s in self.client.stats()]
+    def stats(self) -> list[tuple[float, ...]]:
+        """Per shard: the server's own time counters (s) and what they count."""
+        return [(s.receive_seconds, s.check_seconds, s.pushes, s.apply_seconds, s.updates)
+                for s in self.client.stats()]
 
     def close(self) -> None:
         for channel, *_ in self.plain:
@@ -337,27 +340,42 @@ def measure(workers: Workers, op: str, width: int, rounds: int) -> list[float]:
     return [statistics.median(times[kind]) for kind in sequence(op)]
 
 
-def row(op, nbytes, width, shards, optimizer, times, apply_ms, rounds) -> dict:
+SERVER_TIMES = ("receive_ms", "check_ms", "apply_ms")
+
+
+def server_times(before: list[tuple], after: list[tuple]) -> dict:
+    """Per push, the mean over shards of the servers' own clocks: receiving the stream
+    (header to checked trailer), of which checking chunks, and the optimizer's apply."""
+    per_shard = []
+    for (r0, c0, p0, a0, u0), (r1, c1, p1, a1, u1) in zip(before, after, strict=True):
+        pushes, updates = max(1, p1 - p0), max(1, u1 - u0)
+        per_shard.append(((r1 - r0) / pushes, (c1 - c0) / pushes, (a1 - a0) / updates))
+    return {name: 1e3 * statistics.mean(s[i] for s in per_shard)
+            for i, name in enumerate(SERVER_TIMES)}
+
+
+def row(op, nbytes, width, shards, optimizer, times, server: dict | None, rounds) -> dict:
     gbps, ceiling, transport = (width * nbytes / t / 1e9 for t in times)
     return {"op": op, "bytes": nbytes, "workers": width, "shards": shards,
             "optimizer": optimizer, "time_ms": times[0] * 1e3, "gbps": gbps,
             "ceiling_gbps": ceiling, "ratio": gbps / ceiling, "transport_gbps": transport,
-            "transport_ratio": gbps / transport, "apply_ms": apply_ms,
+            "transport_ratio": gbps / transport,
+            **{name: server[name] if server else None for name in SERVER_TIMES},
             "updates_per_s": width / times[0], "rounds": rounds}
 
 
 HEADER = (f"#{'op':>5} {'size':>10} {'W':>2} {'S':>2} {'opt':>5} {'time(ms)':>9} "
           f"{'GB/s':>7} {'ceil GB/s':>9} {'%ceil':>6} {'xport GB/s':>10} {'%xport':>7} "
-          f"{'apply(ms)':>9} {'upd/s':>8}")
+          f"{'recv(ms)':>8} {'check(ms)':>9} {'apply(ms)':>9} {'upd/s':>8}")
 
 
 def show(r: dict) -> str:
-    apply_ms = "-" if r["apply_ms"] is None else f"{r['apply_ms']:.2f}"
+    recv, check, apply = ("-" if r[k] is None else f"{r[k]:.2f}" for k in SERVER_TIMES)
     return (f" {r['op']:>5} {r['bytes']:>10} {r['workers']:>2} {r['shards']:>2} "
             f"{r['optimizer']:>5} {r['time_ms']:>9.2f} {r['gbps']:>7.3f} "
             f"{r['ceiling_gbps']:>9.3f} {100 * r['ratio']:>5.0f}% "
-            f"{r['transport_gbps']:>10.3f} {100 * r['transport_ratio']:>6.0f}% {apply_ms:>9} "
-            f"{r['updates_per_s']:>8.1f}")
+            f"{r['transport_gbps']:>10.3f} {100 * r['transport_ratio']:>6.0f}% "
+            f"{recv:>8} {check:>9} {apply:>9} {r['updates_per_s']:>8.1f}")
 
 
 def sweep(cfg: BenchConfig) -> list[dict]:
@@ -392,9 +410,8 @@ def run_one(workers: Workers, cfg: BenchConfig, nbytes: int, width: int, shards:
     before = workers.ask(1, "stats")[0]
     times = measure(workers, "push", width, rounds)
     after = workers.ask(1, "stats")[0]
-    per_shard = [(a[0] - b[0]) / max(1, a[1] - b[1]) for a, b in zip(after, before, strict=True)]
-    out = [row("push", nbytes, width, shards, optimizer, times,
-               1e3 * statistics.mean(per_shard), rounds)]
+    out = [row("push", nbytes, width, shards, optimizer, times, server_times(before, after),
+               rounds)]
     print(show(out[-1]), flush=True)
     if optimizer == _first_optimizer(cfg):  # a pull does not involve the optimizer
         warm_up(workers, "pull", width, cfg.warmup)

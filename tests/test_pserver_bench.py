@@ -27,4 +27,5 @@ def test_tiny_benchmark(tmp_path):
     for row in rows:
         assert KEYS <= row.keys()
         assert row["gbps"] > 0 and row["ceiling_gbps"] > 0
-        assert (row["apply_ms"] is None) == (row["op"] == "pull")
+        for server_time in ("receive_ms", "check_ms", "apply_ms"):
+            assert (row[server_time] is None) == (row["op"] == "pull")

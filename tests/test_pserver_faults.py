@@ -251,6 +251,7 @@ def test_concurrent_workers_sum_exactly_over_grpc():
                 st = d.store.stats()
                 assert st.staleness.total == W * K + 1 == sum(st.staleness.counts.values())
                 assert [st.workers[w].staleness.total for w in range(W)] == [K] * W
+                assert 0 < st.check_seconds < st.receive_seconds  # every push timed
         finally:
             for c in clients:
                 c.close()

@@ -85,7 +85,7 @@ def test_bad_payloads_are_refused_and_counted(shard):
         "truncated": msgs[:2] + [msgs[-1]],
         "gap": [msgs[0], msgs[2], *msgs[3:]],
         "chunk after trailer": msgs + [msgs[1]],
-        "dtype of chunk": [msgs[0], wire.chunk_message(0, memoryview(b"\x00" * 6)), msgs[-1]],
+        "dtype of chunk": [msgs[0], wire.chunk_message(0, memoryview(b"\x00" * 6))[0], msgs[-1]],
     }
     want = {"nonfinite": (C.INVALID_ARGUMENT, "element 17 is nan"),
             "checksum": (C.DATA_LOSS, "adler32"),
@@ -105,7 +105,7 @@ def test_bad_payloads_are_refused_and_counted(shard):
 
 def test_oversized_message_is_resource_exhausted(shard):
     daemon, address = shard
-    big = wire.chunk_message(0, memoryview(b"\x00" * (5 << 20)))
+    big = wire.chunk_message(0, memoryview(b"\x00" * (5 << 20)))[0]
     code, _ = push_raw(address, [wire.header_message(header()), big])
     assert code == C.RESOURCE_EXHAUSTED
     unchanged(daemon)

@@ -32,7 +32,8 @@ def test_committed_generated_code_is_current(tmp_path):
 
 def test_chunk_codec_is_protobuf():
     data = np.arange(10, dtype=np.float32)
-    raw = wire.chunk_message(7, memoryview(data).cast("B"))
+    raw, checksum = wire.chunk_message(7, memoryview(data).cast("B"))
+    assert checksum == zlib.adler32(data.tobytes())
     msg = pb.PushRequest.FromString(raw)
     assert msg.WhichOneof("kind") == "chunk"
     assert msg.chunk.start == 7 and msg.chunk.data == data.tobytes()
@@ -50,7 +51,7 @@ def test_chunk_data_starts_aligned_and_the_pad_is_ignored(start, nbytes):
     """The pad field puts the data a multiple of ALIGN bytes into every message, whatever
     the varint widths; protobuf's own parser and ours both read it as plain data."""
     data = bytes(range(256)) * (nbytes // 256) + bytes(nbytes % 256)
-    raw = wire.chunk_message(start, memoryview(data))
+    raw = wire.chunk_message(start, memoryview(data))[0]
     assert (len(raw) - nbytes) % wire.ALIGN == 0
     chunk = pb.PullReply.FromString(raw).chunk
     assert (chunk.start, chunk.data) == (start, data)

@@ -10,6 +10,9 @@
  *   chunk_message(prefix, data, adler=1) -> (prefix + data as bytes,
  *                                            adler32 continued over data)
  *       data is copied and checksummed in the same pass, without the GIL.
+ *   copy_into(dst, data, adler=1) -> adler32 continued over data
+ *       dst[:] = data (a pulled chunk into the model's buffer), checksummed in
+ *       the same pass, without the GIL.
  *   check_chunk(data, itemsize, adler) -> (adler32 continued over data,
  *                                          index of the first non-finite
  *                                          element or -1)
@@ -181,6 +184,27 @@ static PyObject *chunk_message(PyObject *self, PyObject *args) {
     return Py_BuildValue("(NI)", out, adler);
 }
 
+static PyObject *copy_into(PyObject *self, PyObject *args) {
+    Py_buffer dst, data;
+    unsigned int adler = 1;
+    if (!PyArg_ParseTuple(args, "w*y*|I:copy_into", &dst, &data, &adler)) return NULL;
+    if (dst.len != data.len) {
+        PyErr_Format(PyExc_ValueError, "copy_into: %zd bytes into a %zd-byte buffer", data.len,
+                     dst.len);
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&data);
+        return NULL;
+    }
+    int unused = 0;
+    Py_BEGIN_ALLOW_THREADS
+    adler = pass(adler, (const uint8_t *)data.buf, (uint8_t *)dst.buf, (size_t)data.len, 0,
+                 &unused);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&data);
+    return PyLong_FromUnsignedLong(adler);
+}
+
 static PyObject *check_chunk(PyObject *self, PyObject *args) {
     Py_buffer data;
     int itemsize;
@@ -224,6 +248,8 @@ static PyObject *adler32(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"chunk_message", chunk_message, METH_VARARGS,
      "chunk_message(prefix, data, adler=1) -> (prefix + data, adler32 continued over data)"},
+    {"copy_into", copy_into, METH_VARARGS,
+     "copy_into(dst, data, adler=1) -> adler32 continued over data, with dst[:] = data"},
     {"check_chunk", check_chunk, METH_VARARGS,
      "check_chunk(data, itemsize, adler) -> (adler32 continued, first non-finite index or -1)"},
     {"adler32", adler32, METH_VARARGS, "adler32(data, value=1) -> zlib.adler32's value"},

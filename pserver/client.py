@@ -163,11 +163,7 @@ class ShardClient:
         self._check_meta(header.meta, out)
         if header.not_modified:
             return header.meta.version, False
-
-        def unpack(lo: int, values: np.ndarray) -> None:
-            out[lo : lo + values.size] = values
-
-        received = wire.ChunkedArray(out.size, out.dtype, on_chunk=unpack, keep=False)
+        received = wire.ChunkedArray(out.size, out.dtype, into=out)
         for raw in call:
             field, body = wire.split(raw)
             if field == wire.CHUNK:

@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -318,6 +318,14 @@ class Snapshot:
         yield trailer_message(self._sums[-1], len(self.bounds))
 
 
+def _copy_and_checksum(out: np.ndarray, values: np.ndarray, checksum: int) -> int:
+    """out[:] = values, and the running Adler-32 continued over them."""
+    if _kernels is not None:
+        return _kernels.copy_into(out, values, checksum)
+    out[...] = values
+    return adler32(out, checksum)
+
+
 def _checksum_and_first_nonfinite(values: np.ndarray, checksum: int) -> tuple[int, int]:
     """The running Adler-32 continued over `values`, and the index of their first
     non-finite element (-1 if none)."""
@@ -334,11 +342,11 @@ class ChunkedArray:
     Each chunk's data becomes a read-only NumPy view into its received bytes
     (aligned, thanks to the sender's pad): nothing is copied into a separate
     buffer. `add` checks each chunk's place (order, whole elements, within
-    the length), folds it into the running Adler-32, with `finite` also
-    rejects non-finite values (one pass with the C kernels), and hands it to
-    `on_chunk(start, values)` (a copy into the caller's array) while it is
-    still in cache; `finish` checks the trailer. Nothing is trusted before
-    `finish` returns.
+    the length) and folds it into the running Adler-32, with `finite` also
+    rejecting non-finite values (one pass with the C kernels); `finish`
+    checks the trailer. Nothing is trusted before `finish` returns. Given
+    `into` (a pull: the model's buffer), each chunk is instead copied there
+    in the same pass as its checksum, and no message is kept.
 
     That per-chunk work runs on the receiving side while the stream is on.
     It costs little there: the sender makes every message as gRPC asks for
@@ -351,23 +359,26 @@ class ChunkedArray:
     piece of a tensor-sized buffer, so that what a stream holds stays within
     about twice the tensor's size however small a sender cuts its chunks.
     Slicing gives a view when the slice lies inside one piece (an optimizer
-    block of the chunk size always does) and a copy otherwise. With
-    keep=False the chunks are only handed to `on_chunk` (a pull copying into
-    the model's buffer), so each message can be freed as soon as it is used.
+    block of the chunk size always does) and a copy otherwise.
     """
 
-    def __init__(self, size: int, dtype,
-                 on_chunk: Callable[[int, np.ndarray], None] | None = None, keep: bool = True,
-                 finite: bool = False, name: str = "tensor"):
+    def __init__(self, size: int, dtype, finite: bool = False, name: str = "tensor",
+                 into: np.ndarray | None = None):
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.size, self.shape = size, (size,)
         self.nbytes = size * self.dtype.itemsize
-        self.on_chunk, self.keep, self.finite, self.name = on_chunk, keep, finite, name
+        if into is not None and finite:
+            raise ValueError("a ChunkedArray checks finite values or copies `into`, not both")
+        if into is not None and (into.shape != self.shape or into.dtype != self.dtype
+                                 or not into.flags.c_contiguous):
+            raise ValueError(f"into: {into.dtype} {into.shape}, expected a contiguous "
+                             f"{self.dtype} {self.shape}")
+        self.finite, self.name, self.into = finite, name, into
         self.starts: list[int] = []
         self.pieces: list[np.ndarray] = []
         self.filled = self.chunks = 0
         self.checksum = ADLER_START
-        self.check_seconds = 0.0  # in the checksum and `on_chunk`
+        self.check_seconds = 0.0  # in the checksum, the finiteness check, the copy `into`
         self._copies: np.ndarray | None = None  # small chunks, copied
         self._run: int | None = None  # where the current run of copied chunks starts
 
@@ -392,21 +403,26 @@ class ChunkedArray:
             if bad >= 0:
                 raise InvalidArgument(f"{self.name} element {start + bad} is {values[bad]}: "
                                       "non-finite values are rejected", reason="nonfinite")
+        elif self.into is not None:
+            self.checksum = _copy_and_checksum(self.into[start:hi], values, self.checksum)
         else:
             self.checksum = adler32(values, self.checksum)
-        if self.on_chunk is not None:
-            self.on_chunk(start, values)
         self.check_seconds += time.perf_counter() - t0
-        if self.keep and values.nbytes >= KEEP_BYTES:
+        if self.into is None:
+            self._keep(start, values)
+        self.filled, self.chunks = hi, self.chunks + 1
+
+    def _keep(self, start: int, values: np.ndarray) -> None:
+        """A big chunk is kept as it arrived; small ones are copied into one run."""
+        if values.nbytes >= KEEP_BYTES:
             self._end_run()
             self.starts.append(start)
             self.pieces.append(values)
-        elif self.keep:
-            if self._copies is None:
-                self._copies = np.empty(self.size, self.dtype)
-            self._copies[start:hi] = values
-            self._run = start if self._run is None else self._run
-        self.filled, self.chunks = hi, self.chunks + 1
+            return
+        if self._copies is None:
+            self._copies = np.empty(self.size, self.dtype)
+        self._copies[start : start + values.size] = values
+        self._run = start if self._run is None else self._run
 
     def _end_run(self) -> None:
         """The copied chunks since the last kept one become one piece."""
@@ -428,8 +444,8 @@ class ChunkedArray:
                            "computed over the received bytes", reason="checksum")
 
     def __getitem__(self, index: slice) -> np.ndarray:
-        if not self.keep:
-            raise ValueError("this ChunkedArray handed its chunks on and kept none (keep=False)")
+        if self.into is not None:
+            raise ValueError("this ChunkedArray copied its chunks `into` an array; slice that")
         lo, hi, step = index.indices(self.size)
         if step != 1:
             raise IndexError("ChunkedArray supports contiguous slices only")

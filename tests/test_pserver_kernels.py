@@ -28,6 +28,9 @@ for n in {lengths}:
             message, checksum = k.chunk_message(b"\\x12\\x34\\x56", data, start)
             assert message == b"\\x12\\x34\\x56" + data, n
             assert checksum == zlib.adler32(data, start), (n, start)
+            into = bytearray(n)
+            assert k.copy_into(into, data, start) == zlib.adler32(data, start), (n, start)
+            assert into == data, n
 for dtype in (np.float16, np.float32, np.float64):
     for n in (0, 1, 7, 8, 9, 100, 1000, 262144):
         x = rng.standard_normal(n).astype(dtype)
@@ -60,6 +63,10 @@ def test_kernels_refuse_bad_arguments():
         k.check_chunk(b"\x00" * 6, 3, 1)
     with pytest.raises(ValueError, match="whole number"):
         k.check_chunk(b"\x00" * 6, 4, 1)
+    with pytest.raises(ValueError, match="6 bytes into a 5-byte buffer"):
+        k.copy_into(bytearray(5), b"\x00" * 6)
+    with pytest.raises(TypeError):
+        k.copy_into(b"\x00" * 6, b"\x00" * 6)  # bytes are read-only
 
 
 @pytest.mark.parametrize("kernels", [True, False])
@@ -77,6 +84,12 @@ def test_wire_gives_the_same_bytes_and_verdicts_with_and_without_kernels(kernels
         got.add(*wire.parse_chunk(wire.split(raw)[1]))
     got.finish(trailer)
     np.testing.assert_array_equal(got[0 : values.size], values)
+    pulled = np.zeros_like(values)
+    into = wire.ChunkedArray(values.size, np.float32, into=pulled)
+    for raw in msgs[1:-1]:
+        into.add(*wire.parse_chunk(wire.split(raw)[1]))
+    into.finish(trailer)
+    np.testing.assert_array_equal(pulled, values)
     values[40000] = np.nan
     msgs = list(wire.stream(pb.PushHeader(step=1), values, chunk_bytes=100000))
     got = wire.ChunkedArray(values.size, np.float32, finite=True, name="gradient")

@@ -59,8 +59,8 @@ def test_chunk_data_starts_aligned_and_the_pad_is_ignored(start, nbytes):
     assert (got_start, bytes(got)) == (start, data)
 
 
-def received(msgs, n: int, on_chunk=None) -> wire.ChunkedArray:
-    got = wire.ChunkedArray(n, np.float32, on_chunk)
+def received(msgs, n: int, **kw) -> wire.ChunkedArray:
+    got = wire.ChunkedArray(n, np.float32, **kw)
     for raw in msgs:
         got.add(*wire.parse_chunk(wire.split(raw)[1]))
     return got
@@ -73,28 +73,27 @@ def test_stream_round_trip_checks_order_and_checksum():
     trailer = wire.parse(pb.Trailer, wire.split(msgs[-1])[1])
     assert trailer.chunks == 10 and trailer.adler32 == zlib.adler32(values.tobytes())
 
-    out = np.zeros_like(values)
-
-    def unpack(lo, piece):
-        out[lo : lo + piece.size] = piece
-
-    got = received(msgs[1:-1], values.size, unpack)
+    got = received(msgs[1:-1], values.size)
     got.finish(trailer)
-    np.testing.assert_array_equal(out, values)
     np.testing.assert_array_equal(got[90:910], values[90:910])
+    out = np.zeros_like(values)
+    received(msgs[1:-1], values.size, into=out).finish(trailer)  # a pull: copied, not kept
+    np.testing.assert_array_equal(out, values)
+    with pytest.raises(ValueError, match="copied its chunks"):
+        received(msgs[1:-1], values.size, into=out)[0:5]
+    with pytest.raises(ValueError, match="into: float64"):
+        wire.ChunkedArray(values.size, np.float32, into=out.astype(np.float64))
     flipped = list(msgs[1:-1])
     flipped[4] = flipped[4][:-1] + bytes([flipped[4][-1] ^ 1])
     with pytest.raises(DataLoss, match="adler32"):
         received(flipped, values.size).finish(trailer)
     with pytest.raises(DataLoss, match="chunks"):
         received(msgs[1:-1], values.size).finish(pb.Trailer(adler32=trailer.adler32, chunks=9))
-
-    def reject(lo, piece):
-        if lo >= 500:
-            raise InvalidArgument("no", reason="test")
-
-    with pytest.raises(InvalidArgument, match="no"):
-        received(msgs[1:-1], values.size, reject)
+    nan = values.copy()
+    nan[567] = np.nan
+    with pytest.raises(InvalidArgument, match="gradient element 567 is nan"):
+        received(list(wire.stream(pb.PushHeader(), nan, 400))[1:-1], values.size, finite=True,
+                 name="gradient")
 
     got = wire.ChunkedArray(values.size, np.float32)
     with pytest.raises(InvalidArgument, match="expected 0"):

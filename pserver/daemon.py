@@ -30,6 +30,7 @@ from models.optim import OptimConfig, Schedule
 from models.params import FlatParams
 from models.zoo import build_model
 from pserver import auth, checkpoint, wire
+from pserver.allocator import huge_empty
 from pserver.blocked import BlockedOptimizer
 from pserver.config import ServerConfig
 from pserver.consistency import Consistency
@@ -56,7 +57,8 @@ def build_store(cfg: ServerConfig, model_name: str, model_cfg,
     layout = ShardLayout(model_name, flat.size, cfg.shard, cfg.num_shards,
                          wire.layout_crc(flat.specs))
     lo, hi = layout.offset, layout.offset + layout.length
-    params = flat.data[lo:hi].copy()
+    params = huge_empty(hi - lo, flat.data.dtype)
+    params[...] = flat.data[lo:hi]
     optimizer = BlockedOptimizer(optim_cfg, params, flat.decay_mask()[lo:hi].copy(),
                                  threads=cfg.apply_threads)
     policy = Consistency(cfg.consistency, cfg.staleness)

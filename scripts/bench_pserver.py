@@ -59,7 +59,7 @@ import numpy as np
 from models.config import ConfigError, add_flags, build, from_namespace, run_cli
 from models.optim import OptimConfig, Schedule
 from pserver import wire
-from pserver.allocator import keep_freed_memory
+from pserver.allocator import huge_empty, keep_freed_memory
 from pserver.blocked import BlockedOptimizer
 from pserver.client import PSClient
 from pserver.config import ClientConfig, ServerConfig
@@ -138,7 +138,8 @@ def ceiling_handler(length: int) -> grpc.GenericRpcHandler:
 def serve(elements: int, shard: int, num_shards: int, optimizer: str, ready: str) -> None:
     keep_freed_memory()  # as pserver's daemon does
     layout = ShardLayout(MODEL, elements, shard, num_shards)
-    params = np.zeros(layout.length, np.float32)
+    params = huge_empty(layout.length, np.float32)  # as pserver's daemon does
+    params[...] = 0
     ocfg = build(OptimConfig, {"optimizer": optimizer, "lr": 1e-6, "warmup": 0,
                                "schedule": "constant"})
     cfg = build(ServerConfig, {"shard": shard, "num_shards": num_shards, "ready_file": ready,

@@ -1,13 +1,14 @@
-"""The thread helper that splits work into contiguous groups, and the allocator setting."""
+"""The thread helper that splits work into contiguous groups, and the allocator settings."""
 
 from __future__ import annotations
 
 import platform
 import threading
 
+import numpy as np
 import pytest
 
-from pserver.allocator import keep_freed_memory
+from pserver.allocator import HUGE_PAGE, huge_empty, keep_freed_memory
 from pserver.parallel import Parallel
 
 
@@ -41,3 +42,14 @@ def test_an_error_in_a_group_reaches_the_caller():
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_malloc_thresholds_can_be_fixed_twice():
     assert keep_freed_memory() is keep_freed_memory() is True
+
+
+def test_huge_page_arrays_are_ordinary_arrays():
+    a = huge_empty(3 * HUGE_PAGE // 8 + 5, np.float64)
+    assert a.shape == (3 * HUGE_PAGE // 8 + 5,) and a.dtype == np.float64 and a.flags.writeable
+    if platform.system() == "Linux":
+        assert a.ctypes.data % HUGE_PAGE == 0
+    a[...] = np.arange(a.size)
+    b = a[-3:]
+    del a  # the mapping lives as long as a view of it does
+    np.testing.assert_array_equal(b, [b[0], b[0] + 1, b[0] + 2])

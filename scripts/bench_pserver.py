@@ -82,7 +82,7 @@ class BenchConfig:
     workers: str = "1,2,4"
     shards: str = "1,2"
     optimizers: str = "sgd,adam"
-    rounds: int = 0  # 0: by size, 20 at 1 MB down to 5 at 64 MB
+    rounds: int = 0  # 0: by size, 20 at 1 MB down to 11 at 64 MB
     warmup: int = 1
 
     def validate(self):
@@ -317,7 +317,8 @@ class Workers:
 
 
 def rounds_for(nbytes: int, cfg: BenchConfig) -> int:
-    return cfg.rounds or max(5, min(20, (64 * MB) // max(1, nbytes) * 5 // 4))
+    """Rounds per measurement: medians of fewer than ~11 moved by 10 points between launches."""
+    return cfg.rounds or max(11, min(20, (64 * MB) // max(1, nbytes) * 5 // 4))
 
 
 def sequence(op: str) -> tuple[str, str, str]:

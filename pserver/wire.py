@@ -6,10 +6,11 @@ A tensor stream (PullReply or PushRequest; both number their oneof alike) is
 
 Headers and trailers are small and go through the generated protobuf
 classes. Chunks carry the bulk bytes and are encoded and decoded here by hand,
-in the same protobuf wire format: the sender joins a few prefix bytes with a
-memoryview of the array (one copy, into the bytes object gRPC sends), padded
-so that the data starts 16-byte aligned in the message; the receiver keeps
-the received messages and reads the data in place (ChunkedArray), aligned,
+in the same protobuf wire format: the sender writes a few prefix bytes and
+the data into the bytes object gRPC sends, checksumming the data in the same
+pass (pserver/_kernels.c; a join and a checksum without it), padded so that
+the data starts 16-byte aligned in the message; the receiver keeps the
+received messages and reads the data in place (ChunkedArray), aligned,
 without copying it. Any protobuf client in any language can speak the same
 contract with the generated classes.
 

@@ -24,6 +24,11 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def described(default, help: str) -> Any:
+    """A field whose flag's --help says `help`."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 def choice(default: str, *choices: str, help: str = "") -> Any:
     """A string field restricted to `choices`."""
     return dataclasses.field(default=default, metadata={"choices": choices, "help": help})

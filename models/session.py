@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from models import backend
-from models.config import ConfigError, add_flags, choice, from_namespace, positive
+from models.config import ConfigError, add_flags, choice, described, from_namespace, positive
 from models.data import DataConfig, ShardedLoader, make_dataset
 from models.model import Model, Replica
 from models.optim import OptimConfig, Optimizer, Schedule, make_optimizer
@@ -36,7 +36,7 @@ class RunConfig:
     seed: int = 0
     dtype: str = choice("float32", "float32", "float64", help="parameter and compute dtype")
     log_every: int = 50
-    metrics: str = dataclasses.field(default="", metadata={"help": "JSON-lines metrics file"})
+    metrics: str = described("", "JSON-lines metrics file")
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
     resume: bool = False

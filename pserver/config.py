@@ -7,47 +7,41 @@ trainer; see pserver.__main__ and pserver.worker.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
-from models.config import ConfigError, choice, non_negative, positive
-
-
-def _f(default, help_text: str) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help_text})
+from models.config import ConfigError, choice, described, non_negative, positive
 
 
 @dataclass
 class ServerConfig:
-    seed: int = _f(0, "initialisation seed: the same as the workers' and the sync trainer's")
+    seed: int = described(0, "initialisation seed: the same as the workers' and the sync trainer's")
     dtype: str = choice("float32", "float32", "float64", help="parameter dtype")
-    shard: int = _f(0, "this server's shard index")
-    num_shards: int = _f(1, "shards the flat parameter vector is split into")
-    bind: str = _f("127.0.0.1", "address to listen on")
-    port: int = _f(0, "port to listen on; 0 picks a free one (logged, and in --ready-file)")
+    shard: int = described(0, "this server's shard index")
+    num_shards: int = described(1, "shards the flat parameter vector is split into")
+    bind: str = described("127.0.0.1", "address to listen on")
+    port: int = described(0, "port to listen on; 0 picks a free one (logged, and in --ready-file)")
     consistency: str = choice("asp", "asp", "ssp", "bsp", help="consistency model")
-    staleness: int = _f(0, "SSP bound s: a worker may lead the slowest by at most s clocks")
+    staleness: int = described(0, "SSP bound s: a worker may lead the slowest by at most s clocks")
     staleness_lr: str = choice("none", "none", "divide",
                                help="divide the lr by the gradient's staleness (Zhang et al. 2016)")
-    num_workers: int = _f(0, "SSP/BSP: serve no pull before this many workers registered")
-    schedule_steps: int = _f(0, "updates the lr schedule spans (0: constant after warm-up)")
-    chunk_bytes: int = _f(1 << 20, "bytes per pulled chunk message")
-    max_message_bytes: int = _f(4 << 20, "largest message accepted or sent")
-    threads: int = _f(64, "gRPC handler threads (each waiting pull holds one)")
-    apply_threads: int = _f(2, "threads that run the optimizer on blocks of the shard")
-    checkpoint_dir: str = _f("", "write a checkpoint here on SIGTERM and on SaveCheckpoint")
-    resume: bool = _f(False, "start from the newest checkpoint in --checkpoint-dir")
-    metrics_port: int = _f(-1, "serve Prometheus GET /metrics here (-1: off, 0: a free port)")
-    token_file: str = _f("", "file holding the bearer token every call must carry")
-    token_env: str = _f("", "environment variable holding the bearer token")
-    tls_cert: str = _f("", "PEM server certificate (with --tls-key): serve TLS")
-    tls_key: str = _f("", "PEM private key of --tls-cert")
-    tls_client_ca: str = _f("", "PEM CA: require client certificates it signed (mutual TLS)")
-    reflection: bool = _f(False, "enable gRPC server reflection")
-    ready_file: str = _f("", "write {pid, port, metrics_port} JSON here once serving")
-    grace_s: float = _f(10.0, "seconds in-flight calls get to finish at shutdown")
-    log_every: int = _f(100, "log a staleness summary every N updates")
+    num_workers: int = described(0, "SSP/BSP: serve no pull before this many workers registered")
+    schedule_steps: int = described(0, "updates the lr schedule spans (0: constant after warm-up)")
+    chunk_bytes: int = described(1 << 20, "bytes per pulled chunk message")
+    max_message_bytes: int = described(4 << 20, "largest message accepted or sent")
+    threads: int = described(64, "gRPC handler threads (each waiting pull holds one)")
+    apply_threads: int = described(2, "threads that run the optimizer on blocks of the shard")
+    checkpoint_dir: str = described("", "write a checkpoint here on SIGTERM and on SaveCheckpoint")
+    resume: bool = described(False, "start from the newest checkpoint in --checkpoint-dir")
+    metrics_port: int = described(-1, "serve Prometheus GET /metrics here (-1 off, 0 any port)")
+    token_file: str = described("", "file holding the bearer token every call must carry")
+    token_env: str = described("", "environment variable holding the bearer token")
+    tls_cert: str = described("", "PEM server certificate (with --tls-key): serve TLS")
+    tls_key: str = described("", "PEM private key of --tls-cert")
+    tls_client_ca: str = described("", "PEM CA: require client certificates it signed (mutual TLS)")
+    reflection: bool = described(False, "enable gRPC server reflection")
+    ready_file: str = described("", "write {pid, port, metrics_port} JSON here once serving")
+    grace_s: float = described(10.0, "seconds in-flight calls get to finish at shutdown")
+    log_every: int = described(100, "log a staleness summary every N updates")
     log_level: str = choice("info", "debug", "info", "warning")
 
     def validate(self):
@@ -80,19 +74,19 @@ class ServerConfig:
 class ClientConfig:
     """How a worker reaches the shards."""
 
-    servers: str = _f("", "host:port of every shard, comma-separated, any order")
-    token_file: str = _f("", "file holding the servers' bearer token")
-    token_env: str = _f("", "environment variable holding the servers' bearer token")
-    tls: bool = _f(False, "use TLS (implied by --tls-ca / --tls-cert; alone: system roots)")
-    tls_ca: str = _f("", "PEM CA that signed the servers' certificates")
-    tls_cert: str = _f("", "PEM client certificate for mutual TLS (with --tls-key)")
-    tls_key: str = _f("", "PEM private key of --tls-cert")
-    tls_server_name: str = _f("", "expect this name in the servers' certificates")
-    rpc_timeout_s: float = _f(120.0, "deadline of every call (a pull may wait on SSP/BSP)")
-    connect_timeout_s: float = _f(60.0, "how long to wait for the servers to be SERVING")
-    retries: int = _f(8, "retries of an UNAVAILABLE call, with exponential backoff (~7 s)")
-    backoff_s: float = _f(0.05, "first backoff delay")
-    chunk_bytes: int = _f(1 << 20, "bytes per pushed chunk message")
+    servers: str = described("", "host:port of every shard, comma-separated, any order")
+    token_file: str = described("", "file holding the servers' bearer token")
+    token_env: str = described("", "environment variable holding the servers' bearer token")
+    tls: bool = described(False, "use TLS (implied by --tls-ca / --tls-cert; alone: system roots)")
+    tls_ca: str = described("", "PEM CA that signed the servers' certificates")
+    tls_cert: str = described("", "PEM client certificate for mutual TLS (with --tls-key)")
+    tls_key: str = described("", "PEM private key of --tls-cert")
+    tls_server_name: str = described("", "expect this name in the servers' certificates")
+    rpc_timeout_s: float = described(120.0, "deadline of every call (a pull may wait on SSP/BSP)")
+    connect_timeout_s: float = described(60.0, "how long to wait for the servers to be SERVING")
+    retries: int = described(8, "retries of an UNAVAILABLE call, with exponential backoff (~7 s)")
+    backoff_s: float = described(0.05, "first backoff delay")
+    chunk_bytes: int = described(1 << 20, "bytes per pushed chunk message")
 
     def validate(self):
         if not self.addresses():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from models.config import ConfigError, choice, non_negative, positive
+from models.config import ConfigError, choice, described, non_negative, positive
 from models.data.dataset import Dataset, TokenWindows
 from models.data.markov import MAX_TABLE, MarkovSource
 from models.data.real import load_digits, load_text
@@ -27,21 +27,17 @@ SOURCES = {"teacher": CLASSIFICATION, "digits": CLASSIFICATION,
 AUTO = {CLASSIFICATION: "teacher", LANGUAGE: "markov"}
 
 
-def _described(default, help: str):
-    return dataclasses.field(default=default, metadata={"help": help})
-
-
 @dataclass
 class DataConfig:
     data: str = choice("auto", "auto", "teacher", "markov", "digits", "text",
                        help="data source; auto: teacher for mlp, markov for transformer")
-    path: str = _described("", "file whose bytes are the tokens of --data text")
-    n_samples: int = _described(65536, "examples of --data teacher")
-    label_noise: float = _described(0.1, "teacher label noise: P(label is another class)")
-    markov_order: int = _described(2, "tokens of context of the --data markov source")
-    markov_support: int = _described(4, "next tokens each Markov context can emit")
-    n_tokens: int = _described(1 << 20, "length of the --data markov stream")
-    data_seed: int = _described(1234, "fixes the data, independent of --seed")
+    path: str = described("", "file whose bytes are the tokens of --data text")
+    n_samples: int = described(65536, "examples of --data teacher")
+    label_noise: float = described(0.1, "teacher label noise: P(label is another class)")
+    markov_order: int = described(2, "tokens of context of the --data markov source")
+    markov_support: int = described(4, "next tokens each Markov context can emit")
+    n_tokens: int = described(1 << 20, "length of the --data markov stream")
+    data_seed: int = described(1234, "fixes the data, independent of --seed")
 
     def validate(self):
         positive(self, "n_samples", "markov_order", "markov_support")

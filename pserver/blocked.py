@@ -31,13 +31,15 @@ class BlockedOptimizer:
         n = params.size
         self.bounds = [(lo, min(n, lo + block)) for lo in range(0, n, block)]
         self.parallel = Parallel(threads, "apply")
-        self.parts = []
-        for group in self.parallel.groups(self.bounds):  # the groups `step` runs
+        self.groups = self.parallel.groups(range(len(self.bounds)))  # block indices per thread
+        self.parts = [None] * len(self.bounds)
+        for group in self.groups:  # one thread steps these in turn: they share one scratch
             scratch = np.empty(min(n, block), params.dtype)
-            self.parts += [make_optimizer(cfg, params[lo:hi],
-                                          None if decay_mask is None else decay_mask[lo:hi],
-                                          scratch=scratch[: hi - lo])
-                           for lo, hi in group]
+            for k in group:
+                lo, hi = self.bounds[k]
+                self.parts[k] = make_optimizer(
+                    cfg, params[lo:hi], None if decay_mask is None else decay_mask[lo:hi],
+                    scratch=scratch[: hi - lo])
 
     @property
     def steps(self) -> int:
@@ -53,7 +55,7 @@ class BlockedOptimizer:
                 lo, hi = self.bounds[k]
                 self.parts[k].step(param[lo:hi], grad[lo:hi], lr)
 
-        self.parallel.over(run, range(len(self.parts)))
+        self.parallel.run(run, self.groups)
 
     def state_dict(self) -> dict:
         states = [p.state_dict() for p in self.parts]

@@ -21,8 +21,8 @@ def test_groups_are_contiguous_balanced_and_in_order(threads, n):
     sizes = [len(g) for g in groups]
     assert max(sizes) - min(sizes) <= 1
     seen = []
-    assert parallel.over(lambda g: (seen.append(threading.get_ident()), sum(g))[1],
-                         range(n)) == [sum(g) for g in groups]
+    assert parallel.run(lambda g: (seen.append(threading.get_ident()), sum(g))[1],
+                        groups) == [sum(g) for g in groups]
     parallel.close()
 
 
@@ -35,7 +35,9 @@ def test_an_error_in_a_group_reaches_the_caller():
         return len(group)
 
     with pytest.raises(ValueError, match="group with 3"):
-        parallel.over(fail, range(4))
+        parallel.run(fail, parallel.groups(range(4)))
+    with pytest.raises(ValueError, match="3 groups for 2 threads"):
+        parallel.run(fail, [[0], [1], [2]])
     parallel.close()
 
 

@@ -21,7 +21,7 @@ the same IEEE sum), so all ranks end with bit-identical results.
 
 from __future__ import annotations
 
-from collective.link import PAGE, TAG_DOUBLING, Link, address, byte_view, mirror
+from collective.link import TAG_DOUBLING, Link, byte_view
 
 _OP = "allreduce(doubling)"
 
@@ -31,9 +31,7 @@ def doubling_allreduce(link: Link, buf, *, xp, sync, divide: int | None) -> None
     comm, n, r = link.comm, link.size, link.rank
     p = 1 << (n.bit_length() - 1)
     extra = n - p
-    # (L,) scratch at buf's offset within a page, as the ring's (link.mirror: CMA copies)
-    pages = link.ws.pages("doubling", buf.nbytes + PAGE, xp)
-    tmp = mirror(pages, 0, address(buf), buf.nbytes).view(buf.dtype)
+    tmp = link.ws.mirrored("doubling", buf, xp)  # (L,), at buf's page offset (link.mirror)
     msg, tmp_msg = byte_view(buf), byte_view(tmp)
     if sync is not None:
         sync()

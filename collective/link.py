@@ -80,6 +80,18 @@ class Workspace:
         self._last[key] = (count, dtype, xp, view)
         return view
 
+    def mirrored(self, key: str, like, xp=np):
+        """A pooled 1-D array with the size and dtype of `like`, starting at the same
+        offset within a page (mirror()); remembered like typed(), for the same reason."""
+        shape = (like.size, like.dtype, xp, address(like) % PAGE)
+        last = self._last.get(key)
+        if last is not None and last[0] == shape:
+            return last[1]
+        pages = self.pages(key, like.nbytes + PAGE, xp)
+        view = mirror(pages, 0, shape[3], like.nbytes).view(like.dtype)
+        self._last[key] = (shape, view)
+        return view
+
 
 YIELD_ENV = "DTLAB_YIELD_WAITS"
 _LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")

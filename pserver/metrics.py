@@ -49,15 +49,19 @@ def _histogram(lines: list[str], name: str, h: pb.Histogram, **labels) -> None:
     lines.append(f"{name}_count{_labels(**labels)} {h.total}")
 
 
+def _family(name: str, kind: str, help_text: str) -> list[str]:
+    """The HELP and TYPE lines that open a metric family."""
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+
+
 def render(s: pb.StatsReply) -> str:
     shard = s.shard
     lines = []
     for name, help_text in _COUNTERS:
         full = f"dtlab_ps_{name}_total"
-        lines += [f"# HELP {full} {help_text}", f"# TYPE {full} counter",
+        lines += [*_family(full, "counter", help_text),
                   f"{full}{_labels(shard=shard)} {getattr(s, name)}"]
-    lines += ["# HELP dtlab_ps_rejected_total calls rejected, by reason",
-              "# TYPE dtlab_ps_rejected_total counter"]
+    lines += _family("dtlab_ps_rejected_total", "counter", "calls rejected, by reason")
     lines += [f"dtlab_ps_rejected_total{_labels(shard=shard, reason=r)} {n}"
               for r, n in sorted(s.rejected.items())]
     for name, value, help_text in (
@@ -65,17 +69,16 @@ def render(s: pb.StatsReply) -> str:
             ("lr", s.lr, "learning rate of the last update"),
             ("max_clock_lead", s.max_clock_lead, "largest clock lead a pull was served at"),
             ("pushes_in_flight", s.pushes_in_flight, "push streams being received")):
-        lines += [f"# HELP dtlab_ps_{name} {help_text}", f"# TYPE dtlab_ps_{name} gauge",
+        lines += [*_family(f"dtlab_ps_{name}", "gauge", help_text),
                   f"dtlab_ps_{name}{_labels(shard=shard)} {value}"]
-    lines += ["# HELP dtlab_ps_worker_clock gradients accepted from each worker",
-              "# TYPE dtlab_ps_worker_clock gauge"]
+    lines += _family("dtlab_ps_worker_clock", "gauge", "gradients accepted from each worker")
     lines += [f"dtlab_ps_worker_clock{_labels(shard=shard, worker=w)} {ws.clock}"
               for w, ws in sorted(s.workers.items())]
-    lines += ["# HELP dtlab_ps_staleness updates between a gradient's read and its apply",
-              "# TYPE dtlab_ps_staleness histogram"]
+    lines += _family("dtlab_ps_staleness", "histogram",
+                     "updates between a gradient's read and its apply")
     _histogram(lines, "dtlab_ps_staleness", s.staleness, shard=shard)
-    lines += ["# HELP dtlab_ps_worker_staleness staleness of each worker's applied gradients",
-              "# TYPE dtlab_ps_worker_staleness histogram"]
+    lines += _family("dtlab_ps_worker_staleness", "histogram",
+                     "staleness of each worker's applied gradients")
     for w, ws in sorted(s.workers.items()):
         _histogram(lines, "dtlab_ps_worker_staleness", ws.staleness, shard=shard, worker=w)
     return "\n".join(lines) + "\n"

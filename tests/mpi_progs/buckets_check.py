@@ -21,6 +21,7 @@ import warnings
 
 import numpy as np
 from mpi4py import MPI
+from rank_checks import RankChecks
 
 from collective import BucketReducer, world
 from collective.buckets import bucket_bounds
@@ -30,14 +31,7 @@ from models.model import Replica
 comm = world(timeout=60)
 N, R = comm.size, comm.rank
 L = 10007
-checks = 0
-
-
-def check(ok, what: str) -> None:
-    global checks
-    if not ok:
-        raise AssertionError(f"rank {R} of {N}: {what}")
-    checks += 1
+check = RankChecks(R, N)
 
 
 def local_grad(rank: int, step: int, lo: int = 0, hi: int = L) -> np.ndarray:
@@ -112,6 +106,6 @@ if __name__ == "__main__":
     for algo in (None, "naive", "mpi"):
         check_modes(algo)
     check_model()
-    total = comm.mpi.allreduce(checks)
+    total = comm.mpi.allreduce(check.passed)
     if R == 0:
         print(f"PASS buckets {total}")

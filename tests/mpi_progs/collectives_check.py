@@ -22,6 +22,7 @@ import zlib
 import numpy as np
 from fakecuda import FakeDeviceArray
 from mpi4py import MPI
+from rank_checks import RankChecks
 
 from collective import Communicator, gpu
 from collective.ring import segment_bounds
@@ -34,14 +35,7 @@ PATHS = (("ring", 0, 1 << 20), ("ring-chunked", 0, 512), ("doubling", 1 << 30, 1
 comm = Communicator(timeout=60, check="always")
 N, R = comm.size, comm.rank
 LENGTHS = sorted({0, 1, max(1, N - 1), N + 1, 7, 1001, 20011})
-checks = 0
-
-
-def check(ok, what: str) -> None:
-    global checks
-    if not ok:
-        raise AssertionError(f"rank {R} of {N}: {what}")
-    checks += 1
+check = RankChecks(R, N)
 
 
 def rank_input(rank: int, length: int, dtype, rest=()) -> np.ndarray:
@@ -299,6 +293,6 @@ if __name__ == "__main__":
     section = sys.argv[1]
     for fn in SECTIONS[section]:
         fn()
-    total = comm.mpi.allreduce(checks)
+    total = comm.mpi.allreduce(check.passed)
     if R == 0:
         print(f"PASS {section} {total}")

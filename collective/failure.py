@@ -45,12 +45,14 @@ from mpi4py import MPI
 
 DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "DTLAB_COLLECTIVE_TIMEOUT"
+FORWARD_S = 0.2  # for mpiexec's proxy to pass our last words on before Abort kills it
 
 
 def _abort(message: str) -> None:
     sys.stderr.write(message)
     sys.stderr.flush()
     sys.stdout.flush()
+    time.sleep(FORWARD_S)  # without it the suite once saw the job end with empty stderr
     MPI.COMM_WORLD.Abort(1)
 
 

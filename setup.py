@@ -1,12 +1,21 @@
 """Only the optional C kernels live here; everything else is in setup.cfg.
 
-pserver/_kernels.c (one-pass copy, Adler-32 and finiteness checks for the
-parameter server's streams) is built when a C compiler is at hand;
-`optional=True` lets the install go on without it, and pserver.wire then
-uses ISA-L and NumPy instead.
+Both are built when a C compiler is at hand; `optional=True` lets the
+install go on without them, and the Python code then runs its NumPy twin:
+
+- pserver/_kernels.c: one-pass copy, Adler-32 and finiteness checks for the
+  parameter server's streams (pserver.wire falls back to ISA-L and NumPy).
+- models/_fused.c: one-pass optimizer updates, bit-identical to the NumPy
+  lines of models/optim.py, which it falls back to. -ffp-contract=off keeps
+  the compiler from fusing a multiply and an add into one rounding;
+  -fno-math-errno lets it vectorize sqrt (its results are unchanged).
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("pserver._kernels", ["pserver/_kernels.c"],
-                             extra_compile_args=["-O3"], optional=True)])
+setup(ext_modules=[
+    Extension("pserver._kernels", ["pserver/_kernels.c"], extra_compile_args=["-O3"],
+              optional=True),
+    Extension("models._fused", ["models/_fused.c"],
+              extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"], optional=True),
+])

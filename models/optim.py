@@ -12,6 +12,12 @@ and async trainers. State (moments, step) is exposed for checkpoints.
 
 SGD and Adam add weight decay to the gradient (L2); AdamW decouples it.
 `decay_mask` (1 where decay applies, 0 for biases and norm gains) restricts it.
+
+On NumPy arrays the update after weight decay runs in one pass of C
+(models/_fused.c, where it was built): the same operations in the same
+order, bit-identical to the array lines below, which run on CuPy and
+wherever the kernels are missing. A 64 MB float32 SGD step reads and writes
+memory once instead of twice (Adam: once instead of ten times).
 """
 
 from __future__ import annotations
@@ -19,8 +25,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from models.backend import array_module
 from models.config import ConfigError, choice, non_negative, positive
+
+try:
+    from models import _fused
+except ImportError:
+    _fused = None
 
 
 @dataclass
@@ -88,6 +101,14 @@ class Optimizer:
     def _update(self, p, g, lr):
         raise NotImplementedError
 
+    def _fusable(self, *arrays) -> bool:
+        """Whether models/_fused.c can take these arrays: NumPy, one float dtype,
+        contiguous and aligned (anything else takes the array lines)."""
+        dtype = arrays[0].dtype
+        return (_fused is not None and dtype in (np.float32, np.float64)
+                and all(type(a) is np.ndarray and a.dtype == dtype and a.flags.c_contiguous
+                        and a.flags.aligned for a in arrays))
+
     def state_dict(self) -> dict:
         return {"steps": self.steps, **{n: getattr(self, n) for n in self.state_names}}
 
@@ -112,9 +133,15 @@ class SGD(Optimizer):
         if self.weight_decay:
             g = g + self._decay(p)
         if not self.momentum:
-            p -= xp.multiply(g, lr, out=self._tmp)
+            if self._fusable(p, g):
+                _fused.sgd(p, g, lr)
+            else:
+                p -= xp.multiply(g, lr, out=self._tmp)
             return
         v = self.velocity
+        if self._fusable(p, g, v):
+            _fused.momentum(p, g, v, self.momentum, lr, self.nesterov)
+            return
         v *= self.momentum
         v += g
         if self.nesterov:  # p -= lr (g + mu v)
@@ -143,16 +170,20 @@ class Adam(Optimizer):
         elif self.weight_decay:
             g = g + self._decay(p)
         b1, b2, t = self.beta1, self.beta2, self.steps
+        # p -= lr_t * m / (sqrt(v) + eps_t), bias corrections folded into lr_t and eps_t
+        lr_t = lr * math.sqrt(1 - b2**t) / (1 - b1**t)
+        eps_t = self.eps * math.sqrt(1 - b2**t)
+        if self._fusable(p, g, self.m, self.v):
+            _fused.adam(p, g, self.m, self.v, b1, 1 - b1, b2, 1 - b2, eps_t, lr_t)
+            return
         self.m *= b1
         self.m += xp.multiply(g, 1 - b1, out=self._tmp)
         self.v *= b2
         xp.multiply(g, g, out=self._tmp)
         self._tmp *= 1 - b2
         self.v += self._tmp
-        # p -= lr_t * m / (sqrt(v) + eps_t), bias corrections folded into lr_t and eps_t
-        lr_t = lr * math.sqrt(1 - b2**t) / (1 - b1**t)
         xp.sqrt(self.v, out=self._tmp)
-        self._tmp += self.eps * math.sqrt(1 - b2**t)
+        self._tmp += eps_t
         xp.divide(self.m, self._tmp, out=self._tmp)
         self._tmp *= lr_t
         p -= self._tmp

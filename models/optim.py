@@ -36,6 +36,15 @@ except ImportError:
     _fused = None
 
 
+def _fusable(*arrays) -> bool:
+    """Whether models/_fused.c can take these arrays: NumPy, one float dtype, contiguous
+    and aligned (anything else takes the array lines)."""
+    dtype = arrays[0].dtype
+    return (_fused is not None and dtype in (np.float32, np.float64)
+            and all(type(a) is np.ndarray and a.dtype == dtype and a.flags.c_contiguous
+                    and a.flags.aligned for a in arrays))
+
+
 @dataclass
 class OptimConfig:
     optimizer: str = choice("adamw", "sgd", "adam", "adamw", help="update rule")
@@ -101,14 +110,6 @@ class Optimizer:
     def _update(self, p, g, lr):
         raise NotImplementedError
 
-    def _fusable(self, *arrays) -> bool:
-        """Whether models/_fused.c can take these arrays: NumPy, one float dtype,
-        contiguous and aligned (anything else takes the array lines)."""
-        dtype = arrays[0].dtype
-        return (_fused is not None and dtype in (np.float32, np.float64)
-                and all(type(a) is np.ndarray and a.dtype == dtype and a.flags.c_contiguous
-                        and a.flags.aligned for a in arrays))
-
     def state_dict(self) -> dict:
         return {"steps": self.steps, **{n: getattr(self, n) for n in self.state_names}}
 
@@ -133,13 +134,13 @@ class SGD(Optimizer):
         if self.weight_decay:
             g = g + self._decay(p)
         if not self.momentum:
-            if self._fusable(p, g):
+            if _fusable(p, g):
                 _fused.sgd(p, g, lr)
             else:
                 p -= xp.multiply(g, lr, out=self._tmp)
             return
         v = self.velocity
-        if self._fusable(p, g, v):
+        if _fusable(p, g, v):
             _fused.momentum(p, g, v, self.momentum, lr, self.nesterov)
             return
         v *= self.momentum
@@ -173,7 +174,7 @@ class Adam(Optimizer):
         # p -= lr_t * m / (sqrt(v) + eps_t), bias corrections folded into lr_t and eps_t
         lr_t = lr * math.sqrt(1 - b2**t) / (1 - b1**t)
         eps_t = self.eps * math.sqrt(1 - b2**t)
-        if self._fusable(p, g, self.m, self.v):
+        if _fusable(p, g, self.m, self.v):
             _fused.adam(p, g, self.m, self.v, b1, 1 - b1, b2, 1 - b2, eps_t, lr_t)
             return
         self.m *= b1

@@ -41,6 +41,19 @@ def positive(cfg, *names: str) -> None:
             raise ConfigError(f"{flag(name)} must be positive (got {value})")
 
 
+def positive_list(cfg, name: str) -> list[int | float]:
+    """The comma-separated positive numbers of field `name` (ints where written so)."""
+    text = getattr(cfg, name)
+    try:
+        values = [float(x) if "." in x else int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        raise ConfigError(f"{flag(name)} must be a comma-separated list of positive numbers "
+                          f"(got {text!r})")
+    return values
+
+
 def non_negative(cfg, *names: str) -> None:
     for name in names:
         value = getattr(cfg, name)

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 import models.optim as optim
-from models.config import ConfigError, add_flags, build, from_namespace, run_cli
+from models.config import ConfigError, add_flags, build, from_namespace, positive_list, run_cli
 from models.optim import OptimConfig
 from pserver.blocked import BlockedOptimizer
 
@@ -61,17 +61,8 @@ class BenchConfig:
                               f"({', '.join(TRAFFIC)})")
         if self.rounds < 1:
             raise ConfigError("--rounds must be at least 1")
-
-
-def _numbers(text: str, name: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) <= 0:
-        raise ConfigError(f"--{name} must be a comma-separated list of positive numbers, "
-                          f"got {text!r}")
-    return values
+        for name in ("sizes_mb", "threads"):
+            positive_list(self, name)
 
 
 def median_seconds(fn, rounds: int) -> float:
@@ -130,8 +121,8 @@ def show(r: dict) -> str:
 
 
 def sweep(cfg: BenchConfig) -> list[dict]:
-    sizes = [int(s * MB) // 4 * 4 for s in _numbers(cfg.sizes_mb, "sizes-mb")]
-    threads = [int(t) for t in _numbers(cfg.threads, "threads")]
+    sizes = [int(s * MB) // 4 * 4 for s in positive_list(cfg, "sizes_mb")]
+    threads = [int(t) for t in positive_list(cfg, "threads")]
     names = [o.strip() for o in cfg.optimizers.split(",") if o.strip()]
     if optim._fused is None:
         print("# models/_fused.c is not built: numpy rows only", flush=True)

@@ -56,7 +56,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from models.config import ConfigError, add_flags, build, from_namespace, run_cli
+from models.config import ConfigError, add_flags, build, from_namespace, positive_list, run_cli
 from models.optim import OptimConfig, Schedule
 from pserver import wire
 from pserver.allocator import huge_empty, keep_freed_memory
@@ -87,20 +87,11 @@ class BenchConfig:
 
     def validate(self):
         for name in ("sizes_mb", "workers", "shards"):
-            if not all(x > 0 for x in _numbers(getattr(self, name), name)):
-                raise ConfigError(f"--{name.replace('_', '-')} must list positive numbers")
+            positive_list(self, name)
         unknown = set(self.optimizers.split(",")) - {"sgd", "adam", "adamw"}
         if unknown:
             raise ConfigError(f"--optimizers: unknown {', '.join(sorted(unknown))} "
                               "(sgd, adam, adamw)")
-
-
-def _numbers(text: str, name: str = "") -> list[float]:
-    try:
-        return [float(x) if "." in x else int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"--{name.replace('_', '-')} must be a comma-separated list of numbers, "
-                          f"got {text!r}") from None
 
 
 # -- server process -------------------------------------------------------------------------
@@ -381,8 +372,8 @@ def show(r: dict) -> str:
 
 
 def sweep(cfg: BenchConfig) -> list[dict]:
-    sizes = [int(s * MB) for s in _numbers(cfg.sizes_mb)]
-    widths, shard_counts = _numbers(cfg.workers), _numbers(cfg.shards)
+    sizes = [int(s * MB) for s in positive_list(cfg, "sizes_mb")]
+    widths, shard_counts = positive_list(cfg, "workers"), positive_list(cfg, "shards")
     optimizers = [o.strip() for o in cfg.optimizers.split(",") if o.strip()]
     workers = Workers(widths)
     rows = []

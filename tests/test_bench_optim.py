@@ -43,3 +43,9 @@ def test_bad_flag_names_it():
     r = run_bench("--optimizers", "sgd,lamb")
     assert r.returncode != 0
     assert "--optimizers: unknown lamb" in r.stderr
+
+
+def test_bad_size_list_names_the_flag():
+    r = run_bench("--sizes-mb", "1,0")
+    assert r.returncode != 0
+    assert "--sizes-mb must be a comma-separated list of positive numbers (got '1,0')" in r.stderr

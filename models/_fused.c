@@ -67,9 +67,21 @@
 DEFINE_KERNELS(float, f32, sqrtf)
 DEFINE_KERNELS(double, f64, sqrt)
 
-/* The element size (4 or 8) if all `count` views hold float32, or all float64, and are of
- * one length; 0 with ValueError set otherwise. */
-static int same_floats(Py_buffer *views, int count) {
+static void release(Py_buffer *views, int count) {
+    for (int k = 0; k < count; k++) PyBuffer_Release(&views[k]);
+}
+
+/* Contiguous views of objs[0..count-1], all writable but objs[1] (the gradient), all float32
+ * or all float64, of one length: returns the element size (4 or 8), or 0 with an exception
+ * set and nothing held. */
+static int open_views(PyObject **objs, Py_buffer *views, int count) {
+    for (int k = 0; k < count; k++) {
+        int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (k == 1 ? 0 : PyBUF_WRITABLE);
+        if (PyObject_GetBuffer(objs[k], &views[k], flags) < 0) {
+            release(views, k);
+            return 0;
+        }
+    }
     Py_ssize_t itemsize = views[0].itemsize;
     for (int k = 0; k < count; k++) {
         const char *f = views[k].format;
@@ -80,87 +92,64 @@ static int same_floats(Py_buffer *views, int count) {
                          "fused optimizer buffers must be contiguous float32 or float64 of "
                          "one length (buffer %d: format %s, %zd bytes; buffer 0: %zd bytes)",
                          k, views[k].format, views[k].len, views[0].len);
+            release(views, count);
             return 0;
         }
     }
     return (int)itemsize;
 }
 
-/* Buffers of objs[0..count-1], contiguous; all but objs[1] (the gradient) writable. */
-static int get_views(PyObject **objs, Py_buffer *views, int count) {
-    for (int k = 0; k < count; k++) {
-        int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (k == 1 ? 0 : PyBUF_WRITABLE);
-        if (PyObject_GetBuffer(objs[k], &views[k], flags) < 0) {
-            while (k--) PyBuffer_Release(&views[k]);
-            return 0;
-        }
-    }
-    return 1;
-}
-
-static void release(Py_buffer *views, int count) {
-    for (int k = 0; k < count; k++) PyBuffer_Release(&views[k]);
-}
-
 static PyObject *sgd(PyObject *self, PyObject *args) {
     PyObject *objs[2];
     double lr;
     Py_buffer b[2];
-    if (!PyArg_ParseTuple(args, "OOd", &objs[0], &objs[1], &lr) || !get_views(objs, b, 2))
+    int size;
+    if (!PyArg_ParseTuple(args, "OOd", &objs[0], &objs[1], &lr) || !(size = open_views(objs, b, 2)))
         return NULL;
-    int size = same_floats(b, 2);
-    if (size) {
-        Py_ssize_t n = b[0].len / size;
-        Py_BEGIN_ALLOW_THREADS
-        if (size == 4) sgd_f32(b[0].buf, b[1].buf, n, (float)lr);
-        else sgd_f64(b[0].buf, b[1].buf, n, lr);
-        Py_END_ALLOW_THREADS
-    }
+    Py_ssize_t n = b[0].len / size;
+    Py_BEGIN_ALLOW_THREADS
+    if (size == 4) sgd_f32(b[0].buf, b[1].buf, n, (float)lr);
+    else sgd_f64(b[0].buf, b[1].buf, n, lr);
+    Py_END_ALLOW_THREADS
     release(b, 2);
-    return size ? Py_NewRef(Py_None) : NULL;
+    Py_RETURN_NONE;
 }
 
 static PyObject *momentum(PyObject *self, PyObject *args) {
     PyObject *objs[3];
     double mu, lr;
-    int nesterov;
+    int nesterov, size;
     Py_buffer b[3];
     if (!PyArg_ParseTuple(args, "OOOddp", &objs[0], &objs[1], &objs[2], &mu, &lr, &nesterov)
-        || !get_views(objs, b, 3))
+        || !(size = open_views(objs, b, 3)))
         return NULL;
-    int size = same_floats(b, 3);
-    if (size) {
-        Py_ssize_t n = b[0].len / size;
-        Py_BEGIN_ALLOW_THREADS
-        if (size == 4)
-            momentum_f32(b[0].buf, b[1].buf, b[2].buf, n, (float)mu, (float)lr, nesterov);
-        else momentum_f64(b[0].buf, b[1].buf, b[2].buf, n, mu, lr, nesterov);
-        Py_END_ALLOW_THREADS
-    }
+    Py_ssize_t n = b[0].len / size;
+    Py_BEGIN_ALLOW_THREADS
+    if (size == 4) momentum_f32(b[0].buf, b[1].buf, b[2].buf, n, (float)mu, (float)lr, nesterov);
+    else momentum_f64(b[0].buf, b[1].buf, b[2].buf, n, mu, lr, nesterov);
+    Py_END_ALLOW_THREADS
     release(b, 3);
-    return size ? Py_NewRef(Py_None) : NULL;
+    Py_RETURN_NONE;
 }
 
 static PyObject *adam(PyObject *self, PyObject *args) {
     PyObject *objs[4];
     double b1, c1, b2, c2, eps, lr;
     Py_buffer b[4];
+    int size;
     if (!PyArg_ParseTuple(args, "OOOOdddddd", &objs[0], &objs[1], &objs[2], &objs[3], &b1, &c1,
                           &b2, &c2, &eps, &lr)
-        || !get_views(objs, b, 4))
+        || !(size = open_views(objs, b, 4)))
         return NULL;
-    int size = same_floats(b, 4);
-    if (size) {
-        Py_ssize_t n = b[0].len / size;
-        Py_BEGIN_ALLOW_THREADS
-        if (size == 4)
-            adam_f32(b[0].buf, b[1].buf, b[2].buf, b[3].buf, n, (float)b1, (float)c1, (float)b2,
-                     (float)c2, (float)eps, (float)lr);
-        else adam_f64(b[0].buf, b[1].buf, b[2].buf, b[3].buf, n, b1, c1, b2, c2, eps, lr);
-        Py_END_ALLOW_THREADS
-    }
+    Py_ssize_t n = b[0].len / size;
+    Py_BEGIN_ALLOW_THREADS
+    if (size == 4)
+        adam_f32(b[0].buf, b[1].buf, b[2].buf, b[3].buf, n, (float)b1, (float)c1, (float)b2,
+                 (float)c2, (float)eps, (float)lr);
+    else adam_f64(b[0].buf, b[1].buf, b[2].buf, b[3].buf, n, b1, c1, b2, c2, eps, lr);
+    Py_END_ALLOW_THREADS
     release(b, 4);
-    return size ? Py_NewRef(Py_None) : NULL;
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {

@@ -66,7 +66,7 @@ class BenchConfig:
 
 
 def median_seconds(fn, rounds: int) -> float:
-    fn()  # warm-up: first touch of scratch and state
+    fn()  # warm-up
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
@@ -81,15 +81,13 @@ def one_step(name: str, n: int, threads: int, fused: bool, rounds: int):
     optim._fused = saved if fused else None
     try:
         rng = np.random.default_rng(n)
-        start = rng.standard_normal(n).astype(np.float32)
+        params = rng.standard_normal(n).astype(np.float32)
         grad = rng.standard_normal(n).astype(np.float32)
         cfg = build(OptimConfig, {"lr": 1e-3, "warmup": 0, **SETTINGS[name]})
-        params = start.copy()
-        first = BlockedOptimizer(cfg, params, threads=threads)
-        first.step(params, grad, 1e-3)
+        optimizer = BlockedOptimizer(cfg, params, threads=threads)
+        optimizer.step(params, grad, 1e-3)
         after_one = params.copy()
-        timed = BlockedOptimizer(cfg, params, threads=threads)
-        seconds = median_seconds(lambda: timed.step(params, grad, 1e-3), rounds)
+        seconds = median_seconds(lambda: optimizer.step(params, grad, 1e-3), rounds)
         return seconds, after_one
     finally:
         optim._fused = saved

@@ -31,6 +31,7 @@ from models.checkpoint import CheckpointError
 from models.config import ConfigError, run_cli
 from models.metrics import MetricsLog, run_header
 from models.session import build_session, parse
+from models.threads import share_cores
 from models.train import replica_cost, summary_lines
 from models.trainer import Trainer
 
@@ -85,6 +86,7 @@ def main(argv: list[str]) -> int:
     opts = setup.extra
     if opts.bucket_mb <= 0:
         raise ConfigError(f"--bucket-mb must be positive (got {opts.bucket_mb})")
+    threads = share_cores()
     grid = ProcessGrid(timeout=opts.collective_timeout)
     grid.select_device()
     comm, rank = grid.dp_comm, grid.dp_rank
@@ -96,15 +98,15 @@ def main(argv: list[str]) -> int:
                                   opts.allreduce, opts.overlap)
     header = run_header(session, "sync", flops_per_step=flops_per_step,
                         allreduce=opts.allreduce, bucket_mb=opts.bucket_mb,
-                        overlap=reducer.buckets.overlap)
+                        overlap=reducer.buckets.overlap, threads=threads.as_dict())
     log = MetricsLog(setup.run.metrics if rank == 0 else "", header, append=setup.run.resume)
     trainer = Trainer(session, log, reducer, is_main=rank == 0)  # loads a checkpoint on --resume
     comm.broadcast(params.data, root=0)
     check_replicas_agree(comm, params, "after the initial broadcast")
     if rank == 0:
         print(f"{setup.model_name}: {params.size:,} parameters on {grid.dp_size} ranks, "
-              f"allreduce {opts.allreduce}, {len(reducer.buckets.buckets)} bucket(s)",
-              file=sys.stderr)
+              f"allreduce {opts.allreduce}, {len(reducer.buckets.buckets)} bucket(s); "
+              f"{threads.describe()} per rank", file=sys.stderr)
     try:
         summary = trainer.run()
     finally:

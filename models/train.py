@@ -18,6 +18,7 @@ from models.config import run_cli
 from models.cost import estimate
 from models.metrics import MetricsLog, run_header
 from models.session import Setup, build_session, parse
+from models.threads import share_cores
 from models.trainer import Summary, Trainer
 
 
@@ -45,12 +46,14 @@ def replica_cost(setup: Setup):
 
 def main(argv: list[str]) -> int:
     setup = parse(argv, prog="python -m models.train", description=__doc__.split("\n\n")[0])
+    threads = share_cores()
     session = build_session(setup)
     cost = replica_cost(setup)
-    header = run_header(session, "single", flops_per_step=cost.flops_step)
+    header = run_header(session, "single", flops_per_step=cost.flops_step,
+                        threads=threads.as_dict())
     log = MetricsLog(setup.run.metrics, header, append=setup.run.resume)
-    print(f"{setup.model_name}: {session.params.size:,} parameters, data {header['dataset']}",
-          file=sys.stderr)
+    print(f"{setup.model_name}: {session.params.size:,} parameters, data {header['dataset']}; "
+          f"{threads.describe()}", file=sys.stderr)
     try:
         summary = Trainer(session, log).run()
     finally:

@@ -22,6 +22,7 @@ import threading
 from models.checkpoint import CheckpointError
 from models.config import add_flags, from_namespace, run_cli
 from models.session import parse
+from models.threads import share_cores
 from pserver.allocator import keep_freed_memory
 from pserver.config import ServerConfig
 from pserver.daemon import Daemon, build_store, config_record
@@ -37,6 +38,9 @@ def serve(argv: list[str]) -> int:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keep_freed_memory()
+    # The daemon's work is the optimizer on its own thread pool (--apply-threads), no matmul.
+    logging.getLogger("pserver").info("shard %d: %s", cfg.shard,
+                                      share_cores(threads=1).describe())
     store = build_store(cfg, setup.model_name, setup.model, setup.optim)
     daemon = Daemon(cfg, store, config_record(cfg, setup.model_name, setup.model, setup.optim))
     stop = threading.Event()

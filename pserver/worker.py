@@ -47,6 +47,7 @@ from models.metrics import MetricsLog, run_header
 from models.optim import clip_grad_norm
 from models.progress import Progress
 from models.session import Session, build_session, parse
+from models.threads import share_cores
 from models.train import summary_lines
 from models.trainer import Summary
 from protos import dtlab_ps_pb2 as pb
@@ -160,6 +161,8 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keep_freed_memory()
+    threads = share_cores()
+    log.info("worker %d: %s", wid, threads.describe())
     session = build_session(setup, rank=wid, world=world)
     client = PSClient(client_cfg)
     try:
@@ -171,7 +174,7 @@ def main(argv: list[str]) -> int:
         info = client.shards[0].info
         header = run_header(session, "async", worker=wid, servers=client_cfg.addresses(),
                             consistency=pb.Consistency.Name(info.consistency).lower(),
-                            staleness_bound=info.staleness_bound)
+                            staleness_bound=info.staleness_bound, threads=threads.as_dict())
         metrics = MetricsLog(metrics_path, header, append=first > 0)
         try:
             summary = Worker(session, client, wid, metrics).run(first)

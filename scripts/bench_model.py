@@ -38,6 +38,7 @@ from models.memory import context_bytes
 from models.mlp import MLPConfig
 from models.model import Replica
 from models.optim import OptimConfig, make_optimizer
+from models.threads import share_cores
 from models.transformer import TransformerConfig
 from models.zoo import build_model
 
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     if reps < 1 or warmup < 0:
         p.error("--reps must be at least 1 and --warmup not negative")
 
+    threads = share_cores()
     try:
         device = backend.device_name()
     except backend.DeviceError as e:
@@ -176,9 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     header = {"device": device, "numpy": np.__version__, "python": platform.python_version(),
               "machine": platform.machine(), "cpus": os.cpu_count(),
               "load_average": os.getloadavg(), "reps": reps, "warmup": warmup,
-              "timing": "best of reps"}
+              "timing": "best of reps", "threads": threads.as_dict()}
     print(f"# dtlab model step benchmark on {header['device']}: best of {reps} after "
-          f"{warmup} warm-up; GFLOP = models.cost matmul FLOPs per step; "
+          f"{warmup} warm-up, {threads.describe()}; GFLOP = models.cost matmul FLOPs per step; "
           "ratio = GFLOP/s / same-run float32 matmul GFLOP/s")
     print("#" + HEADER[1:])
     rows = []

@@ -13,8 +13,9 @@ rank-0 metrics and reports, over the steps after warm-up (medians):
     comm %       time inside bucket all-reduces / step time (may overlap backward)
     wait %       time the step was blocked on communication / step time (exposed)
 
-BLAS threads per rank are cores // N (at least 1), so every N uses the same
-cores. Extra arguments after `--` go to the trainer.
+BLAS threads per rank are chosen by the trainer (cores // N, at least 1,
+models/threads.py; recorded in the `threads` column), so every N uses the
+same cores. Extra arguments after `--` go to the trainer.
 """
 
 from __future__ import annotations
@@ -46,12 +47,10 @@ def mpiexec() -> str:
 
 def run(n: int, algo: str, steps: int, config: list[str], workdir: str, timeout: float) -> dict:
     metrics = os.path.join(workdir, f"sync-{n}-{algo}.jsonl")
-    threads = str(max(1, (os.cpu_count() or 1) // n))
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads}
     cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "collective.train", *config,
            "--steps", str(steps), "--allreduce", algo, "--metrics", metrics,
            "--log-every", str(steps), "--warmup", "0"]
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=timeout,
+    subprocess.run(cmd, cwd=ROOT, check=True, timeout=timeout,
                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     header, records = read_metrics(metrics)
     kept = records[max(1, len(records) // 5):]  # drop warm-up steps
@@ -59,7 +58,8 @@ def run(n: int, algo: str, steps: int, config: list[str], workdir: str, timeout:
     run_cfg = header["config"]["run"]
     samples = run_cfg["batch_size"] * run_cfg["grad_accum"] * n
     return {"n": n, "algo": algo, "params": header["n_params"], "samples_per_step": samples,
-            "step_ms": step_s * 1e3, "samples_per_s": samples / step_s,
+            "threads": header["threads"]["threads"], "step_ms": step_s * 1e3,
+            "samples_per_s": samples / step_s,
             "comm_frac": statistics.median(r["comm_s"] / r["step_s"] for r in kept),
             "wait_frac": statistics.median(r["wait_s"] / r["step_s"] for r in kept),
             "final_loss": records[-1]["loss"]}
@@ -86,12 +86,15 @@ def main() -> int:
     base = {r["algo"]: r["samples_per_s"] for r in rows if r["n"] == ranks[0]}
     print(f"# sync data parallel, {rows[0]['params']:,} parameters, "
           f"{os.cpu_count()} cores, per-rank batch fixed")
-    print(f"# {'algo':>6} {'n':>3} {'step(ms)':>9} {'samples/s':>10} {'speedup':>8} "
+    print("# threads: BLAS threads per rank; speedup: samples/s over the first n's; "
+          "effic: speedup / n; comm %: all-reduce time / step; wait %: exposed wait / step")
+    print(f"# {'algo':>6} {'n':>3} {'threads':>7} {'step(ms)':>9} {'samples/s':>10} {'speedup':>8} "
           f"{'effic':>6} {'comm %':>7} {'wait %':>7}")
     for r in rows:
         r["speedup"] = r["samples_per_s"] / base[r["algo"]]
         r["efficiency"] = r["speedup"] * ranks[0] / r["n"]
-        print(f"  {r['algo']:>6} {r['n']:>3} {r['step_ms']:>9.1f} {r['samples_per_s']:>10.1f} "
+        print(f"  {r['algo']:>6} {r['n']:>3} {r['threads']:>7} {r['step_ms']:>9.1f} "
+              f"{r['samples_per_s']:>10.1f} "
               f"{r['speedup']:>8.2f} {r['efficiency']:>6.2f} {100 * r['comm_frac']:>7.1f} "
               f"{100 * r['wait_frac']:>7.1f}")
     if args.json:

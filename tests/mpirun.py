@@ -15,8 +15,8 @@ pass `wrap=False` to run `python ARGS...` instead, e.g. to test that dtlab's
 own abort handler does that without it.
 
 The environment is this one plus `env`, with PYTHONUNBUFFERED=1 (output
-survives MPI_Abort) and one BLAS/OpenMP thread per rank unless set (N ranks
-share the machine's cores). Oversubscription (N above the core count) needs
+survives MPI_Abort); dtlab's entry points share the cores among the ranks
+themselves (models/threads.py). Oversubscription (N above the core count) needs
 nothing with MPICH's Hydra: it does not bind ranks to cores by default.
 
 On timeout the whole process group (mpiexec, its proxy and every rank) is
@@ -80,8 +80,6 @@ def mpirun(
         cmd += ["-m", "mpi4py"]
     cmd += [str(a) for a in args]
     full_env = dict(os.environ)
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        full_env.setdefault(var, "1")
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env.update(env or {})
     start = time.monotonic()

@@ -102,14 +102,16 @@ class DeregisterReply(_message.Message):
     def __init__(self) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "shard", "known_version")
+    __slots__ = ("worker_id", "shard", "known_version", "wait_timeout_s")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     shard: int
     known_version: int
-    def __init__(self, worker_id: _Optional[int] = ..., shard: _Optional[int] = ..., known_version: _Optional[int] = ...) -> None: ...
+    wait_timeout_s: float
+    def __init__(self, worker_id: _Optional[int] = ..., shard: _Optional[int] = ..., known_version: _Optional[int] = ..., wait_timeout_s: _Optional[float] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("meta", "not_modified")
@@ -164,6 +166,90 @@ class PushReply(_message.Message):
     pending: bool
     lr: float
     def __init__(self, duplicate: _Optional[bool] = ..., staleness: _Optional[int] = ..., version: _Optional[int] = ..., pending: _Optional[bool] = ..., lr: _Optional[float] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("header", "chunk", "trailer", "pull", "shm_request", "shm_attach", "shm_push", "shm_pull")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    SHM_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    SHM_ATTACH_FIELD_NUMBER: _ClassVar[int]
+    SHM_PUSH_FIELD_NUMBER: _ClassVar[int]
+    SHM_PULL_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunk: Chunk
+    trailer: Trailer
+    pull: PullRequest
+    shm_request: ShmRequest
+    shm_attach: ShmAttach
+    shm_push: ShmPush
+    shm_pull: PullRequest
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., shm_request: _Optional[_Union[ShmRequest, _Mapping]] = ..., shm_attach: _Optional[_Union[ShmAttach, _Mapping]] = ..., shm_push: _Optional[_Union[ShmPush, _Mapping]] = ..., shm_pull: _Optional[_Union[PullRequest, _Mapping]] = ...) -> None: ...
+
+class SessionReply(_message.Message):
+    __slots__ = ("header", "chunk", "trailer", "pushed", "shm_offer", "shm_ready", "shm_pulled")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFER_FIELD_NUMBER: _ClassVar[int]
+    SHM_READY_FIELD_NUMBER: _ClassVar[int]
+    SHM_PULLED_FIELD_NUMBER: _ClassVar[int]
+    header: PullHeader
+    chunk: Chunk
+    trailer: Trailer
+    pushed: PushReply
+    shm_offer: ShmOffer
+    shm_ready: ShmReady
+    shm_pulled: ShmPulled
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ..., pushed: _Optional[_Union[PushReply, _Mapping]] = ..., shm_offer: _Optional[_Union[ShmOffer, _Mapping]] = ..., shm_ready: _Optional[_Union[ShmReady, _Mapping]] = ..., shm_pulled: _Optional[_Union[ShmPulled, _Mapping]] = ...) -> None: ...
+
+class ShmRequest(_message.Message):
+    __slots__ = ("boot_id",)
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    boot_id: str
+    def __init__(self, boot_id: _Optional[str] = ...) -> None: ...
+
+class ShmOffer(_message.Message):
+    __slots__ = ("path", "size", "data_offset", "refused")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    data_offset: int
+    refused: str
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., data_offset: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
+
+class ShmAttach(_message.Message):
+    __slots__ = ("token",)
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token: bytes
+    def __init__(self, token: _Optional[bytes] = ...) -> None: ...
+
+class ShmReady(_message.Message):
+    __slots__ = ("refused",)
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    refused: str
+    def __init__(self, refused: _Optional[str] = ...) -> None: ...
+
+class ShmPush(_message.Message):
+    __slots__ = ("header", "adler32")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    ADLER32_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    adler32: int
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., adler32: _Optional[int] = ...) -> None: ...
+
+class ShmPulled(_message.Message):
+    __slots__ = ("header", "adler32")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    ADLER32_FIELD_NUMBER: _ClassVar[int]
+    header: PullHeader
+    adler32: int
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., adler32: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -54,6 +54,11 @@ class ParameterServerStub:
                 request_serializer=protos_dot_dtlab__ps__pb2.PushRequest.SerializeToString,
                 response_deserializer=protos_dot_dtlab__ps__pb2.PushReply.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/dtlab.ps.v1.ParameterServer/Session',
+                request_serializer=protos_dot_dtlab__ps__pb2.SessionRequest.SerializeToString,
+                response_deserializer=protos_dot_dtlab__ps__pb2.SessionReply.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/dtlab.ps.v1.ParameterServer/Stats',
                 request_serializer=protos_dot_dtlab__ps__pb2.StatsRequest.SerializeToString,
@@ -101,6 +106,20 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """One long-lived stream per worker and shard carrying any number of pulls
+        and pushes, one at a time, each as on Pull and Push: a pull is
+        SessionRequest.pull answered by header, chunks, trailer; a push is
+        header, chunks, trailer answered by SessionReply.pushed. It saves every
+        operation the set-up of a call. An operation that fails ends the stream
+        with its status (as the call would have); the client opens a new one.
+        A worker on the server's host may move the tensor bytes through shared
+        memory instead (shm_request, shm_attach, then shm_push and shm_pull).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -136,6 +155,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=protos_dot_dtlab__ps__pb2.PushRequest.FromString,
                     response_serializer=protos_dot_dtlab__ps__pb2.PushReply.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=protos_dot_dtlab__ps__pb2.SessionRequest.FromString,
+                    response_serializer=protos_dot_dtlab__ps__pb2.SessionReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -256,6 +280,33 @@ class ParameterServer:
             '/dtlab.ps.v1.ParameterServer/Push',
             protos_dot_dtlab__ps__pb2.PushRequest.SerializeToString,
             protos_dot_dtlab__ps__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/dtlab.ps.v1.ParameterServer/Session',
+            protos_dot_dtlab__ps__pb2.SessionRequest.SerializeToString,
+            protos_dot_dtlab__ps__pb2.SessionReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,11 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from protos import dtlab_ps_pb2 as pb
 from pserver.errors import FailedPrecondition
 from pserver.wire import ChunkedArray
-
-MODES = {"asp": pb.ASP, "ssp": pb.SSP, "bsp": pb.BSP}
 
 
 @dataclass(frozen=True)
@@ -44,10 +41,6 @@ class Consistency:
     @property
     def aggregate(self) -> bool:
         return self.mode == "bsp"
-
-    @property
-    def code(self) -> int:
-        return MODES[self.mode]
 
 
 @dataclass

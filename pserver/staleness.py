@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-from protos import dtlab_ps_pb2 as pb
-
 PROMETHEUS_BOUNDS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -40,9 +38,13 @@ class Histogram:
         out = [(str(b), sum(c for s, c in self.counts.items() if s <= b)) for b in bounds]
         return out + [("+Inf", self.total)]
 
-    def to_proto(self) -> pb.Histogram:
-        return pb.Histogram(counts=dict(self.counts), total=self.total, sum=self.sum,
-                            max=self.max)
+    def copy(self) -> Histogram:
+        return Histogram.from_dict(self.to_dict())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Histogram) and self.counts == other.counts
+
+    __hash__ = None
 
     def to_dict(self) -> dict:
         """A JSON-able copy (checkpoints keep it): {"staleness": count}."""

@@ -34,11 +34,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from models.optim import Optimizer, Schedule
-from protos import dtlab_ps_pb2 as pb
 from pserver.blocked import BlockedOptimizer
 from pserver.consistency import Clocks, Consistency, Round, WorkerState
 from pserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
-from pserver.staleness import StalenessLog
+from pserver.staleness import Histogram, StalenessLog
 from pserver.wire import CHUNK_BYTES, ChunkedArray, Snapshot
 
 log = logging.getLogger(__name__)
@@ -72,6 +71,37 @@ class PushResult:
     version: int
     pending: bool = False
     lr: float = 0.0
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    clock: int  # pushes accepted from this worker
+    next_step: int
+    active: bool
+    staleness: Histogram
+
+
+@dataclass(frozen=True)
+class ShardStats:
+    """A consistent copy of the shard's counters (StatsReply's fields, as numbers)."""
+
+    version: int
+    updates: int  # optimizer steps taken
+    pushes: int  # gradients accepted
+    duplicates: int
+    rejected: Counter[str]  # by reason
+    pulls: int
+    pulls_not_modified: int
+    bytes_received: int
+    bytes_sent: int
+    staleness: Histogram  # every gradient this shard applied
+    workers: dict[int, WorkerStats]
+    max_clock_lead: int  # largest lead over the slowest worker a pull was served at
+    lr: float  # of the last update
+    apply_seconds: float  # in the optimizer
+    pushes_in_flight: int
+    receive_seconds: float  # receiving pushes, header to checked data
+    check_seconds: float  # of which checking the data (Adler-32, finite values)
 
 
 @dataclass(frozen=True)
@@ -304,26 +334,28 @@ class ShardStore:
         with self._cond:
             self._cond.notify_all()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         """Fail waiting and future pulls with UNAVAILABLE; pushes still complete."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
 
-    def stats(self) -> pb.StatsReply:
+    def stats(self) -> ShardStats:
         with self._cond:
-            lay, c = self.layout, self.counters
-            workers = {
-                w: pb.WorkerStats(clock=s.clock, next_step=s.next_step, active=s.active,
-                                  staleness=self.staleness.worker(w).to_proto())
-                for w, s in self.clocks.workers.items()}
-            return pb.StatsReply(
-                shard=lay.shard, num_shards=lay.num_shards, consistency=self.policy.code,
+            c = self.counters
+            workers = {w: WorkerStats(s.clock, s.next_step, s.active,
+                                      self.staleness.worker(w).copy())
+                       for w, s in self.clocks.workers.items()}
+            return ShardStats(
                 version=self.version, updates=self.optimizer.steps, pushes=c["pushes"],
-                duplicates=c["duplicates"], rejected=dict(self.rejected), pulls=c["pulls"],
+                duplicates=c["duplicates"], rejected=Counter(self.rejected), pulls=c["pulls"],
                 pulls_not_modified=c["pulls_not_modified"],
                 bytes_received=c["bytes_received"], bytes_sent=c["bytes_sent"],
-                staleness=self.staleness.shard.to_proto(), workers=workers,
+                staleness=self.staleness.shard.copy(), workers=workers,
                 max_clock_lead=self.max_lead, lr=self.last_lr, apply_seconds=self.apply_seconds,
                 pushes_in_flight=c["in_flight"], receive_seconds=self.receive_seconds,
                 check_seconds=self.check_seconds)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from models.config import ConfigError, build
+from models.launcher import RANK_VARS, SIZE_VARS
 from models.optim import OptimConfig, Schedule, make_optimizer
 from protos import dtlab_ps_pb2 as pb
 from pserver import checkpoint, wire
@@ -15,7 +16,7 @@ from pserver.blocked import BlockedOptimizer
 from pserver.consistency import Consistency
 from pserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from pserver.store import ShardLayout, ShardStore
-from pserver.worker import RANK_VARS, SIZE_VARS, WorkerConfig
+from pserver.worker import WorkerConfig
 
 N = 10
 

@@ -12,6 +12,13 @@ a shard whose version has not moved answers "not modified" and sends
 nothing. Every call has a deadline; only UNAVAILABLE is retried, with
 exponential backoff (a push is safe to retry: the server applies each
 (worker, step) once; Li et al. 2014 make the same choice in ps-lite).
+
+Pulls and pushes travel on one long-lived Session stream per shard
+(pserver.session; `transport="calls"`: a Pull or Push call each, as before
+sessions). A shard on this host agrees on a shared-memory segment for the
+tensor bytes unless `shm=False` (pserver.shm): the pushed gradient is copied
+into the segment and the pulled values out of it, each with its Adler-32 in
+the same pass, and gRPC carries the rest.
 """
 
 from __future__ import annotations
@@ -29,18 +36,29 @@ from protos import dtlab_ps_pb2 as pb
 from pserver import auth, wire
 from pserver.config import ClientConfig
 from pserver.errors import DataLoss, InvalidArgument
+from pserver.session import PULL, SHM_PULL, SHM_PUSH, Session, Watchdog
 from pserver.wire import SERVICE
 
 log = logging.getLogger(__name__)
 
 _MAX_BACKOFF_S = 2.0
+TRANSPORTS = ("session", "calls")
 
 
 class ShardClient:
-    """One shard's channel and calls."""
+    """One shard's channel, calls and session."""
 
-    def __init__(self, address: str, cfg: ClientConfig, max_message_bytes: int = 64 << 20):
+    def __init__(self, address: str, cfg: ClientConfig, max_message_bytes: int = 64 << 20,
+                 transport: str = "session", shm: bool = True,
+                 codec: wire.HandCodec | wire.GeneratedCodec = wire.HAND,
+                 watchdog: Watchdog | None = None):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport {transport!r}: one of {', '.join(TRANSPORTS)}")
         self.address, self.cfg = address, cfg
+        self.transport, self.codec = transport, codec
+        self._session: Session | None = None
+        self._watchdog = watchdog
+        self.shm_refused = "" if shm else "the worker runs with shm off"
         self._metadata = auth.call_metadata(auth.read_token(cfg.token_file, cfg.token_env))
         # reconnect within ~0.1-2 s (gRPC's default backoff starts at 1 s, grows to 120 s),
         # so that retries find a restarted shard
@@ -68,6 +86,7 @@ class ShardClient:
                                           pb.CheckpointReply.FromString)
         self._pull = ch.unary_stream(path + "Pull", pb.PullRequest.SerializeToString)
         self._push = ch.stream_unary(path + "Push", None, pb.PushReply.FromString)
+        self._open = ch.stream_stream(path + "Session")
         self._health = health_pb2_grpc.HealthStub(ch)
         self.info: pb.RegisterReply | None = None
 
@@ -145,35 +164,56 @@ class ShardClient:
         req = pb.PullRequest(worker_id=worker, shard=self.info.shard)
         if known_version is not None:
             req.known_version = known_version
+        if self.transport == "session":
+            req.wait_timeout_s = self.cfg.rpc_timeout_s
+            return self._retry(lambda: self._in_session(lambda s: self._pull_session(s, req, out)),
+                               "Pull")
 
         def attempt():
             call = self._pull(req, timeout=self.cfg.rpc_timeout_s, metadata=self._metadata)
             try:
-                return self._receive(call, out)
+                return self._receive(call, pb.PullReply, out)
             finally:
                 call.cancel()
 
         return self._retry(attempt, "Pull")
 
-    def _receive(self, call, out: np.ndarray) -> tuple[int, bool]:
-        field, body = wire.split(next(call))
-        if field != wire.HEADER:
+    def _receive(self, messages, cls, out: np.ndarray) -> tuple[int, bool]:
+        """A pull's header, chunks and trailer from `messages` into `out`."""
+        kind, header = self.codec.read(cls, next(messages))
+        if kind != "header":
             raise InvalidArgument(f"{self.address}: pull stream did not start with a header")
-        header = wire.parse(pb.PullHeader, body)
         self._check_meta(header.meta, out)
         if header.not_modified:
             return header.meta.version, False
         received = wire.ChunkedArray(out.size, out.dtype, into=out)
-        for raw in call:
-            field, body = wire.split(raw)
-            if field == wire.CHUNK:
-                received.add(*wire.parse_chunk(body))
-            elif field == wire.TRAILER:
-                received.finish(wire.parse(pb.Trailer, body))
+        for raw in messages:
+            kind, value = self.codec.read(cls, raw)
+            if kind == "chunk":
+                received.add(*value)
+            elif kind == "trailer":
+                received.finish(value)
                 return header.meta.version, True
             else:
-                raise InvalidArgument(f"{self.address}: second header in a pull stream")
+                raise InvalidArgument(f"{self.address}: {kind} inside a pull stream")
         raise DataLoss(f"{self.address}: pull stream ended without a trailer")
+
+    def _pull_session(self, s: Session, req: pb.PullRequest, out: np.ndarray):
+        if s.segment is None:
+            s.send((wire.wrap(PULL, req),))
+            return self._receive(s.receive(), pb.SessionReply, out)
+        s.send((wire.wrap(SHM_PULL, req),))
+        pulled = s.expect("shm_pulled")
+        header = pulled.header
+        self._check_meta(header.meta, out)
+        if header.not_modified:
+            return header.meta.version, False
+        checksum = wire.copy_and_checksum(  # no view of the segment outlives the call
+            out, s.segment.array(out.dtype.newbyteorder("<"), out.size), wire.ADLER_START)
+        if checksum != pulled.adler32:
+            raise DataLoss(f"{self.address}: shm_pulled.adler32 {pulled.adler32:#010x} != "
+                           f"{checksum:#010x} computed over the segment", reason="checksum")
+        return header.meta.version, True
 
     def push(self, grad: np.ndarray, worker: int, step: int, version: int) -> pb.PushReply:
         """Stream one gradient for this shard, computed from `version`."""
@@ -182,20 +222,78 @@ class ShardClient:
                              offset=info.meta.offset, version=version)
         header = pb.PushHeader(worker_id=worker, step=step, shard=info.shard, meta=meta)
         chunk = min(self.cfg.chunk_bytes, info.max_message_bytes - 1024)
-        return self._retry(lambda: self._push(wire.stream(header, grad, chunk),
+        if self.transport == "session":
+            return self._retry(lambda: self._in_session(
+                lambda s: self._push_session(s, header, grad, chunk)), "Push")
+        return self._retry(lambda: self._push(wire.stream(header, grad, chunk, self.codec),
                                               timeout=self.cfg.rpc_timeout_s,
                                               metadata=self._metadata), "Push")
 
+    def _push_session(self, s: Session, header: pb.PushHeader, grad: np.ndarray,
+                      chunk: int) -> pb.PushReply:
+        if s.segment is None:
+            s.send(wire.stream(header, grad, chunk, self.codec))
+        else:
+            checksum = wire.copy_and_checksum(  # no view of the segment outlives the call
+                s.segment.array(grad.dtype.newbyteorder("<"), grad.size),
+                wire.little_endian(grad), wire.ADLER_START)
+            s.send((wire.wrap(SHM_PUSH, pb.ShmPush(header=header, adler32=checksum)),))
+        return s.expect("pushed")
+
+    def _in_session(self, operation):
+        """operation(session) on the open session (opened, and shared memory agreed, if
+        need be), under the call deadline; any failure closes the session."""
+        if self._session is None:
+            self._session = Session(self._open, self._metadata, self.codec, self._watchdog,
+                                    self.address)
+        s = self._session
+        try:
+            with s.operation(self.cfg.rpc_timeout_s):
+                if not self.shm_refused and s.segment is None:
+                    self._share_memory(s)
+                return operation(s)
+        except BaseException:
+            self._end_session()
+            raise
+
+    def _share_memory(self, s: Session) -> None:
+        nbytes = self.info.meta.shape[0] * wire.dtype_of(self.info.meta.dtype).itemsize
+        self.shm_refused = s.share_memory(nbytes)
+        if self.shm_refused:
+            log.info("%s: tensors over gRPC (no shared memory: %s)", self.address,
+                     self.shm_refused)
+        else:
+            log.info("%s: tensors through shared memory", self.address)
+
+    def _end_session(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether the open session moves the tensors through shared memory."""
+        return self._session is not None and self._session.segment is not None
+
     def close(self) -> None:
+        self._end_session()
         self.channel.close()
 
 
 class PSClient:
-    """All shards of one model: connect, pull and push to every shard in parallel."""
+    """All shards of one model: connect, pull and push to every shard in parallel.
 
-    def __init__(self, cfg: ClientConfig):
+    transport: "session" (one stream per shard) or "calls" (a call per pull and push);
+    shm: use shared memory with shards on this host; codec: wire.HAND, or
+    wire.CODECS["generated"] (the benchmark's baseline).
+    """
+
+    def __init__(self, cfg: ClientConfig, transport: str = "session", shm: bool = True,
+                 codec: wire.HandCodec | wire.GeneratedCodec = wire.HAND):
         self.cfg = cfg
-        self.shards = [ShardClient(a, cfg) for a in cfg.addresses()]
+        self._watchdog = Watchdog(min(1.0, cfg.rpc_timeout_s / 4))
+        self.shards = [ShardClient(a, cfg, transport=transport, shm=shm, codec=codec,
+                                   watchdog=self._watchdog) for a in cfg.addresses()]
         self._pool = ThreadPoolExecutor(len(self.shards), thread_name_prefix="ps-client")
         self.versions: list[int | None] = [None] * len(self.shards)
         self.worker = -1
@@ -267,3 +365,4 @@ class PSClient:
         for s in self.shards:
             s.close()
         self._pool.shutdown(wait=True)
+        self._watchdog.close()

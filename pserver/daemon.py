@@ -6,7 +6,11 @@ and async runs start from identical weights; or, with --resume, from the
 newest checkpoint in --checkpoint-dir. Shutdown (SIGTERM, see
 pserver.__main__) reports NOT_SERVING on the health service, fails pulls
 that wait on the consistency policy with UNAVAILABLE, lets in-flight pushes
-finish (up to --grace-s), writes a checkpoint when configured and returns.
+finish (up to --grace-s), ends the workers' sessions once no operation is
+in progress on them, writes a checkpoint when configured and returns.
+
+With shared memory allowed (`shm`), the daemon first sweeps segments that
+servers killed before unlinking them left in /dev/shm (pserver.shm).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import json
 import logging
 import os
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -29,7 +34,7 @@ from models.config import ConfigError
 from models.optim import OptimConfig, Schedule
 from models.params import FlatParams
 from models.zoo import build_model
-from pserver import auth, checkpoint, wire
+from pserver import auth, checkpoint, shm, wire
 from pserver.allocator import huge_empty
 from pserver.blocked import BlockedOptimizer
 from pserver.config import ServerConfig
@@ -79,11 +84,13 @@ class Daemon:
 
     `config` is the record checkpoints keep (see config_record); `handlers`
     adds further generic RPC handlers to the same server (the benchmark's
-    ceiling service).
+    ceiling service); `shm` offers co-located workers shared memory; `codec`
+    is the chunk codec (pserver.wire).
     """
 
     def __init__(self, cfg: ServerConfig, store: ShardStore, config: dict,
-                 handlers: tuple[grpc.GenericRpcHandler, ...] = ()):
+                 handlers: tuple[grpc.GenericRpcHandler, ...] = (), shm: bool = True,
+                 codec: wire.HandCodec | wire.GeneratedCodec = wire.HAND):
         self.cfg, self.store, self.config_record = cfg, store, config
         if cfg.resume:
             path = checkpoint.latest(cfg.checkpoint_dir, store.layout)
@@ -104,7 +111,8 @@ class Daemon:
             options=[*wire.transport_options(cfg.max_message_bytes), ("grpc.so_reuseport", 0)])
         self.servicer = ParameterServerServicer(
             self.store, cfg.max_message_bytes,
-            checkpoint=self.save_checkpoint if cfg.checkpoint_dir else None)
+            checkpoint=self.save_checkpoint if cfg.checkpoint_dir else None, shm=shm,
+            codec=codec)
         self.server.add_generic_rpc_handlers((handler(self.servicer), *handlers))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -125,11 +133,13 @@ class Daemon:
         self.metrics = None
         if cfg.metrics_port >= 0:
             try:
-                self.metrics = MetricsServer(cfg.bind, cfg.metrics_port, self.store.stats)
+                self.metrics = MetricsServer(cfg.bind, cfg.metrics_port, self.servicer.stats)
             except OSError as e:
                 raise ConfigError(f"--metrics-port {cfg.metrics_port}: {e.strerror}") from None
 
     def start(self) -> None:
+        if self.servicer.shm:
+            shm.sweep()
         self.server.start()
         if self.metrics is not None:
             self.metrics.start()
@@ -165,7 +175,12 @@ class Daemon:
         log.info("shutting down: finishing in-flight calls (up to %.1f s)", self.cfg.grace_s)
         self.health.enter_graceful_shutdown()
         self.store.close()
-        self.server.stop(self.cfg.grace_s).wait()
+        stopped = self.server.stop(self.cfg.grace_s)
+        deadline = time.monotonic() + self.cfg.grace_s
+        while self.servicer.busy and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.server.stop(None)  # what is left are sessions idle between operations
+        stopped.wait()
         if self.cfg.checkpoint_dir:
             self.save_checkpoint()
         if self.metrics is not None:

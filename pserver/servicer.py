@@ -4,36 +4,62 @@ Requests arrive as raw bytes (identity deserializers) and are decoded here,
 so a malformed message becomes INVALID_ARGUMENT with a message instead of
 gRPC's generic deserialization error, and a pushed gradient is never copied:
 its chunks stay in the received messages (pserver.wire.ChunkedArray) and the
-optimizer reads them there.
+optimizer reads them there. The store speaks arrays and numbers; the
+protobuf replies are built here.
 
 A push is validated in full before the store sees it: header (shard, dtype,
 shape, offset, worker, version), then every chunk (order, size, finite
 values) as it arrives, then the trailer (count, Adler-32). Any failure, or a
 stream that breaks off, drops the chunks: nothing is applied.
+
+Pulls and pushes arrive on their own calls (Pull, Push) or, one after
+another, on a worker's long-lived Session stream, which saves each operation
+the set-up of a call: its thread hand-offs and HTTP/2 stream. An operation
+that fails on a session ends the stream with the status its own call would
+have ended with. A session whose worker is on this host may agree on a
+shared-memory segment (pserver.shm): then a push's gradient and a pull's
+values move through the segment, with the same header, checks, Adler-32 and
+(worker, step) deduplication as on the wire.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 
 import grpc
+import numpy as np
 
 from protos import dtlab_ps_pb2 as pb
-from pserver import wire
-from pserver.errors import DataLoss, InvalidArgument, PSError
-from pserver.store import PushResult, ShardStore
+from pserver import shm, wire
+from pserver.errors import DataLoss, FailedPrecondition, InvalidArgument, PSError, Unavailable
+from pserver.staleness import Histogram
+from pserver.store import PushResult, Read, ShardStats, ShardStore
 
 log = logging.getLogger(__name__)
 
+CONSISTENCY = {"asp": pb.ASP, "ssp": pb.SSP, "bsp": pb.BSP}
+# SessionReply's oneof field numbers beyond the stream's header, chunk, trailer
+PUSHED, SHM_OFFER, SHM_READY, SHM_PULLED = 4, 5, 6, 7
+
+
 class ParameterServerServicer:
+    """`shm`: offer co-located workers a shared-memory segment; `codec`: how chunks are
+    encoded and decoded (wire.HAND, or wire.CODECS["generated"] for the benchmark)."""
+
     def __init__(self, store: ShardStore, max_message_bytes: int,
-                 checkpoint: Callable[[], tuple[str, int]] | None = None):
+                 checkpoint: Callable[[], tuple[str, int]] | None = None, shm: bool = True,
+                 codec: wire.HandCodec | wire.GeneratedCodec = wire.HAND):
         self.store, self.max_message_bytes, self._checkpoint = store, max_message_bytes, checkpoint
+        self.shm, self.codec, self.boot_id = shm, codec, shm and _boot_id()
         lay = store.layout
         self.meta = pb.TensorMeta(dtype=wire.dtype_code(store.params.dtype), shape=[lay.length],
                                   offset=lay.offset)
+        self._busy = 0  # operations in progress, on calls and sessions
+        self._busy_lock = threading.Lock()
 
     def _fail(self, context, err: PSError):
         self.store.reject(err.reason)
@@ -45,6 +71,21 @@ class ParameterServerServicer:
         meta.CopyFrom(self.meta)
         meta.version = version
         return meta
+
+    @contextlib.contextmanager
+    def _operation(self) -> Iterator[None]:
+        """Counts one pull or push in progress (the daemon's shutdown waits for none)."""
+        with self._busy_lock:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._busy_lock:
+                self._busy -= 1
+
+    @property
+    def busy(self) -> int:
+        return self._busy
 
     # -- unary ----------------------------------------------------------------------------
 
@@ -58,7 +99,7 @@ class ParameterServerServicer:
         lay, policy = self.store.layout, self.store.policy
         return pb.RegisterReply(
             shard=lay.shard, num_shards=lay.num_shards, model_size=lay.model_size,
-            meta=self._meta(version), consistency=policy.code,
+            meta=self._meta(version), consistency=CONSISTENCY[policy.mode],
             staleness_bound=policy.bound or 0, next_step=state.next_step,
             max_message_bytes=self.max_message_bytes)
 
@@ -70,7 +111,10 @@ class ParameterServerServicer:
         return pb.DeregisterReply()
 
     def Stats(self, raw: bytes, context) -> pb.StatsReply:
-        return self.store.stats()
+        return self.stats()
+
+    def stats(self) -> pb.StatsReply:
+        return stats_reply(self.store.stats(), self.store)
 
     def SaveCheckpoint(self, raw: bytes, context) -> pb.CheckpointReply:
         if self._checkpoint is None:
@@ -84,26 +128,34 @@ class ParameterServerServicer:
 
     # -- pull -----------------------------------------------------------------------------
 
-    def Pull(self, raw: bytes, context) -> Iterator[bytes]:
-        try:
-            req = wire.parse(pb.PullRequest, memoryview(raw))
-            if req.shard != self.store.layout.shard:
-                raise InvalidArgument(f"shard {req.shard}: this server holds shard "
-                                      f"{self.store.layout.shard}", reason="shard")
-            context.add_callback(self.store.wake)
-            known = req.known_version if req.HasField("known_version") else None
-            read = self.store.read(req.worker_id, known, context.time_remaining(),
-                                   alive=context.is_active)
-        except PSError as e:
-            self._fail(context, e)
-        header = pb.PullHeader(meta=self._meta(read.version), not_modified=read.tensor is None)
+    def _read(self, req: pb.PullRequest, context, timeout: float | None) -> Read:
+        if req.shard != self.store.layout.shard:
+            raise InvalidArgument(f"shard {req.shard}: this server holds shard "
+                                  f"{self.store.layout.shard}", reason="shard")
+        known = req.known_version if req.HasField("known_version") else None
+        return self.store.read(req.worker_id, known, timeout, alive=context.is_active)
+
+    def _header(self, read: Read) -> pb.PullHeader:
+        return pb.PullHeader(meta=self._meta(read.version), not_modified=read.tensor is None)
+
+    def _pull_stream(self, read: Read) -> Iterator[bytes]:
         try:
             if read.tensor is None:
-                yield wire.header_message(header)
+                yield wire.header_message(self._header(read))
             else:
-                yield from read.tensor.stream(header)
+                yield from read.tensor.stream(self._header(read), self.codec)
         finally:
             self.store.release(read)
+
+    def Pull(self, raw: bytes, context) -> Iterator[bytes]:
+        with self._operation():
+            try:
+                req = wire.parse(pb.PullRequest, memoryview(raw))
+                context.add_callback(self.store.wake)
+                read = self._read(req, context, context.time_remaining())
+            except PSError as e:
+                self._fail(context, e)
+            yield from self._pull_stream(read)
 
     # -- push -----------------------------------------------------------------------------
 
@@ -122,49 +174,194 @@ class ParameterServerServicer:
             raise InvalidArgument(f"meta.offset {h.meta.offset}: shard {lay.shard} starts at "
                                   f"{want.offset}", reason="offset")
 
-    def _receive(self, requests: Iterator[bytes]) -> wire.ChunkedArray:
-        """The pushed gradient, checked in full; raises on any fault."""
+    def _receive(self, requests: Iterator[bytes], cls, session: bool) -> wire.ChunkedArray:
+        """The pushed gradient, checked in full; raises on any fault. On a call the
+        trailer must be the last message; on a session the next operation follows it."""
         params = self.store.params
         grad = wire.ChunkedArray(params.size, params.dtype, finite=True, name="gradient")
         for raw in requests:
-            field, body = wire.split(raw)
-            if field == wire.CHUNK:
-                grad.add(*wire.parse_chunk(body))
-            elif field == wire.TRAILER:
-                trailer = wire.parse(pb.Trailer, body)
-                if next(requests, None) is not None:
+            kind, value = self.codec.read(cls, raw)
+            if kind == "chunk":
+                grad.add(*value)
+            elif kind == "trailer":
+                if not session and next(requests, None) is not None:
                     raise InvalidArgument("message after the trailer", reason="order")
-                grad.finish(trailer)
+                grad.finish(value)
                 return grad
             else:
-                raise InvalidArgument("second header in one push stream", reason="order")
+                raise InvalidArgument(f"{kind} inside a push stream", reason="order")
         raise DataLoss(f"push stream ended without a trailer after {grad.chunks} chunks",
                        reason="incomplete")
 
+    def _skip(self, requests: Iterator[bytes], cls) -> None:
+        """A session's duplicate push: its chunks up to the trailer are not needed."""
+        for raw in requests:
+            kind, _ = self.codec.read(cls, raw)
+            if kind == "trailer":
+                return
+            if kind != "chunk":
+                raise InvalidArgument(f"{kind} inside a push stream", reason="order")
+        raise DataLoss("push stream ended without a trailer", reason="incomplete")
+
+    def _push(self, h: pb.PushHeader, requests: Iterator[bytes], cls,
+              session: bool) -> PushResult:
+        self._check_header(h)
+        result = self.store.admit(h.worker_id, h.step, h.meta.version)
+        if result is not None:
+            if session:
+                self._skip(requests, cls)
+            return result
+        with self.store.receiving():
+            t0 = time.perf_counter()
+            grad = self._receive(requests, cls, session)
+            self.store.received(time.perf_counter() - t0, grad.check_seconds)
+            return self.store.push(h.worker_id, h.step, h.meta.version, grad)
+
     def Push(self, requests: Iterator[bytes], context) -> pb.PushReply:
         requests = iter(requests)
+        with self._operation():
+            try:
+                first = next(requests, None)
+                if first is None:
+                    raise InvalidArgument("empty push stream: expected a header first",
+                                          reason="order")
+                kind, h = self.codec.read(pb.PushRequest, first)
+                if kind != "header":
+                    raise InvalidArgument("push stream must start with a header", reason="order")
+                result = self._push(h, requests, pb.PushRequest, session=False)
+            except PSError as e:
+                self._fail(context, e)
+            except grpc.RpcError:  # the client went away mid-stream: nothing was applied
+                self.store.reject("broken")
+                context.abort(grpc.StatusCode.CANCELLED, "push stream broke off; nothing applied")
+        return _reply(result)
+
+    # -- session --------------------------------------------------------------------------
+
+    def Session(self, requests: Iterator[bytes], context) -> Iterator[bytes]:
+        """Pulls and pushes one after another until the worker ends the stream."""
+        requests = iter(requests)
+        context.add_callback(self.store.wake)
+        segment: Segment | None = None
         try:
-            first = next(requests, None)
-            if first is None:
-                raise InvalidArgument("empty push stream: expected a header first", reason="order")
-            field, body = wire.split(first)
-            if field != wire.HEADER:
-                raise InvalidArgument("push stream must start with a header", reason="order")
-            h = wire.parse(pb.PushHeader, body)
-            self._check_header(h)
-            result = self.store.admit(h.worker_id, h.step, h.meta.version)
-            if result is None:
-                with self.store.receiving():
-                    t0 = time.perf_counter()
-                    grad = self._receive(requests)
-                    self.store.received(time.perf_counter() - t0, grad.check_seconds)
-                    result = self.store.push(h.worker_id, h.step, h.meta.version, grad)
+            for raw in requests:
+                with self._operation():
+                    kind, value = self.codec.read(pb.SessionRequest, raw)
+                    if self.store.closed:
+                        raise Unavailable("server is shutting down", reason="shutdown")
+                    if kind == "pull":
+                        read = self._read(value, context, value.wait_timeout_s or None)
+                        yield from self._pull_stream(read)
+                    elif kind == "header":
+                        result = self._push(value, requests, pb.SessionRequest, session=True)
+                        yield wire.wrap(PUSHED, _reply(result))
+                    elif kind == "shm_request":
+                        segment = self._offer(value, segment)
+                        yield wire.wrap(SHM_OFFER, segment.offer() if segment else
+                                        pb.ShmOffer(refused=self._refusal(value)))
+                    elif kind == "shm_attach":
+                        yield wire.wrap(SHM_READY, self._attach(value, segment))
+                    elif kind == "shm_push":
+                        yield wire.wrap(PUSHED, _reply(self._shm_push(value, segment)))
+                    elif kind == "shm_pull":
+                        yield wire.wrap(SHM_PULLED, self._shm_pull(value, segment, context))
+                    else:
+                        raise InvalidArgument(f"session: a {kind} outside a push",
+                                              reason="order")
         except PSError as e:
             self._fail(context, e)
-        except grpc.RpcError:  # the client went away mid-stream: nothing was applied
+        except grpc.RpcError:  # the worker went away mid-push: nothing was applied
             self.store.reject("broken")
-            context.abort(grpc.StatusCode.CANCELLED, "push stream broke off; nothing applied")
-        return _reply(result)
+            context.abort(grpc.StatusCode.CANCELLED, "session broke off; nothing applied")
+        finally:
+            if segment is not None:
+                segment.close()
+
+    # -- shared memory --------------------------------------------------------------------
+
+    def _refusal(self, req: pb.ShmRequest) -> str:
+        if not self.shm:
+            return "the server runs with --no-shm"
+        if not self.boot_id or req.boot_id != self.boot_id:
+            return "the worker is on another host (boot ids differ)"
+        return "the server could not create a segment"
+
+    def _offer(self, req: pb.ShmRequest, current: Segment | None) -> Segment | None:
+        """A new segment for a worker on this host, None where shared memory is out."""
+        if current is not None:
+            raise InvalidArgument("session: a second shm_request", reason="order")
+        if not self.shm or not self.boot_id or req.boot_id != self.boot_id:
+            return None
+        try:
+            return Segment(shm.Segment.create(self.store.params.nbytes))
+        except OSError as e:
+            log.warning("no shared-memory segment for a co-located worker: %s", e)
+            return None
+
+    def _attach(self, req: pb.ShmAttach, segment: Segment | None) -> pb.ShmReady:
+        if segment is None or segment.ready:
+            raise InvalidArgument("session: shm_attach without an offer", reason="order")
+        segment.mapping.unlink()  # both ends hold it now, or the worker never will
+        if not segment.mapping.holds(req.token):
+            return pb.ShmReady(refused="wrong token: the worker mapped another segment")
+        segment.ready = True
+        return pb.ShmReady()
+
+    def _shm_push(self, m: pb.ShmPush, segment: Segment | None) -> PushResult:
+        if segment is None or not segment.ready:
+            raise FailedPrecondition("session: shm_push before shm_attach", reason="order")
+        t0 = time.perf_counter()
+        h = m.header
+        self._check_header(h)
+        result = self.store.admit(h.worker_id, h.step, h.meta.version)
+        if result is not None:
+            return result
+        with self.store.receiving():
+            grad = segment.values(self.store.params)
+            t1 = time.perf_counter()
+            checksum, bad = wire.checksum_and_first_nonfinite(grad, wire.ADLER_START)
+            t2 = time.perf_counter()
+            if bad >= 0:
+                raise InvalidArgument(f"gradient element {bad} is {grad[bad]}: non-finite "
+                                      "values are rejected", reason="nonfinite")
+            if checksum != m.adler32:
+                raise DataLoss(f"shm_push.adler32 {m.adler32:#010x} != {checksum:#010x} "
+                               "computed over the segment", reason="checksum")
+            self.store.received(t2 - t0, t2 - t1)
+            return self.store.push(h.worker_id, h.step, h.meta.version, grad)
+
+    def _shm_pull(self, req: pb.PullRequest, segment: Segment | None, context) -> pb.ShmPulled:
+        if segment is None or not segment.ready:
+            raise FailedPrecondition("session: shm_pull before shm_attach", reason="order")
+        read = self._read(req, context, req.wait_timeout_s or None)
+        try:
+            if read.tensor is None:
+                return pb.ShmPulled(header=self._header(read))
+            checksum = read.tensor.copy_into(segment.values(self.store.params))
+            return pb.ShmPulled(header=self._header(read), adler32=checksum)
+        finally:
+            self.store.release(read)
+
+
+class Segment:
+    """A session's shared-memory segment, and whether the worker proved it mapped it."""
+
+    def __init__(self, mapping: shm.Segment):
+        self.mapping, self.ready = mapping, False
+
+    def offer(self) -> pb.ShmOffer:
+        m = self.mapping
+        return pb.ShmOffer(path=str(m.path), size=m.size, data_offset=shm.DATA_OFFSET)
+
+    def values(self, like: np.ndarray) -> np.ndarray:
+        return self.mapping.array(like.dtype.newbyteorder("<"), like.size)
+
+    def close(self) -> None:
+        self.mapping.close()
+
+
+def _boot_id() -> str:
+    return shm.boot_id() if shm.SHM_DIR.is_dir() else ""
 
 
 def _dtype_name(code: int) -> str:
@@ -174,6 +371,25 @@ def _dtype_name(code: int) -> str:
 def _reply(r: PushResult) -> pb.PushReply:
     return pb.PushReply(duplicate=r.duplicate, staleness=r.staleness, version=r.version,
                         pending=r.pending, lr=r.lr)
+
+
+def histogram(h: Histogram) -> pb.Histogram:
+    return pb.Histogram(counts=dict(h.counts), total=h.total, sum=h.sum, max=h.max)
+
+
+def stats_reply(s: ShardStats, store: ShardStore) -> pb.StatsReply:
+    lay = store.layout
+    workers = {w: pb.WorkerStats(clock=ws.clock, next_step=ws.next_step, active=ws.active,
+                                 staleness=histogram(ws.staleness))
+               for w, ws in s.workers.items()}
+    return pb.StatsReply(
+        shard=lay.shard, num_shards=lay.num_shards, consistency=CONSISTENCY[store.policy.mode],
+        version=s.version, updates=s.updates, pushes=s.pushes, duplicates=s.duplicates,
+        rejected=dict(s.rejected), pulls=s.pulls, pulls_not_modified=s.pulls_not_modified,
+        bytes_received=s.bytes_received, bytes_sent=s.bytes_sent,
+        staleness=histogram(s.staleness), workers=workers, max_clock_lead=s.max_clock_lead,
+        lr=s.lr, apply_seconds=s.apply_seconds, pushes_in_flight=s.pushes_in_flight,
+        receive_seconds=s.receive_seconds, check_seconds=s.check_seconds)
 
 
 def handler(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler:
@@ -186,4 +402,5 @@ def handler(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler:
         "Pull": grpc.unary_stream_rpc_method_handler(servicer.Pull),
         "Push": grpc.stream_unary_rpc_method_handler(
             servicer.Push, response_serializer=pb.PushReply.SerializeToString),
+        "Session": grpc.stream_stream_rpc_method_handler(servicer.Session),
     })

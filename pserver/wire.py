@@ -12,18 +12,27 @@ pass (pserver/_kernels.c; a join and a checksum without it), padded so that
 the data starts 16-byte aligned in the message; the receiver keeps the
 received messages and reads the data in place (ChunkedArray), aligned,
 without copying it. Any protobuf client in any language can speak the same
-contract with the generated classes.
+contract with the generated classes (GeneratedCodec does, for comparison).
+
+What the hand codec buys is measured end to end by `scripts/bench_pserver.py
+--mode rounds` (column "x base" of the session rows: the same tensors moved
+by a worker and a server that both use the generated classes instead). The
+generated classes copy each chunk twice more on the sender (bytes(), then
+serialization) and once more on the receiver (parsing). Measured
+2026-12-01 (median of 3 launches; hardware and table in README), the hand
+codec moved 64 MB pushes 1.7x and pulls 1.3x as fast and made 1 MB pull +
+push rounds 1.9x as fast; it is kept because that is well past the 10% its
+complexity has to earn. At 64 KB the two are within 10% either way
+(per-message costs dominate there).
 
 The trailer's Adler-32 (RFC 1950) covers all data bytes in order and is
 computed incrementally as chunks are made or arrive, by the sender of every
 chunk and by its receiver. It replaced CRC-32 because that was the largest
-per-byte cost on both ends: per 1 MiB chunk on this project's 2-vCPU Zen 4
-VMs (AVX2 and PCLMUL, no AVX-512), ISA-L's Adler-32 takes ~51 us and its
-CRC-32 ~85 us, against ~31 us for copying the chunk, so a 64 MB push spends
-~2 ms less on each end. What it gives up is CRC-32's mixing on messages of
-a few hundred bytes; it still catches the faults the checksum is here for
-(a codec bug, a torn or truncated payload), chunk order is checked
-separately by `start`, and TCP and TLS guard the link itself.
+per-byte cost on both ends (ISA-L's CRC-32 costs ~1.7x its Adler-32 per byte
+on AVX2 CPUs without AVX-512: see README). What it gives up is CRC-32's
+mixing on messages of a few hundred bytes; it still catches the faults the
+checksum is there for (a codec bug, a torn or truncated payload), chunk
+order is checked separately by `start`, and TCP and TLS guard the link.
 """
 
 from __future__ import annotations
@@ -34,16 +43,17 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 from google.protobuf.message import DecodeError
 
 try:  # one pass per chunk, GIL released (pserver/_kernels.c, built where a compiler was)
     from pserver import _kernels
-    from pserver._kernels import adler32  # AVX2 where the CPU has it: ~2x ISA-L's speed here
+    from pserver._kernels import adler32  # AVX2 where the CPU has it
 except ImportError:
     _kernels = None
-    try:  # ISA-L's Adler-32 gives zlib's values, ~7x faster than zlib (~340 us per MiB)
+    try:  # ISA-L's Adler-32 gives zlib's values, vectorised
         from isal.isal_zlib import adler32
     except ImportError:
         from zlib import adler32
@@ -150,18 +160,20 @@ def _fields(buf: memoryview) -> Iterator[tuple[int, int, object]]:
         yield field, wtype, value
 
 
-def split(raw: bytes) -> tuple[int, memoryview]:
-    """The one set field of a PullReply / PushRequest: (field number, its bytes)."""
+def split(raw: bytes, fields: frozenset[int] = frozenset((HEADER, CHUNK, TRAILER))
+          ) -> tuple[int, memoryview]:
+    """The one set oneof field of a stream message (PullReply, PushRequest, SessionRequest,
+    SessionReply; `fields`: its oneof's field numbers): (field number, its bytes)."""
     found = None
     for field, wtype, value in _fields(memoryview(raw)):
-        if field in (HEADER, CHUNK, TRAILER):
+        if field in fields:
             if wtype != _LEN:
                 raise InvalidArgument(f"malformed message: field {field} is not a message")
             if found is not None:
-                raise InvalidArgument("malformed message: more than one of header/chunk/trailer")
+                raise InvalidArgument("malformed message: more than one field of its oneof")
             found = (field, value)
     if found is None:
-        raise InvalidArgument("malformed message: none of header/chunk/trailer is set")
+        raise InvalidArgument("malformed message: none of its oneof fields is set")
     return found
 
 
@@ -186,14 +198,19 @@ def parse_chunk(body: memoryview) -> tuple[int, memoryview]:
     return start, data
 
 
+def wrap(field: int, message) -> bytes:
+    """A serialized stream message whose oneof field number `field` holds `message`."""
+    body = message.SerializeToString()
+    return _varint(field << 3 | _LEN) + _varint(len(body)) + body
+
+
 def header_message(header) -> bytes:
-    """A serialized PullReply / PushRequest holding `header`."""
-    return _LEN_KEY[HEADER] + _varint(header.ByteSize()) + header.SerializeToString()
+    """A serialized PullReply / PushRequest / Session message holding `header`."""
+    return wrap(HEADER, header)
 
 
 def trailer_message(checksum: int, chunks: int) -> bytes:
-    body = pb.Trailer(adler32=checksum, chunks=chunks).SerializeToString()
-    return _LEN_KEY[TRAILER] + _varint(len(body)) + body
+    return wrap(TRAILER, pb.Trailer(adler32=checksum, chunks=chunks))
 
 
 _LEN_KEY = {f: _varint(f << 3 | _LEN) for f in (HEADER, CHUNK, TRAILER)}
@@ -241,7 +258,71 @@ def chunk_bounds(n: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int
     return [(lo, min(n, lo + step)) for lo in range(0, n, step)] or [(0, 0)]
 
 
-def stream(header, values: np.ndarray, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+class HandCodec:
+    """Chunks encoded and decoded here (one pass, aligned, read in place); the small
+    messages of a stream through the generated classes."""
+
+    name = "hand"
+
+    def chunk_message(self, start: int, data: memoryview, checksum: int) -> tuple[bytes, int]:
+        return chunk_message(start, data, checksum)
+
+    def read(self, cls, raw: bytes) -> tuple[str, object]:
+        """The set oneof field of a `cls` stream message: (its name, the sub-message;
+        (start, data) for a chunk, data a view into `raw`)."""
+        oneof = _oneof(cls)
+        number, body = split(raw, oneof.numbers)
+        name, sub = oneof.fields[number]
+        return name, parse_chunk(body) if number == CHUNK else parse(sub, body)
+
+
+class GeneratedCodec:
+    """Every message through the generated classes: the baseline the hand codec is
+    measured against (scripts/bench_pserver.py --mode rounds), and what any gRPC client
+    of the .proto does."""
+
+    name = "generated"
+
+    def chunk_message(self, start: int, data: memoryview, checksum: int) -> tuple[bytes, int]:
+        message = pb.PullReply(chunk=pb.Chunk(start=start, data=bytes(data)))
+        return message.SerializeToString(), adler32(data, checksum)
+
+    def read(self, cls, raw: bytes) -> tuple[str, object]:
+        try:
+            message = cls.FromString(raw)
+        except DecodeError as e:
+            raise InvalidArgument(f"malformed {cls.__name__}: {e}") from None
+        name = message.WhichOneof("kind")
+        if name is None:
+            raise InvalidArgument("malformed message: none of its oneof fields is set")
+        value = getattr(message, name)
+        return name, (value.start, memoryview(value.data)) if name == "chunk" else value
+
+
+CODECS = {c.name: c for c in (HandCodec(), GeneratedCodec())}
+HAND = CODECS["hand"]
+
+
+@dataclass(frozen=True)
+class _Oneof:
+    numbers: frozenset[int]
+    fields: dict[int, tuple[str, type]]  # number -> (name, message class)
+
+
+_ONEOFS: dict[type, _Oneof] = {}
+
+
+def _oneof(cls) -> _Oneof:
+    """The `kind` oneof of a stream message class, read from its descriptor once."""
+    if cls not in _ONEOFS:
+        fields = {f.number: (f.name, f.message_type._concrete_class)
+                  for f in cls.DESCRIPTOR.oneofs_by_name["kind"].fields}
+        _ONEOFS[cls] = _Oneof(frozenset(fields), fields)
+    return _ONEOFS[cls]
+
+
+def stream(header, values: np.ndarray, chunk_bytes: int = CHUNK_BYTES,
+           codec: HandCodec | GeneratedCodec = HAND) -> Iterator[bytes]:
     """Header, chunks and trailer of one flat tensor, checksummed as chunks are made."""
     values = little_endian(values)
     raw = memoryview(values).cast("B")
@@ -249,7 +330,7 @@ def stream(header, values: np.ndarray, chunk_bytes: int = CHUNK_BYTES) -> Iterat
     yield header_message(header)
     checksum, count = ADLER_START, 0
     for lo, hi in chunk_bounds(values.size, isz, chunk_bytes):
-        message, checksum = chunk_message(lo, raw[lo * isz : hi * isz], checksum)
+        message, checksum = codec.chunk_message(lo, raw[lo * isz : hi * isz], checksum)
         count += 1
         yield message
     yield trailer_message(checksum, count)
@@ -269,7 +350,7 @@ class Snapshot:
     once into a spare array for the readers to go on from; a version that no
     pull is streaming when the next update comes is never copied at all. That
     saves a 64 MB pull the copy every version used to get when first read
-    (7.5-8 ms here, memory to memory, under the store's lock), and costs an
+    (memory to memory, under the store's lock), and costs an
     update that overtakes a running pull the same copy, made then instead.
 
     Each reader makes its chunk messages as it streams them (one copy each,
@@ -302,24 +383,38 @@ class Snapshot:
         isz, (lo, hi) = self.values.itemsize, self.bounds[i]
         return memoryview(self.values).cast("B")[lo * isz : hi * isz]
 
-    def _message(self, i: int) -> bytes:
+    def _message(self, i: int, codec: HandCodec | GeneratedCodec) -> bytes:
         """Chunk i's message; the first reader to get here extends the running checksum
         (every reader has been through chunks 0..i-1, so the sums reach at least i)."""
         with self._lock:
             previous = self._sums[i - 1] if i else ADLER_START
-            message, checksum = chunk_message(self.bounds[i][0], self._piece(i), previous)
-            if len(self._sums) == i:
-                self._sums.append(checksum)
+            message, checksum = codec.chunk_message(self.bounds[i][0], self._piece(i), previous)
+            self._record(i, checksum)
             return message
 
-    def stream(self, header) -> Iterator[bytes]:
+    def _record(self, i: int, checksum: int) -> None:
+        if len(self._sums) == i:
+            self._sums.append(checksum)
+
+    def stream(self, header, codec: HandCodec | GeneratedCodec = HAND) -> Iterator[bytes]:
         yield header_message(header)
         for i in range(len(self.bounds)):
-            yield self._message(i)
+            yield self._message(i, codec)
         yield trailer_message(self._sums[-1], len(self.bounds))
 
+    def copy_into(self, out: np.ndarray) -> int:
+        """out[:] = the values, chunk by chunk (an update may freeze them in between);
+        returns the Adler-32 of all their bytes."""
+        checksum = ADLER_START
+        for i, (lo, hi) in enumerate(self.bounds):
+            with self._lock:
+                piece = self.values[lo:hi]
+                checksum = copy_and_checksum(out[lo:hi], piece, checksum)
+                self._record(i, checksum)
+        return checksum
 
-def _copy_and_checksum(out: np.ndarray, values: np.ndarray, checksum: int) -> int:
+
+def copy_and_checksum(out: np.ndarray, values: np.ndarray, checksum: int) -> int:
     """out[:] = values, and the running Adler-32 continued over them."""
     if _kernels is not None:
         return _kernels.copy_into(out, values, checksum)
@@ -327,7 +422,7 @@ def _copy_and_checksum(out: np.ndarray, values: np.ndarray, checksum: int) -> in
     return adler32(out, checksum)
 
 
-def _checksum_and_first_nonfinite(values: np.ndarray, checksum: int) -> tuple[int, int]:
+def checksum_and_first_nonfinite(values: np.ndarray, checksum: int) -> tuple[int, int]:
     """The running Adler-32 continued over `values`, and the index of their first
     non-finite element (-1 if none)."""
     if _kernels is not None:
@@ -352,9 +447,8 @@ class ChunkedArray:
     That per-chunk work runs on the receiving side while the stream is on.
     It costs little there: the sender makes every message as gRPC asks for
     it (a copy and a checksum), so it is the sender's core, not the
-    receiver's, that sets the pace. Done after the trailer instead, on 2
-    threads, it came to ~9 ms more per 64 MB push on this 2-core machine
-    (the chunks had to come back from memory).
+    receiver's, that sets the pace. Done after the trailer instead, the
+    chunks would have to come back from memory.
 
     Chunks under KEEP_BYTES are copied instead, consecutive ones into one
     piece of a tensor-sized buffer, so that what a stream holds stays within
@@ -400,12 +494,12 @@ class ChunkedArray:
         values = np.frombuffer(data, self.dtype)
         t0 = time.perf_counter()
         if self.finite:
-            self.checksum, bad = _checksum_and_first_nonfinite(values, self.checksum)
+            self.checksum, bad = checksum_and_first_nonfinite(values, self.checksum)
             if bad >= 0:
                 raise InvalidArgument(f"{self.name} element {start + bad} is {values[bad]}: "
                                       "non-finite values are rejected", reason="nonfinite")
         elif self.into is not None:
-            self.checksum = _copy_and_checksum(self.into[start:hi], values, self.checksum)
+            self.checksum = copy_and_checksum(self.into[start:hi], values, self.checksum)
         else:
             self.checksum = adler32(values, self.checksum)
         self.check_seconds += time.perf_counter() - t0

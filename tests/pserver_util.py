@@ -35,7 +35,7 @@ TINY_MLP_FLAGS = ["--model", "mlp", "--d-in", "4", "--d-hidden", "8", "--n-layer
                   "--n-classes", "3"]
 SGD1 = {"optimizer": "sgd", "lr": 1.0, "warmup": 0, "schedule": "constant", "clip": 0.0}
 OPENSSL = shutil.which("openssl")
-# Several processes share 2 cores: a multi-threaded BLAS per process is 20x slower on tiny
+# Several processes share few cores: a multi-threaded BLAS per process is far slower on tiny
 # matmuls under that contention, so worker and reference-trainer processes get one thread.
 ONE_BLAS_THREAD = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
 
@@ -49,7 +49,7 @@ def initial_params(model: str = "mlp", model_cfg: dict | None = None, seed: int 
 
 @contextmanager
 def serve(shards: int = 1, model: str = "mlp", model_cfg: dict | None = None,
-          optim: dict | None = None, **server):
+          optim: dict | None = None, shm: bool = True, **server):
     """`shards` daemons of one model in this process; yields them, shuts them down after."""
     model_cfg = build(config_class(model), dict(TINY_MLP if model_cfg is None else model_cfg))
     ocfg = build(OptimConfig, dict(SGD1 if optim is None else optim))
@@ -59,7 +59,7 @@ def serve(shards: int = 1, model: str = "mlp", model_cfg: dict | None = None,
             cfg = build(ServerConfig, {"shard": i, "num_shards": shards, "grace_s": 2.0,
                                        **server})
             d = Daemon(cfg, build_store(cfg, model, model_cfg, ocfg),
-                       config_record(cfg, model, model_cfg, ocfg))
+                       config_record(cfg, model, model_cfg, ocfg), shm=shm)
             d.start()
             daemons.append(d)
         yield daemons
@@ -72,11 +72,13 @@ def addresses(daemons) -> str:
     return ",".join(f"127.0.0.1:{d.port}" for d in daemons)
 
 
-def connect(servers: str, worker: int = 0, params: FlatParams | None = None, **client) -> PSClient:
+def connect(servers: str, worker: int = 0, params: FlatParams | None = None,
+            transport: str = "session", shm: bool = True, **client) -> PSClient:
     """A connected client for `servers` (registered as `worker` for the tiny MLP)."""
     params = params or initial_params()
     c = PSClient(build(ClientConfig, {"servers": servers, "connect_timeout_s": 20.0,
-                                      "rpc_timeout_s": 20.0, **client}))
+                                      "rpc_timeout_s": 20.0, **client}),
+                 transport=transport, shm=shm)
     c.connect(worker, "mlp", params.size, wire.layout_crc(params.specs))
     return c
 

@@ -58,6 +58,9 @@ def unchanged(daemon) -> None:
 
 
 ONES = np.ones(N, np.float32)
+PATHS = {"calls": {"transport": "calls", "shm": False},
+         "session": {"transport": "session", "shm": False},
+         "shm": {"transport": "session", "shm": True}}
 
 
 @pytest.mark.parametrize("kw, code, match", [
@@ -123,17 +126,19 @@ def test_unknown_worker_pull_and_shard_mismatch(shard):
         assert e.value.code() == C.INVALID_ARGUMENT and "shard 2" in e.value.details()
 
 
-def test_retried_push_is_applied_once(shard):
+@pytest.mark.parametrize("path", PATHS)
+def test_retried_push_is_applied_once(shard, path):
     daemon, address = shard
-    client = connect(address)
+    client = connect(address, **PATHS[path])
     try:
         client.pull(np.empty(N, np.float32))
         grad = np.arange(N, dtype=np.float32)
         first, again = client.push(grad, 0)[0], client.push(grad, 0)[0]
         assert not first.duplicate and again.duplicate and again.version == first.version == 1
+        assert client.push(grad, 1)[0].version == 2  # a session goes on after a duplicate
     finally:
         client.close()
-    np.testing.assert_array_equal(daemon.store.params, INIT.data - grad)
+    np.testing.assert_array_equal(daemon.store.params, INIT.data - grad - grad)
 
 
 HALF_PUSH = """
@@ -222,12 +227,14 @@ def test_garbage_on_every_method_leaves_the_server_up_and_unchanged(shard):
     assert push_raw(address, good)[0] == C.OK
 
 
-def test_concurrent_workers_sum_exactly_over_grpc():
-    """W clients x K integer pushes to 2 shards, SGD lr 1: the exact sum, W*K records."""
+@pytest.mark.parametrize("path", PATHS)
+def test_concurrent_workers_sum_exactly(path):
+    """W clients x K integer pushes to 2 shards, SGD lr 1: the exact sum, W*K records,
+    on every data path."""
     W, K = 4, 12
     with serve(shards=2) as daemons:
         servers = addresses(daemons)
-        clients = [connect(servers, worker=w) for w in range(W + 1)]
+        clients = [connect(servers, worker=w, **PATHS[path]) for w in range(W + 1)]
         try:
             zero = clients[W]  # first cancel the random init exactly: p - p = 0
             zero.pull(np.empty(N, np.float32))
@@ -247,6 +254,7 @@ def test_concurrent_workers_sum_exactly_over_grpc():
             want = -sum((np.arange(N) % 7 + w + k) for w in range(W) for k in range(K))
             got = np.concatenate([d.store.params for d in daemons])
             np.testing.assert_array_equal(got, want.astype(np.float32))
+            assert all(s.shared_memory == (path == "shm") for c in clients for s in c.shards)
             for d in daemons:
                 st = d.store.stats()
                 assert st.staleness.total == W * K + 1 == sum(st.staleness.counts.values())

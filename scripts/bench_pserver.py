@@ -3,6 +3,7 @@
 
     python scripts/bench_pserver.py --json bench-pserver.json
     python scripts/bench_pserver.py --tiny --json /tmp/bench.json    # a few seconds (the suite)
+    python scripts/bench_pserver.py --mode rounds --json rounds.json  # pull + push rounds
 
 For every payload (float32, 1 MB to 64 MB), shard count S, optimizer and
 worker count W, S shard daemons run as separate processes (the real
@@ -21,9 +22,9 @@ processes (the real pserver.client.PSClient) repeat, in lock-step rounds:
                this tensor over gRPC costs before the parameter server adds
                its own work (checksums, checks, the optimizer)
     transport  the same messages made beforehand and streamed as they are:
-               gRPC's own limit here, which no sender of fresh data reaches
+               gRPC's own limit, which no sender of fresh data reaches
                (making each message in-stream costs the core that keeps the
-               stream going: 5-15% of the rate at 64 MB on 2 cores here)
+               stream going)
 
 The three alternate round by round, so machine noise hits all alike.
 A round's time is from the first worker's start to the last one's end
@@ -32,6 +33,23 @@ GB/s = W * bytes / time (GB = 1e9 B). The shards' own clocks (pserver
 Stats, mean over shards) split a push: recv(ms), its stream from header to
 checked trailer, of which check(ms) went to the per-chunk Adler-32 and
 finiteness checks, and apply(ms), the optimizer's step (per update).
+
+`--mode rounds` measures what one worker with one SGD shard does in a loop:
+a pull and a push (a round), at 64 KB, 1 MB and 64 MB (`--round-sizes-kb`),
+by every data path in turn, round by round, in the same launch:
+
+    calls      a Pull call and a Push call per round (the path before sessions)
+    session    both on the worker's long-lived Session stream, over gRPC
+    shm        the session with the tensor bytes in shared memory
+    generated  the session over gRPC with every message made and read by the
+               generated protobuf classes instead of pserver.wire's hand codec,
+               against a server doing the same
+
+and prints each path's median round, pull and push times, rounds/s and
+its speed-up over `calls`, over `session` (shm: what shared memory buys)
+and, for the codec, hand over generated (1.10 = the hand codec 10% faster).
+`wrong` counts paths whose final pull differs from the exact expected
+parameters (lr 1, gradients of 2^-12: every sum is exact in float32).
 """
 
 from __future__ import annotations
@@ -56,7 +74,15 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from models.config import ConfigError, add_flags, build, from_namespace, positive_list, run_cli
+from models.config import (
+    ConfigError,
+    add_flags,
+    build,
+    choice,
+    from_namespace,
+    positive_list,
+    run_cli,
+)
 from models.optim import OptimConfig, Schedule
 from pserver import wire
 from pserver.allocator import huge_empty, keep_freed_memory
@@ -78,6 +104,9 @@ MB = 1 << 20
 class BenchConfig:
     json: str = ""
     tiny: bool = False
+    mode: str = choice("sweep", "sweep", "rounds",
+                       help="sweep: push/pull against plain gRPC; rounds: pull+push by data path")
+    round_sizes_kb: str = "64,1024,65536"
     sizes_mb: str = "1,4,16,64"
     workers: str = "1,2,4"
     shards: str = "1,2"
@@ -86,7 +115,7 @@ class BenchConfig:
     warmup: int = 1
 
     def validate(self):
-        for name in ("sizes_mb", "workers", "shards"):
+        for name in ("sizes_mb", "workers", "shards", "round_sizes_kb"):
             positive_list(self, name)
         unknown = set(self.optimizers.split(",")) - {"sgd", "adam", "adamw"}
         if unknown:
@@ -126,19 +155,20 @@ def ceiling_handler(length: int) -> grpc.GenericRpcHandler:
     })
 
 
-def serve(elements: int, shard: int, num_shards: int, optimizer: str, ready: str) -> None:
+def serve(elements: int, shard: int, num_shards: int, optimizer: str, ready: str,
+          codec: str = "hand", lr: float = 1e-6) -> None:
     keep_freed_memory()  # as pserver's daemon does
     layout = ShardLayout(MODEL, elements, shard, num_shards)
     params = huge_empty(layout.length, np.float32)  # as pserver's daemon does
     params[...] = 0
-    ocfg = build(OptimConfig, {"optimizer": optimizer, "lr": 1e-6, "warmup": 0,
-                               "schedule": "constant"})
+    ocfg = build(OptimConfig, {"optimizer": optimizer, "lr": lr, "warmup": 0,
+                               "schedule": "constant", "clip": 0.0})
     cfg = build(ServerConfig, {"shard": shard, "num_shards": num_shards, "ready_file": ready,
                                "log_level": "warning"})
     store = ShardStore(layout, params, BlockedOptimizer(ocfg, params, threads=cfg.apply_threads),
                        Schedule(ocfg, 0), Consistency("asp"), log_every=0)
     daemon = Daemon(cfg, store, {"server": asdict(cfg), "model": {}, "optim": asdict(ocfg)},
-                    handlers=(ceiling_handler(layout.length),))
+                    handlers=(ceiling_handler(layout.length),), codec=wire.CODECS[codec])
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     daemon.start()
@@ -149,15 +179,16 @@ def serve(elements: int, shard: int, num_shards: int, optimizer: str, ready: str
 class Servers:
     """S shard daemons in their own processes, for one (size, S, optimizer)."""
 
-    def __init__(self, elements: int, num_shards: int, optimizer: str, tmp: Path):
+    def __init__(self, elements: int, num_shards: int, optimizer: str, tmp: Path,
+                 codec: str = "hand", lr: float = 1e-6):
         self.procs, ready = [], []
         for i in range(num_shards):
-            path = tmp / f"ready-{elements}-{num_shards}-{optimizer}-{i}.json"
+            path = tmp / f"ready-{elements}-{num_shards}-{optimizer}-{codec}-{i}.json"
             path.unlink(missing_ok=True)
             ready.append(path)
             self.procs.append(subprocess.Popen(
                 [sys.executable, __file__, "--serve", str(elements), str(i), str(num_shards),
-                 optimizer, str(path)], cwd=ROOT))
+                 optimizer, str(path), codec, str(lr)], cwd=ROOT))
         deadline = time.monotonic() + 60
         while not all(p.exists() for p in ready):
             if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
@@ -418,6 +449,125 @@ def _first_optimizer(cfg: BenchConfig) -> str:
     return cfg.optimizers.split(",")[0].strip()
 
 
+# -- rounds: one worker's pull + push by data path --------------------------------------------
+
+
+PATHS = {  # name: (server codec, PSClient keyword arguments)
+    "calls": ("hand", {"transport": "calls", "shm": False}),
+    "session": ("hand", {"transport": "session", "shm": False}),
+    "shm": ("hand", {"transport": "session", "shm": True}),
+    "generated": ("generated", {"transport": "session", "shm": False,
+                                "codec": wire.CODECS["generated"]}),
+}
+GRAD = 2.0**-12  # lr 1: parameters after k pushes are exactly -k * GRAD
+
+
+class RoundClient:
+    """One path's client: a pull then a push per round, each timed."""
+
+    def __init__(self, path: str, address: str, elements: int):
+        self.path = path
+        self.client = PSClient(build(ClientConfig, {"servers": address}), **PATHS[path][1])
+        self.step = self.client.connect(0, MODEL, elements)
+        self.params = np.zeros(elements, np.float32)
+        self.grad = np.full(elements, GRAD, np.float32)
+
+    def round(self) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        self.client.pull(self.params)
+        t1 = time.perf_counter()
+        self.client.push(self.grad, self.step)
+        self.step += 1
+        return t1 - t0, time.perf_counter() - t1
+
+    def wrong(self) -> int:
+        """1 if the parameters pulled now are not exactly -pushes * GRAD, or if the shm path
+        did not use shared memory (or another path did)."""
+        self.client.pull(self.params)
+        pushes = self.client.stats()[0].pushes
+        uses_shm = self.client.shards[0].shared_memory
+        return int(not np.array_equal(self.params, np.float32(-pushes * GRAD) + 0 * self.params)
+                   or uses_shm != (self.path == "shm"))
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def round_count(nbytes: int, cfg: BenchConfig) -> int:
+    return cfg.rounds or max(11, min(200, (256 * MB) // max(1, nbytes) // 4))
+
+
+def rounds_mode(cfg: BenchConfig) -> list[dict]:
+    rows = []
+    print(ROUNDS_LEGEND)
+    print(ROUNDS_HEADER, flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-pserver-") as tmp:
+        for kb in positive_list(cfg, "round_sizes_kb"):
+            nbytes = int(kb * 1024)
+            rows += rounds_at(nbytes, cfg, Path(tmp))
+    return rows
+
+
+def rounds_at(nbytes: int, cfg: BenchConfig, tmp: Path) -> list[dict]:
+    elements = nbytes // 4
+    servers = {codec: Servers(elements, 1, "sgd", tmp, codec=codec, lr=1.0)
+               for codec in ("hand", "generated")}
+    clients = {}
+    try:
+        for path, (codec, _) in PATHS.items():
+            clients[path] = RoundClient(path, servers[codec].addresses[0], elements)
+        times = {path: [] for path in PATHS}
+        for _ in range(cfg.warmup):
+            for c in clients.values():
+                c.round()
+        for _ in range(round_count(nbytes, cfg)):
+            for path, c in clients.items():
+                times[path].append(c.round())
+        wrong = sum(c.wrong() for c in clients.values())
+    finally:
+        for c in clients.values():
+            c.close()
+        for s in servers.values():
+            s.stop()
+    medians = {path: [statistics.median(t[i] for t in ts) for i in range(2)] +
+               [statistics.median(a + b for a, b in ts)] for path, ts in times.items()}
+    out = []
+    for path, (pull, push, rnd) in medians.items():
+        base = "session" if path == "shm" else "generated" if path == "session" else None
+        out.append({"mode": "rounds", "bytes": nbytes, "path": path, "round_ms": 1e3 * rnd,
+                    "pull_ms": 1e3 * pull, "push_ms": 1e3 * push, "rounds_per_s": 1 / rnd,
+                    "x_calls": medians["calls"][2] / rnd,
+                    "x_base": None if base is None else medians[base][2] / rnd,
+                    "hand_vs_generated": _codec(medians) if path == "session" else None,
+                    "rounds": len(times[path]), "wrong": wrong})
+        print(show_round(out[-1]), flush=True)
+    return out
+
+
+def _codec(medians: dict) -> dict:
+    """Hand codec speed-up over the generated classes: time(generated) / time(hand)."""
+    return {op: medians["generated"][i] / medians["session"][i]
+            for i, op in enumerate(("pull", "push", "round"))}
+
+
+ROUNDS_LEGEND = ("# size: tensor bytes; path: see --help; round/pull/push: median ms; "
+                 "rounds/s = 1/round; x calls: rounds/s over the calls path; x base: shm over "
+                 "session, session over generated (the hand codec's gain; pull and push ratios "
+                 "in cdc pull/push); wrong: paths with wrong final parameters")
+ROUNDS_HEADER = (f"#{'size':>9} {'path':>9} {'round':>9} {'pull':>8} {'push':>8} "
+                 f"{'rounds/s':>9} {'x calls':>7} {'x base':>6} {'cdc pull':>8} "
+                 f"{'cdc push':>8} {'wrong':>5}")
+
+
+def show_round(r: dict) -> str:
+    base = "-" if r["x_base"] is None else f"{r['x_base']:.2f}"
+    codec = r["hand_vs_generated"]
+    pull, push = ("-", "-") if codec is None else (f"{codec['pull']:.2f}", f"{codec['push']:.2f}")
+    return (f" {r['bytes']:>9} {r['path']:>9} {r['round_ms']:>9.3f} {r['pull_ms']:>8.3f} "
+            f"{r['push_ms']:>8.3f} {r['rounds_per_s']:>9.1f} {r['x_calls']:>7.2f} {base:>6} "
+            f"{pull:>8} {push:>8} {r['wrong']:>5}")
+
+
 def environment() -> dict:
     return {"python": platform.python_version(), "grpcio": grpc.__version__,
             "numpy": np.__version__, "cpus": os.cpu_count(), "machine": platform.machine(),
@@ -426,15 +576,16 @@ def environment() -> dict:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--serve"]:
-        elements, shard, num_shards, optimizer, ready = argv[1:6]
-        serve(int(elements), int(shard), int(num_shards), optimizer, ready)
+        elements, shard, num_shards, optimizer, ready, codec, lr = argv[1:8]
+        serve(int(elements), int(shard), int(num_shards), optimizer, ready, codec, float(lr))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_flags(parser, BenchConfig, "benchmark")
     cfg = from_namespace(BenchConfig, parser.parse_args(argv))
     if cfg.tiny:
         cfg.sizes_mb, cfg.workers, cfg.shards, cfg.rounds = "0.25", "1,2", "2", cfg.rounds or 2
-    rows = sweep(cfg)
+        cfg.round_sizes_kb = "64,256"
+    rows = sweep(cfg) if cfg.mode == "sweep" else rounds_mode(cfg)
     if cfg.json:
         Path(cfg.json).write_text(json.dumps({"config": asdict(cfg), "env": environment(),
                                               "rows": rows}, indent=1))

@@ -29,3 +29,25 @@ def test_tiny_benchmark(tmp_path):
         assert row["gbps"] > 0 and row["ceiling_gbps"] > 0
         for server_time in ("receive_ms", "check_ms", "apply_ms"):
             assert (row[server_time] is None) == (row["op"] == "pull")
+
+
+PATHS = {"calls", "session", "shm", "generated"}
+
+
+def test_tiny_rounds_benchmark(tmp_path):
+    out = tmp_path / "rounds.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_pserver.py"), "--tiny",
+                        "--mode", "rounds", "--json", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=240, env=ONE_BLAS_THREAD)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("# size:") and "wrong" in lines[0]  # the legend
+    assert lines[1].split()[:3] == ["#", "size", "path"]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(lines) == 2 + len(rows)
+    assert {(row["bytes"], row["path"]) for row in rows} == {
+        (kb * 1024, path) for kb in (64, 256) for path in PATHS}
+    for row in rows:
+        assert row["wrong"] == 0  # every path's parameters exact, shm used where asked
+        assert row["rounds_per_s"] > 0 and row["x_calls"] > 0
+        assert (row["hand_vs_generated"] is None) == (row["path"] != "session")

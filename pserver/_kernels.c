@@ -4,8 +4,8 @@
  * separate GIL-releasing calls: the sender copied it into the message (a
  * join, GIL held) and then checksummed the copy (ISA-L's Adler-32); the
  * receiver checksummed it and then tested every value for finiteness
- * (NumPy). On a 2-core machine those calls and the GIL hand-offs around them
- * sat on the cores the gRPC stream keeps busy. Here each is one pass:
+ * (NumPy). Those calls and the GIL hand-offs around them sat on the cores
+ * the gRPC stream keeps busy. Here each is one pass:
  *
  *   chunk_message(prefix, data, adler=1) -> (prefix + data as bytes,
  *                                            adler32 continued over data)

@@ -5,15 +5,14 @@ and the sender builds one per message too. With glibc's defaults a block
 that size is served by mmap (M_MMAP_THRESHOLD starts at 128 KiB and only
 adapts upwards as such blocks are freed) and free memory at the top of the
 heap beyond M_TRIM_THRESHOLD goes back to the kernel, so the next transfer
-touches new pages: 12-15 thousand minor page faults per 64 MB received were
-measured here, and the plain gRPC stream itself moved 0.9-1.5 GB/s on this
-machine instead of 1.9-2.1 GB/s with the thresholds fixed as below (the
-same effect as GLIBC_TUNABLES=glibc.malloc.trim_threshold=...:
-glibc.malloc.mmap_threshold=...). Further, glibc gives threads arenas of
-their own whose heaps (64 MiB at most) are unmapped whole once empty; with
-two to four 64 MB pushes in flight their messages spread over several such
-heaps, and the server page-faulted ~200 thousand times per round (W = 4:
-0.39 GB/s; with one arena, M_ARENA_MAX = 1: 0.9 GB/s). The price is that a
+touches new pages: a minor page fault per 4 KiB received, which slows the
+plain gRPC stream itself (README has the measured rates). Fixing the
+thresholds as below has the effect of GLIBC_TUNABLES=glibc.malloc.
+trim_threshold=...:glibc.malloc.mmap_threshold=.... Further, glibc gives
+threads arenas of their own whose heaps (64 MiB at most) are unmapped whole
+once empty; with several 64 MB pushes in flight their messages spread over
+several such heaps, each refaulted on every round; one arena (M_ARENA_MAX =
+1) keeps them in one heap. The price is that a
 process keeps the memory of its largest transfers mapped after they end:
 for a daemon and a worker that repeat the same transfers, that is the point.
 
@@ -55,12 +54,11 @@ HUGE_PAGE = 2 << 20
 def huge_empty(n: int, dtype) -> np.ndarray:
     """An uninitialised 1-D array on 2 MiB transparent huge pages, where the kernel gives them.
 
-    Machines that set transparent huge pages to `madvise` (this one does)
-    give them only to memory that asks: a shard's 64 MB parameters on 4 KiB
-    pages cost the optimizer and the pulls a TLB miss, and the hardware
-    prefetcher a restart, every 4 KiB. Asking for huge pages took a 64 MB
-    push, S=1, from 62-67% to 74-80% of the plain stream in paired launches
-    here. Elsewhere (no madvise, another OS) this is np.empty.
+    Machines that set transparent huge pages to `madvise` give them only to
+    memory that asks: a shard's 64 MB parameters on 4 KiB pages cost the
+    optimizer and the pulls a TLB miss, and the hardware prefetcher a
+    restart, every 4 KiB (README has the measured gain). Elsewhere (no
+    madvise, another OS) this is np.empty.
     """
     dtype = np.dtype(dtype)
     nbytes = n * dtype.itemsize

@@ -6,16 +6,15 @@ models.optim instance per block of ~1 MiB of the shard, all stepped together,
 therefore gives bit-identical parameters to a single instance over the whole
 shard. With `threads` > 1 the blocks are split into that many contiguous
 groups stepped in parallel (the C update and NumPy's loops release the
-GIL): on a 64 MB shard here ~0.6-0.8x the time of one thread when 2 cores
-are idle, no gain when they are not. A block is also what a pushed
+GIL), which helps only while other cores are idle. A block is also what a pushed
 gradient's chunk holds, so each step reads its chunk in place.
 
 Where models/_fused.c is not built, the update runs as NumPy passes through
-a scratch buffer, and blocks keep those in the CPU cache: a 64 MB SGD step
-took 9 ms blocked against 14 ms whole, Adam 41 against 68. The blocks of one
+a scratch buffer, and blocks keep those in the CPU cache instead of
+streaming each pass over the whole shard through memory. The blocks of one
 group step one after another on one thread and share one scratch block,
-which therefore stays in cache (a scratch block each wrote 64 MB of cold
-scratch per step and took 1.5x as long). Checkpoints see one state, as if
+which therefore stays in cache (a scratch block each would write the
+shard's size of cold scratch per step). Checkpoints see one state, as if
 it were a single optimizer.
 """
 

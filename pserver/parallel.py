@@ -32,8 +32,8 @@ class Parallel:
         """fn(group) for each of `groups` (at most `threads`), in parallel, in order.
 
         The caller's own thread runs the first group while the pool runs the
-        others: one thread fewer to wake, and on 2 cores the wake-up of a
-        second pool thread had cost up to 3 ms of a 9 ms optimizer step.
+        others: one thread fewer to wake, and a wake-up costs most where
+        cores are few and busy.
         """
         if len(groups) > self.threads:
             raise ValueError(f"{len(groups)} groups for {self.threads} threads")

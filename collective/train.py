@@ -19,21 +19,26 @@ and waiting) and checkpoints. An exception on any rank aborts the whole job.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 
 import numpy as np
 from mpi4py import MPI
 
 from collective.buckets import BucketReducer
 from collective.comm import ALGOS, Communicator
+from collective.failure import FORWARD_S
 from collective.grid import ProcessGrid
 from models.checkpoint import CheckpointError
-from models.config import ConfigError, run_cli
+from models.config import ConfigError, command_name, run_cli
+from models.data.dataset import in_words
 from models.metrics import MetricsLog, run_header
-from models.session import build_session, parse
+from models.session import build_session, parse, replica_cost
 from models.threads import share_cores
-from models.train import replica_cost, summary_lines
 from models.trainer import Trainer
+
+INTERRUPTED = 130
 
 
 def add_sync_flags(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +86,7 @@ def check_replicas_agree(comm: Communicator, params, when: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    setup = parse(argv, prog="python -m collective.train", description=__doc__.split("\n\n")[0],
+    setup = parse(argv, prog=command_name("collective.train"), description=__doc__.split("\n\n")[0],
                   add_extra=add_sync_flags)
     opts = setup.extra
     if opts.bucket_mb <= 0:
@@ -105,8 +110,8 @@ def main(argv: list[str]) -> int:
     check_replicas_agree(comm, params, "after the initial broadcast")
     if rank == 0:
         print(f"{setup.model_name}: {params.size:,} parameters on {grid.dp_size} ranks, "
-              f"allreduce {opts.allreduce}, {len(reducer.buckets.buckets)} bucket(s); "
-              f"{threads.describe()} per rank", file=sys.stderr)
+              f"allreduce {opts.allreduce}, {len(reducer.buckets.buckets)} bucket(s); data "
+              f"{in_words(header['dataset'])}; {threads.describe()} per rank", file=sys.stderr)
     try:
         summary = trainer.run()
     finally:
@@ -114,15 +119,20 @@ def main(argv: list[str]) -> int:
         reducer.close()
     check_replicas_agree(comm, params, "after training")
     if rank == 0:
-        for line in summary_lines(summary, flops_per_step):
+        for line in summary.lines(flops_per_step):
             print(line)
     return 0
 
 
 def cli() -> int:
-    """Errors are printed by run_cli; then the whole job is ended, not just this rank."""
-    rc = run_cli(main, user_errors=(CheckpointError, FloatingPointError))
+    """Errors and Ctrl-C are printed by run_cli; then the whole job is ended, not just
+    this rank: a peer may be blocked in a collective this rank will never join."""
+    rc = run_cli(main, command_name("collective.train"),
+                 user_errors=(CheckpointError, FloatingPointError))
     if rc and MPI.COMM_WORLD.Get_size() > 1:
+        time.sleep(FORWARD_S)  # the other ranks' own lines get out before the abort
+        if rc == INTERRUPTED:  # "interrupted" says it all: no MPI_Abort banner after it
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
         MPI.COMM_WORLD.Abort(rc)
     return rc
 

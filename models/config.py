@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from models.launcher import who
 
 
 class ConfigError(ValueError):
@@ -61,10 +64,13 @@ def non_negative(cfg, *names: str) -> None:
             raise ConfigError(f"{flag(name)} must not be negative (got {value})")
 
 
-def add_flags(parser: argparse.ArgumentParser, cls, title: str | None = None) -> None:
-    """One flag per field of dataclass `cls`, typed by the field's default."""
+def add_flags(parser: argparse.ArgumentParser, cls, title: str | None = None,
+              only: tuple[str, ...] | None = None) -> None:
+    """One flag per field of dataclass `cls` (or of the fields in `only`), typed by its default."""
     group = parser.add_argument_group(title or cls.__name__)
     for f in dataclasses.fields(cls):
+        if only is not None and f.name not in only:
+            continue
         default = f.default
         help_text = f.metadata.get("help", "") + f" (default: {default})"
         if isinstance(default, bool):
@@ -76,15 +82,28 @@ def add_flags(parser: argparse.ArgumentParser, cls, title: str | None = None) ->
                                choices=f.metadata.get("choices") or None, help=help_text)
 
 
-def from_namespace(cls, ns: argparse.Namespace):
-    """Build `cls` from parsed flags (unset flags keep their defaults) and validate it."""
+def from_namespace(cls, ns: argparse.Namespace, base: dict | None = None,
+                   only: tuple[str, ...] | None = None):
+    """Build `cls` from `base` (e.g. a config file's section) overridden by the flags
+    given in `ns` (of the fields in `only`, if given; unset flags keep `base`'s value or
+    the default), and validate it."""
     given = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)
-             if getattr(ns, f.name, None) is not None}
-    return build(cls, given)
+             if (only is None or f.name in only) and getattr(ns, f.name, None) is not None}
+    return build(cls, {**(base or {}), **given})
 
 
 def build(cls, values: dict):
     """Build and validate `cls` from a dict; unknown keys and wrong types are errors."""
+    values = check_values(cls, values)
+    cfg = cls(**values)
+    cfg.validate()
+    return cfg
+
+
+def check_values(cls, values: dict) -> dict:
+    """`values` checked field by field against `cls` (known keys, types, choices; ints
+    given for float fields become floats), before any check across fields."""
+    values = dict(values)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
     if unknown:
@@ -100,26 +119,48 @@ def build(cls, values: dict):
         choices = fields[name].metadata.get("choices")
         if choices and value not in choices:
             raise ConfigError(f"{flag(name)} must be one of {', '.join(choices)}, got {value!r}")
-    cfg = cls(**values)
-    cfg.validate()
-    return cfg
+    return values
 
 
 def as_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None,
-            user_errors: tuple[type[BaseException], ...] = ()) -> int:
-    """Run an entry point; a bad config prints `error: ...` and returns 2, any
-    of `user_errors` (a corrupt checkpoint, a diverged run) prints and returns 1.
-    Neither shows a traceback: the message names the problem."""
-    prog = sys.argv[0].rsplit("/", 1)[-1]
+def command_name(module: str = "") -> str:
+    """How the user started this program: "python -m MODULE", a console script's name
+    ("dtlab-train"), or "python scripts/x.py"; for usage lines and messages."""
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else "python"
+    if not argv0.endswith(".py"):
+        return os.path.basename(argv0)
+    return f"python -m {module}" if module else f"python {argv0}"
+
+
+def run_cli(main: Callable[[list[str]], int], prog: str = "", argv: list[str] | None = None,
+            user_errors: tuple[type[BaseException], ...] = (),
+            describe: Callable[[BaseException], str] = str) -> int:
+    """Run an entry point called `prog` (the command the user typed).
+
+    A bad config prints `PROG: error: ...` and returns 2; any of `user_errors`
+    (a corrupt checkpoint, a diverged run, a server's refusal) prints
+    `describe(error)` the same way and returns 1; Ctrl-C prints one line and
+    returns 130. None shows a traceback: the message names the problem. Under
+    a launcher of several processes each line names the rank it comes from.
+    """
+    prog, rank = prog or command_name(), who()
     try:
         return main(sys.argv[1:] if argv is None else argv) or 0
     except ConfigError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        _say(f"{prog}: {rank}error: {e}")
         return 2
     except user_errors as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        _say(f"{prog}: {rank}error: {describe(e)}")
         return 1
+    except KeyboardInterrupt:
+        _say(f"{prog}: {rank}interrupted")
+        return 130
+
+
+def _say(line: str) -> None:
+    """One write per line, so that lines of several ranks merged by mpiexec stay whole."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

@@ -10,17 +10,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from models.config import ConfigError, choice, positive
+from models.config import ConfigError, choice, described, positive
 from models.layers import GELU, Linear, ReLU, Sequential
 from models.model import Model
 
 
 @dataclass
 class MLPConfig:
-    d_in: int = 32
-    d_hidden: int = 256
-    n_layers: int = 2
-    n_classes: int = 8
+    d_in: int = described(32, "input features (set by --data digits)")
+    d_hidden: int = described(256, "width of each hidden layer")
+    n_layers: int = described(2, "hidden layers")
+    n_classes: int = described(8, "output classes (set by --data digits)")
     activation: str = choice("gelu", "gelu", "relu", help="hidden activation")
 
     def validate(self):

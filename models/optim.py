@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from models.backend import array_module
-from models.config import ConfigError, choice, non_negative, positive
+from models.config import ConfigError, choice, described, non_negative, positive
 
 try:
     from models import _fused
@@ -48,17 +48,18 @@ def _fusable(*arrays) -> bool:
 @dataclass
 class OptimConfig:
     optimizer: str = choice("adamw", "sgd", "adam", "adamw", help="update rule")
-    lr: float = 1e-2
-    momentum: float = 0.0
-    nesterov: bool = False
-    beta1: float = 0.9
-    beta2: float = 0.99
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    clip: float = 1.0
-    warmup: int = 50
+    lr: float = described(1e-2, "peak learning rate (after warm-up)")
+    momentum: float = described(0.0, "SGD momentum (0: plain SGD)")
+    nesterov: bool = described(False, "Nesterov momentum (SGD with --momentum)")
+    beta1: float = described(0.9, "Adam first-moment decay")
+    beta2: float = described(0.99, "Adam second-moment decay")
+    eps: float = described(1e-8, "Adam denominator epsilon")
+    weight_decay: float = described(0.0, "decoupled weight decay (AdamW) or L2 (SGD, Adam); "
+                                             "never on biases and norms")
+    clip: float = described(1.0, "clip the global gradient norm to this (0: off)")
+    warmup: int = described(50, "steps of linear lr warm-up from 0")
     schedule: str = choice("cosine", "cosine", "constant", help="lr after warm-up")
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = described(0.1, "cosine ends at this fraction of --lr")
 
     def validate(self):
         positive(self, "lr", "eps")

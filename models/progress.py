@@ -6,8 +6,10 @@ import sys
 
 
 class Progress:
-    def __init__(self, total: int, every: int, enabled: bool = True, stream=None):
-        self.total, self.every, self.enabled = total, every, enabled
+    def __init__(self, total: int, every: int, enabled: bool = True, stream=None,
+                 prefix: str = ""):
+        """`prefix` names the process in its lines ("worker 3: ") when several print."""
+        self.total, self.every, self.enabled, self.prefix = total, every, enabled, prefix
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
 
@@ -15,7 +17,7 @@ class Progress:
         if not self.enabled:
             return
         done = step + 1
-        text = f"step {done:>6}/{self.total}  loss {loss:8.4f}  {extra}"
+        text = f"{self.prefix}step {done:>6}/{self.total}  loss {loss:8.4f}  {extra}"
         if self.tty:
             width = 24
             filled = width * done // self.total

@@ -1,11 +1,18 @@
 """From command-line flags to everything one training process needs.
 
 All trainers (single-process, sync data-parallel, async worker) and the
-parameter-server daemon parse the same flags:
+parameter-server daemon read one run config the same way:
 
+    --config run.json           the model, data, optimizer and run sections
+                                (or a metrics file: its header holds them)
     --model {mlp,transformer}   then that model's config fields (--d-model ...)
     data flags (--data, --path, --label-noise ...), optimizer flags
     (--optimizer, --lr, --warmup ...), run flags (--steps, --batch-size ...)
+
+Flags override the file. Each program takes as flags only the fields that
+act in it (a worker takes no optimizer flags but --clip: the servers run the
+optimizer), and reads the rest of the file without complaint, so one file
+serves every process of a run.
 
 `parse()` returns a Setup (the validated configs); `build_session()` turns it
 into a Session: dataset, model, FlatParams, Replica, optimizer, schedule and
@@ -16,11 +23,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from models import backend
-from models.config import ConfigError, add_flags, choice, described, from_namespace, positive
+from models.config import (
+    ConfigError,
+    add_flags,
+    check_values,
+    choice,
+    described,
+    from_namespace,
+    positive,
+)
+from models.cost import estimate
 from models.data import DataConfig, ShardedLoader, make_dataset
 from models.model import Model, Replica
 from models.optim import OptimConfig, Optimizer, Schedule, make_optimizer
@@ -30,16 +47,16 @@ from models.zoo import MODELS, build_model
 
 @dataclass
 class RunConfig:
-    steps: int = 800
-    batch_size: int = 32
-    grad_accum: int = 1
-    seed: int = 0
+    steps: int = described(800, "optimizer steps to run (in all, counting resumed ones)")
+    batch_size: int = described(32, "examples per micro-batch on each rank or worker")
+    grad_accum: int = described(1, "micro-batches accumulated per optimizer step")
+    seed: int = described(0, "initial weights and data order (the data itself: --data-seed)")
     dtype: str = choice("float32", "float32", "float64", help="parameter and compute dtype")
-    log_every: int = 50
+    log_every: int = described(50, "print a progress line every N steps (off a terminal)")
     metrics: str = described("", "JSON-lines metrics file")
-    checkpoint_dir: str = ""
-    checkpoint_every: int = 0
-    resume: bool = False
+    checkpoint_dir: str = described("", "directory of step-NNNNNN checkpoints")
+    checkpoint_every: int = described(0, "write a checkpoint every N steps (0: never)")
+    resume: bool = described(False, "go on from the newest checkpoint in --checkpoint-dir")
 
     def validate(self):
         positive(self, "steps", "batch_size", "grad_accum", "log_every")
@@ -60,6 +77,7 @@ class Setup:
     optim: OptimConfig
     run: RunConfig
     extra: argparse.Namespace
+    config_file: str = ""
 
     def as_dict(self) -> dict:
         parts = ("model", "data", "optim", "run")
@@ -67,34 +85,112 @@ class Setup:
                 **{k: dataclasses.asdict(getattr(self, k)) for k in parts}}
 
 
+GROUPS = {"data": DataConfig, "optim": OptimConfig, "run": RunConfig}
+# Run fields that name this run's own files: a rerun from a metrics header leaves them out,
+# so that it never overwrites the run it was read from.
+OWN_FILES = ("metrics", "checkpoint_dir", "checkpoint_every", "resume")
+
+
+def read_config_file(path: str) -> dict:
+    """A run config {"model_name", "model", "data", "optim", "run"} (Setup.as_dict()) from a
+    JSON file, or from the header line of a metrics file (so a past run can be rerun)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"--config {path}: {e.strerror}") from None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError:
+        first = text.lstrip().split("\n", 1)[0]
+        try:
+            record = json.loads(first)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--config {path}: neither a JSON object nor a metrics file "
+                              f"({e})") from None
+    from_header = isinstance(record, dict) and record.get("type") == "header"
+    if from_header:
+        record = record.get("config")
+    if not isinstance(record, dict):
+        raise ConfigError(f"--config {path}: expected a JSON object with the sections "
+                          f"model_name, model, {', '.join(GROUPS)}")
+    unknown = sorted(set(record) - {"model_name", "model", *GROUPS})
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown section(s) {', '.join(unknown)} "
+                          f"(known: model_name, model, {', '.join(GROUPS)})")
+    for name in ("model", *GROUPS):
+        if not isinstance(record.get(name, {}), dict):
+            raise ConfigError(f"--config {path}: section {name!r} must be an object")
+    if from_header:
+        record["run"] = {k: v for k, v in record.get("run", {}).items() if k not in OWN_FILES}
+    return record
+
+
+def refuse_inert_flags(parser: argparse.ArgumentParser, rest: list[str],
+                       flags: dict[str, tuple[str, ...] | None], why: str = "") -> None:
+    """Flags left over by the parser: a config field this program does not take is a
+    ConfigError that says so; anything else is argparse's unrecognized-arguments error."""
+    for arg in rest:
+        name = arg.split("=", 1)[0].removeprefix("--").removeprefix("no-").replace("-", "_")
+        for group, cls in GROUPS.items():
+            fields = {f.name for f in dataclasses.fields(cls)}
+            taken = fields if flags.get(group, ()) is None else set(flags.get(group, ()))
+            if arg.startswith("--") and name in fields - taken:
+                raise ConfigError(f"{arg.split('=', 1)[0]} has no effect in {parser.prog}"
+                                  + (f": {why}" if why else "; see --help"))
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+
+
 def parse(argv: list[str], prog: str, description: str = "",
           add_extra: Callable[[argparse.ArgumentParser], None] | None = None,
-          configs: tuple[str, ...] = ("data", "optim", "run")) -> Setup:
+          flags: dict[str, tuple[str, ...] | None] | None = None, why: str = "") -> Setup:
     """Parse `argv` into a Setup. Bad values raise ConfigError; unknown flags exit 2.
 
-    `configs` selects which config groups this entry point accepts (the
-    parameter-server daemon has no data or run flags, for instance); the
-    others keep their defaults.
+    Values come from the defaults, then `--config FILE` (read_config_file),
+    then the flags given, each overriding the one before. `flags` maps each
+    config group ("data", "optim", "run") to the fields this entry point takes
+    as flags (None: all of them); a group left out takes none, and its values
+    come from the file or the defaults. Default: every field of every group.
+    A flag that would have no effect in this program is refused with `why`.
     """
+    flags = {name: None for name in GROUPS} if flags is None else flags
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--model", choices=sorted(MODELS), default="transformer")
+    pre.add_argument("--model", choices=sorted(MODELS), default=None)
+    pre.add_argument("--config", default="")
     known, _ = pre.parse_known_args(argv)
+    file = read_config_file(known.config) if known.config else {}
+    model_name = known.model or file.get("model_name", "transformer")
+    if model_name not in MODELS:
+        raise ConfigError(f"--config {known.config}: unknown model {model_name!r}")
+    same_model = model_name == file.get("model_name", model_name)
 
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--model", choices=sorted(MODELS), default="transformer",
-                        help="which model to train (its flags follow) (default: transformer)")
-    model_cls = MODELS[known.model][0]
-    add_flags(parser, model_cls, f"{known.model} model")
-    groups = {"data": DataConfig, "optim": OptimConfig, "run": RunConfig}
-    for name in configs:
-        add_flags(parser, groups[name], f"{name}")
+    parser.add_argument("--config", metavar="FILE",
+                        help="run config: a JSON object of sections model_name, model, data, "
+                             "optim, run, or a metrics file whose header holds one; the flags "
+                             "given override it")
+    parser.add_argument("--model", choices=sorted(MODELS), default=model_name,
+                        help=f"which model to train (its flags follow) (default: {model_name})")
+    model_cls = MODELS[model_name][0]
+    add_flags(parser, model_cls, f"{model_name} model")
+    for name, only in flags.items():
+        add_flags(parser, GROUPS[name], name, only=only)
     if add_extra is not None:
         add_extra(parser)
-    ns = parser.parse_args(argv)
-    built = {name: from_namespace(cls, ns) if name in configs else cls()
-             for name, cls in groups.items()}
-    return Setup(known.model, from_namespace(model_cls, ns), built["data"], built["optim"],
-                 built["run"], ns)
+    for name, cls in {"model": model_cls, **GROUPS}.items():
+        if name in file and (name != "model" or same_model):
+            try:
+                check_values(cls, file[name])
+            except ConfigError as e:
+                raise ConfigError(f"--config {known.config}: section {name}: {e}") from None
+    ns, rest = parser.parse_known_args(argv)
+    refuse_inert_flags(parser, rest, flags, why)
+    model = from_namespace(model_cls, ns, file.get("model") if same_model else None)
+    built = {name: from_namespace(cls, ns, file.get(name), only=flags.get(name, ()))
+             for name, cls in GROUPS.items()}
+    return Setup(model_name, model, built["data"], built["optim"], built["run"], ns,
+                 known.config)
 
 
 @dataclass
@@ -123,3 +219,13 @@ def build_session(setup: Setup, rank: int = 0, world: int = 1) -> Session:
                            seed=setup.run.seed, micro_batches=setup.run.grad_accum)
     return Session(setup, dataset, model, params, Replica(model, params), optimizer,
                    Schedule(setup.optim, setup.run.steps), loader, rank, world)
+
+
+def replica_cost(setup: Setup):
+    """The cost estimate of one replica's step as `setup` configures it (all
+    micro-batches; SGD with momentum keeps one state buffer, without none)."""
+    optimizer = setup.optim.optimizer
+    if optimizer == "sgd" and setup.optim.momentum > 0:
+        optimizer = "sgd-momentum"
+    return estimate(setup.model_name, setup.model,
+                    setup.run.batch_size * setup.run.grad_accum, optimizer=optimizer)

@@ -29,8 +29,9 @@ from dataclasses import asdict, dataclass
 import numpy  # noqa: F401 - loads the BLAS whose thread pool is limited here
 from threadpoolctl import threadpool_info, threadpool_limits
 
+from models.launcher import LOCAL_SIZE_VARS, first_int
+
 USER_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
 
 
 @dataclass(frozen=True)
@@ -66,11 +67,8 @@ def _affinity() -> int:
 
 def local_processes() -> tuple[int, str]:
     """(processes the launcher started on this host, the variable that said so), else (1, ...)."""
-    for name in LOCAL_SIZE_VARS:
-        value = os.environ.get(name, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value), name
-    return 1, "no launcher variable: one process"
+    found = first_int(LOCAL_SIZE_VARS)
+    return found if found and found[0] > 0 else (1, "no launcher variable: one process")
 
 
 def user_threads() -> tuple[int, str] | None:

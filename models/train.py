@@ -14,57 +14,37 @@ from __future__ import annotations
 import sys
 
 from models.checkpoint import CheckpointError
-from models.config import run_cli
-from models.cost import estimate
+from models.config import command_name, run_cli
+from models.data.dataset import in_words
 from models.metrics import MetricsLog, run_header
-from models.session import Setup, build_session, parse
+from models.session import build_session, parse, replica_cost
 from models.threads import share_cores
-from models.trainer import Summary, Trainer
-
-
-def summary_lines(summary: Summary, flops_per_step: float | None) -> list[str]:
-    seconds = max(summary.seconds, 1e-9)
-    speed = f"steps {summary.steps} in {seconds:.1f} s, {summary.samples_per_s:,.0f} samples/s"
-    if flops_per_step is not None:
-        speed += f", {flops_per_step * summary.steps / seconds / 1e9:.1f} GFLOP/s"
-    lines = [speed]
-    loss = f"final loss {summary.final_loss:.4f}"
-    if summary.floor is not None:
-        loss += f"  floor {summary.floor:.4f}  gap {summary.gap:+.4f} nats"
-    return lines + [loss]
-
-
-def replica_cost(setup: Setup):
-    """The cost estimate of one replica's step as `setup` configures it (all
-    micro-batches; SGD with momentum keeps one state buffer, without none)."""
-    optimizer = setup.optim.optimizer
-    if optimizer == "sgd" and setup.optim.momentum > 0:
-        optimizer = "sgd-momentum"
-    return estimate(setup.model_name, setup.model,
-                    setup.run.batch_size * setup.run.grad_accum, optimizer=optimizer)
+from models.trainer import Trainer
 
 
 def main(argv: list[str]) -> int:
-    setup = parse(argv, prog="python -m models.train", description=__doc__.split("\n\n")[0])
+    setup = parse(argv, prog=command_name("models.train"),
+                  description=__doc__.split("\n\n")[0])
     threads = share_cores()
     session = build_session(setup)
     cost = replica_cost(setup)
     header = run_header(session, "single", flops_per_step=cost.flops_step,
                         threads=threads.as_dict())
     log = MetricsLog(setup.run.metrics, header, append=setup.run.resume)
-    print(f"{setup.model_name}: {session.params.size:,} parameters, data {header['dataset']}; "
-          f"{threads.describe()}", file=sys.stderr)
+    print(f"{setup.model_name}: {session.params.size:,} parameters; data "
+          f"{in_words(header['dataset'])}; {threads.describe()}", file=sys.stderr)
     try:
         summary = Trainer(session, log).run()
     finally:
         log.close()
-    for line in summary_lines(summary, cost.flops_step):
+    for line in summary.lines(cost.flops_step):
         print(line)
     return 0
 
 
 def cli() -> int:
-    return run_cli(main, user_errors=(CheckpointError, FloatingPointError))
+    return run_cli(main, command_name("models.train"),
+                   user_errors=(CheckpointError, FloatingPointError))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ single-process training. Rank 0 (`is_main`) writes metrics and checkpoints.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -34,9 +35,12 @@ class GradReducer(Protocol):
 
 @dataclass
 class Summary:
+    """What a run did: steps this launch ran, their time, and the loss at its end."""
+
     steps: int
     seconds: float
-    final_loss: float
+    final_loss: float  # mean training loss of the last `tail` steps
+    tail: int
     floor: float | None
     samples_per_s: float
 
@@ -47,10 +51,24 @@ class Summary:
     @classmethod
     def of(cls, losses: list[float], seconds: float, floor: float | None,
            samples_per_step: int) -> Summary:
-        """Final loss = mean of the last 10% of the steps' losses."""
-        tail = losses[-max(1, len(losses) // 10):] or [math.nan]
-        return cls(len(losses), seconds, sum(tail) / len(tail), floor,
-                   len(losses) * samples_per_step / seconds if seconds else 0.0)
+        """Final loss = mean of the last 10% of the steps' losses (at least one step)."""
+        tail = losses[-max(1, len(losses) // 10):]
+        return cls(len(losses), seconds, sum(tail) / len(tail) if tail else math.nan,
+                   len(tail), floor, len(losses) * samples_per_step / seconds if seconds else 0.0)
+
+    def lines(self, flops_per_step: float | None = None) -> list[str]:
+        """The summary a trainer prints at the end."""
+        if not self.steps:
+            return ["no steps run: the run had already reached --steps"]
+        seconds = max(self.seconds, 1e-9)
+        speed = f"steps {self.steps} in {seconds:.1f} s, {self.samples_per_s:,.0f} samples/s"
+        if flops_per_step is not None:
+            speed += f", {flops_per_step * self.steps / seconds / 1e9:.1f} GFLOP/s"
+        last = "the last step" if self.tail == 1 else f"mean of the last {self.tail} steps"
+        loss = f"final training loss {self.final_loss:.4f} ({last})"
+        if self.floor is not None:
+            loss += f"  floor {self.floor:.4f}  gap {self.gap:+.4f} nats"
+        return [speed, loss]
 
 
 class Trainer:
@@ -79,7 +97,7 @@ class Trainer:
         lr = s.schedule(step)
         s.optimizer.step(s.params.data, s.params.grad, lr)
         t3 = time.perf_counter()
-        return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+        return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                 "step_s": t3 - t0, "compute_s": (t1 - t0) + (t3 - t2), **comm}
 
     def run(self) -> Summary:
@@ -108,15 +126,49 @@ class Trainer:
 
     def _resume(self) -> int:
         s = self.s
-        path = checkpoint.latest(s.setup.run.checkpoint_dir)
+        run = s.setup.run
+        path = checkpoint.latest(run.checkpoint_dir)
         if path is None:
+            self._say(f"no checkpoint in {run.checkpoint_dir} yet: starting at step 0")
             return 0
         arrays, meta = checkpoint.load(path)
-        wanted = s.setup.as_dict()
-        if meta.get("n_params") != s.params.size or meta["config"]["model"] != wanted["model"]:
-            raise CheckpointError(f"{path}: written for a different model config")
+        saved = meta["config"]
+        differ = config_differences(saved, s.setup.as_dict())
+        if differ or meta.get("n_params") != s.params.size:
+            raise CheckpointError(f"{path} was written by a run with another config: "
+                                  + "; ".join(differ or ["a different parameter count"]))
         s.params.load(arrays["params"])
         state = {k[len("opt."):]: v for k, v in arrays.items() if k.startswith("opt.")}
         s.optimizer.load_state_dict({**state, "steps": meta["optimizer_steps"]})
         s.loader.load_state_dict(meta["loader"])
-        return int(meta["step"])
+        step, saved_steps = int(meta["step"]), saved["run"]["steps"]
+        self._say(f"resumed from step {step} of {run.checkpoint_dir}")
+        if saved_steps != run.steps:
+            self._say(f"--steps is {run.steps}, the checkpointed run had {saved_steps}: the lr "
+                      f"schedule now spans {run.steps} steps")
+        if step >= run.steps:
+            self._say(f"the run already reached step {step} of --steps {run.steps}: nothing to do")
+        return step
+
+    def _say(self, line: str) -> None:
+        if self.is_main:
+            print(line, file=sys.stderr)
+
+
+# Run fields a resumed run may change: they steer this launch, not the computation.
+RESUMABLE = {"steps", "metrics", "log_every", "checkpoint_every", "checkpoint_dir", "resume"}
+
+
+def config_differences(saved: dict, now: dict) -> list[str]:
+    """'section.field: saved -> now' for every field that differs, RESUMABLE ones aside."""
+    out = []
+    if saved.get("model_name") != now["model_name"]:
+        out.append(f"model: {saved.get('model_name')} -> {now['model_name']}")
+    for section in ("model", "data", "optim", "run"):
+        old, new = saved.get(section, {}), now[section]
+        for key in sorted(set(old) | set(new)):
+            if section == "run" and key in RESUMABLE:
+                continue
+            if old.get(key) != new.get(key):
+                out.append(f"{section}.{key}: {old.get(key)!r} -> {new.get(key)!r}")
+    return out

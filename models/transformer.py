@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from models.attention import CausalSelfAttention
-from models.config import ConfigError, choice, positive
+from models.config import ConfigError, choice, described, positive
 from models.layers import (
     GELU,
     Embedding,
@@ -36,15 +36,15 @@ from models.model import Model
 
 @dataclass
 class TransformerConfig:
-    vocab: int = 16
-    seq_len: int = 32
-    d_model: int = 64
-    n_heads: int = 4
-    n_layers: int = 2
-    d_ff: int = 256
+    vocab: int = described(16, "vocabulary size (set to 256 by --data text)")
+    seq_len: int = described(32, "context length in tokens")
+    d_model: int = described(64, "residual stream width")
+    n_heads: int = described(4, "attention heads (must divide --d-model)")
+    n_layers: int = described(2, "transformer blocks")
+    d_ff: int = described(256, "feed-forward hidden width")
     ffn: str = choice("gelu", "gelu", "swiglu", help="feed-forward type")
     norm: str = choice("layernorm", "layernorm", "rmsnorm", help="normalisation")
-    recompute: bool = False
+    recompute: bool = described(False, "recompute each block's activations in backward")
 
     def validate(self):
         positive(self, "vocab", "seq_len", "d_model", "n_heads", "n_layers", "d_ff")

@@ -1,40 +1,65 @@
 """Run one parameter-server shard daemon.
 
-    python -m pserver serve --model mlp --d-hidden 64 --shard 0 --num-shards 2 \\
-        --port 50051 --optimizer adam --lr 1e-3 --seed 0 --consistency ssp --staleness 2
+    python -m pserver serve --config run.json --shard 0 --num-shards 2 --port 50051 \\
+        --consistency ssp --staleness 2 --num-workers 2
+    python -m pserver serve --model mlp --data digits --shard 0 --port 50051 \\
+        --optimizer adam --lr 1e-3
 
-`--model` and its flags, and the optimizer flags, are parsed by
-models.session exactly as for the trainers (give the server the model flags
-the workers' data implies, e.g. `--d-in 64 --n-classes 10` for
-`--data digits`: Register refuses a worker whose parameter layout differs).
-The server's own flags are pserver.config.ServerConfig; see
-`python -m pserver serve --model NAME --help`. SIGTERM or SIGINT shuts down
-cleanly (pserver.daemon.Daemon.shutdown) and exits 0.
+The server reads the run config the way every trainer does (models.session):
+`--config FILE` and the model, data and optimizer flags. The data flags only
+fix the model fields the data implies (--data digits: d_in 64, 10 classes);
+the daemon never loads the data. From the file's run section it takes the
+seed and dtype (the workers' initial weights) and, unless --schedule-steps
+is given, the span of the lr schedule: --steps updates under BSP (one per
+round), --steps x --num-workers otherwise (one per push). Register refuses a
+worker whose model or parameter layout differs. The server's own flags are
+pserver.config.ServerConfig; see `python -m pserver serve --help`. SIGTERM or
+SIGINT shuts down cleanly (pserver.daemon.Daemon.shutdown) and exits 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import sys
 import threading
 
 from models.checkpoint import CheckpointError
-from models.config import add_flags, from_namespace, run_cli
-from models.session import parse
+from models.config import add_flags, command_name, from_namespace, run_cli
+from models.data.factory import implied_model
+from models.optim import OptimConfig
+from models.session import Setup, parse
 from models.threads import share_cores
 from pserver.allocator import keep_freed_memory
 from pserver.config import ServerConfig
 from pserver.daemon import Daemon, build_store, config_record
 
-USAGE = "usage: python -m pserver serve --model NAME [flags]  (--help for the flags)"
+# The workers clip their own gradients: --clip has no effect on a server.
+SERVER_OPTIM_FLAGS = tuple(f.name for f in dataclasses.fields(OptimConfig) if f.name != "clip")
+COMMANDS = {"serve": "run one parameter-server shard (python -m pserver serve --help)"}
+
+
+def server_config(setup: Setup) -> ServerConfig:
+    """ServerConfig from the flags, with seed, dtype and schedule from the run config."""
+    ns = setup.extra
+    base = {"seed": setup.run.seed, "dtype": setup.run.dtype}
+    cfg = from_namespace(ServerConfig, ns, base)
+    if ns.schedule_steps is None and setup.config_file:
+        per_step = 1 if cfg.consistency == "bsp" else max(1, cfg.num_workers)
+        cfg = dataclasses.replace(cfg, schedule_steps=setup.run.steps * per_step)
+    return cfg
 
 
 def serve(argv: list[str]) -> int:
-    setup = parse(argv, prog="python -m pserver serve",
-                  description="One gRPC parameter-server shard.", configs=("optim",),
+    prog = command_name("pserver") + " serve"
+    setup = parse(argv, prog=prog, description="One gRPC parameter-server shard.",
+                  flags={"data": None, "optim": SERVER_OPTIM_FLAGS},
+                  why="a server takes the model, data and optimizer flags; the workers take "
+                      "--clip and the run flags (--steps, --batch-size, ...)",
                   add_extra=lambda p: add_flags(p, ServerConfig, "server"))
-    cfg = from_namespace(ServerConfig, setup.extra)
+    setup.model = implied_model(setup.data, setup.model_name, setup.model)
+    cfg = server_config(setup)
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keep_freed_memory()
@@ -42,7 +67,8 @@ def serve(argv: list[str]) -> int:
     logging.getLogger("pserver").info("shard %d: %s", cfg.shard,
                                       share_cores(threads=1).describe())
     store = build_store(cfg, setup.model_name, setup.model, setup.optim)
-    daemon = Daemon(cfg, store, config_record(cfg, setup.model_name, setup.model, setup.optim))
+    daemon = Daemon(cfg, store, config_record(cfg, setup.model_name, setup.model, setup.optim),
+                    shm=cfg.shm)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -52,15 +78,24 @@ def serve(argv: list[str]) -> int:
     return 0
 
 
+def usage() -> str:
+    lines = [f"usage: {command_name('pserver')} COMMAND [flags]", "", "commands:"]
+    return "\n".join(lines + [f"  {name:<8} {text}" for name, text in COMMANDS.items()])
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] != "serve":
-        print(USAGE, file=sys.stderr)
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        given = f"unknown command {argv[0]!r}" if argv else "no command given"
+        print(f"{usage()}\n\n{command_name('pserver')}: error: {given}", file=sys.stderr)
         return 2
     return serve(argv[1:])
 
 
 def cli() -> int:
-    return run_cli(main, user_errors=(CheckpointError,))
+    return run_cli(main, command_name("pserver"), user_errors=(CheckpointError,))
 
 
 if __name__ == "__main__":

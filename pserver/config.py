@@ -39,10 +39,12 @@ class ServerConfig:
     tls_key: str = described("", "PEM private key of --tls-cert")
     tls_client_ca: str = described("", "PEM CA: require client certificates it signed (mutual TLS)")
     reflection: bool = described(False, "enable gRPC server reflection")
+    shm: bool = described(True, "offer workers on this host a shared-memory data plane "
+                                "(gRPC stays the control plane)")
     ready_file: str = described("", "write {pid, port, metrics_port} JSON here once serving")
     grace_s: float = described(10.0, "seconds in-flight calls get to finish at shutdown")
     log_every: int = described(100, "log a staleness summary every N updates")
-    log_level: str = choice("info", "debug", "info", "warning")
+    log_level: str = choice("info", "debug", "info", "warning", help="daemon log verbosity")
 
     def validate(self):
         positive(self, "num_shards", "chunk_bytes", "max_message_bytes", "threads",
@@ -87,6 +89,10 @@ class ClientConfig:
     retries: int = described(8, "retries of an UNAVAILABLE call, with exponential backoff (~7 s)")
     backoff_s: float = described(0.05, "first backoff delay")
     chunk_bytes: int = described(1 << 20, "bytes per pushed chunk message")
+    transport: str = choice("session", "session", "calls",
+                            help="session: one long-lived stream per shard; calls: one gRPC "
+                                 "call per pull and per push")
+    shm: bool = described(True, "move tensors through shared memory with shards on this host")
 
     def validate(self):
         if not self.addresses():

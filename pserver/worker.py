@@ -17,13 +17,14 @@ One step (Dean et al. 2012, Downpour SGD; Li et al. 2014, ps-lite):
     push   every shard its slice of params.grad in parallel, each with the
            version it was read at; the servers run the optimizer
 
-The worker never runs the optimizer: of the optimizer flags it uses --clip
-only (the servers take --optimizer, --lr, ...; the worker accepts them so
-that one flag set serves every topology). Flags are those of models.train
-(models.session) plus the client's (pserver.config.ClientConfig) and
---worker-id / --num-workers, which default to the launcher's rank and size
-(PMI_RANK/PMI_SIZE, OMPI_COMM_WORLD_*, SLURM_PROCID/SLURM_NTASKS), else 0
-and 1; MPI itself is not used. Metrics are the trainer's JSON lines (header,
+The worker never runs the optimizer: of the optimizer flags it takes --clip
+only (the servers take --optimizer, --lr, ...; a --config file's optimizer
+section is read by the servers and left alone here), and its metrics header
+records the optimizer the servers report at Register. Flags are those of
+models.train (models.session) plus the client's (pserver.config.ClientConfig)
+and --worker-id / --num-workers, which default to the launcher's rank and
+size (PMI_RANK/PMI_SIZE, OMPI_COMM_WORLD_*, SLURM_PROCID/SLURM_NTASKS), else
+0 and 1; MPI itself is not used. Metrics are the trainer's JSON lines (header,
 then step, loss, lr, grad_norm, step_s, compute_s, elapsed_s) plus pull_s,
 push_s, and the staleness and version of each shard's push.
 """
@@ -33,7 +34,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -42,13 +42,20 @@ import grpc
 import numpy as np
 
 from models import backend
-from models.config import ConfigError, add_flags, from_namespace, run_cli
+from models.config import (
+    ConfigError,
+    add_flags,
+    command_name,
+    described,
+    from_namespace,
+    run_cli,
+)
+from models.launcher import launcher_rank, launcher_size
 from models.metrics import MetricsLog, run_header
 from models.optim import clip_grad_norm
 from models.progress import Progress
 from models.session import Session, build_session, parse
 from models.threads import share_cores
-from models.train import summary_lines
 from models.trainer import Summary
 from protos import dtlab_ps_pb2 as pb
 from pserver import wire
@@ -59,26 +66,16 @@ from pserver.errors import PSError
 
 log = logging.getLogger(__name__)
 
-RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
-SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
-
-
-def _from_env(names: tuple[str, ...]) -> int | None:
-    for name in names:
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return None
-
-
 @dataclass
 class WorkerConfig:
-    worker_id: int = -1  # -1: the launcher's rank, else 0
-    num_workers: int = 0  # 0: the launcher's size, else 1
+    worker_id: int = described(-1, "this worker's id, which picks its data shard "
+                                   "(-1: the launcher's rank, else 0)")
+    num_workers: int = described(0, "workers sharing the data (0: the launcher's size, else 1)")
 
     def resolve(self) -> tuple[int, int]:
         """(worker id, number of workers), filled in from the launcher's environment."""
-        wid = self.worker_id if self.worker_id >= 0 else (_from_env(RANK_VARS) or 0)
-        world = self.num_workers or _from_env(SIZE_VARS) or 1
+        wid = self.worker_id if self.worker_id >= 0 else (launcher_rank() or 0)
+        world = self.num_workers or launcher_size() or 1
         if not 0 <= wid < world:
             raise ConfigError(f"--worker-id {wid} must be in [0, --num-workers={world})")
         return wid, world
@@ -123,14 +120,14 @@ class Worker:
         t2 = time.perf_counter()
         replies = self.client.push(backend.to_host(s.params.grad), step)
         t3 = time.perf_counter()
-        return {"step": step, "loss": loss, "lr": replies[0].lr, "grad_norm": grad_norm,
+        return {"step": step + 1, "loss": loss, "lr": replies[0].lr, "grad_norm": grad_norm,
                 "step_s": t3 - t0, "compute_s": t2 - t1, "pull_s": t1 - t0, "push_s": t3 - t2,
                 "staleness": [r.staleness for r in replies],
                 "version": [r.version for r in replies]}
 
     def run(self, first_step: int) -> Summary:
         run = self.s.setup.run
-        progress = Progress(run.steps, run.log_every)
+        progress = Progress(run.steps, run.log_every, prefix=f"worker {self.wid}: ")
         start = time.perf_counter()
         losses = []
         for step in range(first_step, run.steps):
@@ -146,8 +143,10 @@ class Worker:
 
 
 def main(argv: list[str]) -> int:
-    setup = parse(argv, prog="python -m pserver.worker", description=__doc__.split("\n\n")[0],
-                  add_extra=add_worker_flags)
+    setup = parse(argv, prog=command_name("pserver.worker"),
+                  description=__doc__.split("\n\n")[0], add_extra=add_worker_flags,
+                  flags={"data": None, "run": None, "optim": ("clip",)},
+                  why="the servers run the optimizer (give it to python -m pserver serve)")
     if setup.run.checkpoint_every or setup.run.resume:
         raise ConfigError("the servers keep the checkpoints (pserver --checkpoint-dir); the "
                           "worker takes no --checkpoint-every or --resume")
@@ -164,7 +163,7 @@ def main(argv: list[str]) -> int:
     threads = share_cores()
     log.info("worker %d: %s", wid, threads.describe())
     session = build_session(setup, rank=wid, world=world)
-    client = PSClient(client_cfg)
+    client = PSClient(client_cfg, transport=client_cfg.transport, shm=client_cfg.shm)
     try:
         first = client.connect(wid, setup.model_name, session.params.size,
                                wire.layout_crc(session.params.specs))
@@ -183,7 +182,7 @@ def main(argv: list[str]) -> int:
             leave(client)
     finally:
         client.close()
-    for line in summary_lines(summary, flops_per_step=None):
+    for line in summary.lines():
         print(f"worker {wid}: {line}")
     return 0
 
@@ -197,7 +196,16 @@ def leave(client: PSClient) -> None:
 
 
 def cli() -> int:
-    return run_cli(main, user_errors=(FloatingPointError, TimeoutError, PSError, grpc.RpcError))
+    return run_cli(main, command_name("pserver.worker"),
+                   user_errors=(FloatingPointError, TimeoutError, PSError, grpc.RpcError),
+                   describe=describe_error)
+
+
+def describe_error(error: BaseException) -> str:
+    """A server's refusal as its status and message, not the RPC error's repr."""
+    if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
+        return f"{error.code().name}: {error.details()}"
+    return str(error)
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def test_bsp_matches_single_process_training(tmp_path, optim, launch):
             "momentum": float(opt.get("--momentum", 0.0))}
     with serve(shards=2, model_cfg=MLP, optim=ocfg, consistency="bsp", num_workers=W,
                schedule_steps=K, seed=3) as daemons:
-        worker = [*common, "--steps", str(K), "--batch-size", str(B)]
+        worker = [*model, "--clip", "0", "--seed", "3", "--steps", str(K), "--batch-size", str(B)]
         if launch == "mpiexec":
             r = mpirun(W, "-m", "pserver.worker", "--servers", addresses(daemons), *worker,
                        "--metrics", str(tmp_path / "w{worker}.jsonl"), wrap=False, timeout=120)

@@ -59,7 +59,7 @@ def test_metrics_header_and_records(tmp_path):
     assert header["topology"] == "single" and header["floor"] > 0
     assert header["config"]["model"]["d_hidden"] == 64 and header["versions"]["numpy"]
     assert header["hardware"]["cpu_count"] >= 1
-    assert [r["step"] for r in records] == list(range(5))
+    assert [r["step"] for r in records] == list(range(1, 6))
     assert all({"loss", "elapsed_s", "lr", "grad_norm", "step_s"} <= set(r) for r in records)
 
 

@@ -82,3 +82,20 @@ class TokenWindows:
         return {"source": self.source, "n": self.n, "seq_len": self.seq_len,
                 "vocab": self.vocab, "n_tokens": len(self.stream), "floor": self.floor,
                 **self.info}
+
+
+def in_words(desc: dict) -> str:
+    """A dataset's describe() dict as one line for people: what it is, its size, its floor."""
+    if "seq_len" in desc:
+        text = (f"{desc['source']}: {desc['n_tokens']:,} tokens, vocab {desc['vocab']}, "
+                f"{desc['n']:,} windows of {desc['seq_len']}")
+        if "order" in desc:
+            text += f", order-{desc['order']} source with {desc['support']} next tokens a context"
+    else:
+        text = (f"{desc['source']}: {desc['n']:,} examples, {desc['d_in']} features, "
+                f"{desc['n_classes']} classes")
+        if "label_noise" in desc:
+            text += f", label noise {desc['label_noise']:g}"
+    floor = desc.get("floor")
+    return text + (f"; loss floor {floor:.4f} nats" if floor is not None else "; floor unknown")
+

@@ -25,6 +25,7 @@ CLASSIFICATION, LANGUAGE = "classification", "language"
 SOURCES = {"teacher": CLASSIFICATION, "digits": CLASSIFICATION,
            "markov": LANGUAGE, "text": LANGUAGE}
 AUTO = {CLASSIFICATION: "teacher", LANGUAGE: "markov"}
+IMPLIED = {"digits": {"d_in": 64, "n_classes": 10}, "text": {"vocab": 256}}
 
 
 @dataclass
@@ -61,6 +62,24 @@ def task_of(model_name: str, model_cfg) -> str:
     raise ConfigError(f"--model {model_name}: no data source fits its config")
 
 
+def source_of(cfg: DataConfig, model_name: str, model_cfg) -> str:
+    """The source --data names for this model (auto resolved), or a ConfigError if it misfits."""
+    task = task_of(model_name, model_cfg)
+    source = AUTO[task] if cfg.data == "auto" else cfg.data
+    if SOURCES[source] != task:
+        fits = " or ".join(s for s, t in SOURCES.items() if t == task)
+        raise ConfigError(f"--data {source} is {SOURCES[source]} data; --model {model_name} "
+                          f"needs {task} data (--data {fits})")
+    return source
+
+
+def implied_model(cfg: DataConfig, model_name: str, model_cfg):
+    """The model config the data fixes, without building the data (for the servers):
+    digits sets d_in=64, n_classes=10; text sets vocab=256; the others change nothing."""
+    source = source_of(cfg, model_name, model_cfg)
+    return dataclasses.replace(model_cfg, **IMPLIED.get(source, {}))
+
+
 def make_dataset(cfg: DataConfig, model_name: str, model_cfg) -> tuple[Dataset, object]:
     """Build the dataset `cfg` names and the model config the data fixes.
 
@@ -69,12 +88,7 @@ def make_dataset(cfg: DataConfig, model_name: str, model_cfg) -> tuple[Dataset, 
     vocab/seq_len from the model config and change nothing. A source that does not
     fit the model, or a --path that cannot be used, is a ConfigError naming the flag.
     """
-    task = task_of(model_name, model_cfg)
-    source = AUTO[task] if cfg.data == "auto" else cfg.data
-    if SOURCES[source] != task:
-        fits = " or ".join(s for s, t in SOURCES.items() if t == task)
-        raise ConfigError(f"--data {source} is {SOURCES[source]} data; --model {model_name} "
-                          f"needs {task} data (--data {fits})")
+    source = source_of(cfg, model_name, model_cfg)
     if source == "teacher":
         if model_cfg.n_classes < 2:
             raise ConfigError(f"--n-classes must be at least 2 for --data teacher "
@@ -82,11 +96,12 @@ def make_dataset(cfg: DataConfig, model_name: str, model_cfg) -> tuple[Dataset, 
         ds = TeacherDataset(cfg.n_samples, model_cfg.d_in, model_cfg.n_classes,
                             cfg.label_noise, cfg.data_seed)
         return ds, dataclasses.replace(model_cfg)
+    model_cfg = implied_model(cfg, model_name, model_cfg)
     if source == "digits":
-        return load_digits(), dataclasses.replace(model_cfg, d_in=64, n_classes=10)
+        return load_digits(), model_cfg
     if source == "text":
-        return load_text(cfg.path, model_cfg.seq_len), dataclasses.replace(model_cfg, vocab=256)
-    return markov_dataset(cfg, model_cfg.vocab, model_cfg.seq_len), dataclasses.replace(model_cfg)
+        return load_text(cfg.path, model_cfg.seq_len), model_cfg
+    return markov_dataset(cfg, model_cfg.vocab, model_cfg.seq_len), model_cfg
 
 
 def markov_dataset(cfg: DataConfig, vocab: int, seq_len: int) -> TokenWindows:

@@ -1,0 +1,39 @@
+"""What the launcher (mpiexec of MPICH or Open MPI, srun) told this process, read
+from its environment without importing MPI: rank, size and ranks on this host.
+
+    rank, size = launcher_rank(), launcher_size()   # None, None outside a launcher
+    who()                                           # "rank 3: " under a launcher of 2+, else ""
+"""
+
+from __future__ import annotations
+
+import os
+
+RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
+LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
+def first_int(names: tuple[str, ...]) -> tuple[int, str] | None:
+    """(value, variable) of the first of `names` set to a non-negative integer."""
+    for name in names:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value), name
+    return None
+
+
+def launcher_rank() -> int | None:
+    found = first_int(RANK_VARS)
+    return None if found is None else found[0]
+
+
+def launcher_size() -> int | None:
+    found = first_int(SIZE_VARS)
+    return None if found is None else found[0]
+
+
+def who() -> str:
+    """A prefix naming this process among its launcher's, for messages: "rank 3: " or ""."""
+    size, rank = launcher_size(), launcher_rank()
+    return f"rank {rank}: " if size and size > 1 and rank is not None else ""

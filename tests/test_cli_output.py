@@ -1,0 +1,119 @@
+"""What a person sees: one line on Ctrl-C (exit 130), one error line per rank naming it,
+help for every flag, resume messages that say what happened, step numbers that count
+the same way on the console and in the metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from mpirun import ROOT, mpiexec_path, mpirun
+
+from models.data.factory import DataConfig
+from models.metrics import read_metrics
+from models.mlp import MLPConfig
+from models.optim import OptimConfig
+from models.session import RunConfig
+from models.transformer import TransformerConfig
+from pserver.config import ClientConfig, ServerConfig
+from pserver.worker import WorkerConfig
+
+MLP = ["--model", "mlp", "--d-in", "8", "--d-hidden", "16", "--n-classes", "4",
+       "--n-samples", "512", "--batch-size", "8"]
+
+
+def run(*cmd: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+
+
+def interrupt(cmd: list[str], after_line: str, timeout: float = 60) -> tuple[int, str]:
+    """Start `cmd`, wait for `after_line` on stderr, send SIGINT to its process group."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline, seen = time.monotonic() + timeout, []
+    try:
+        for line in proc.stderr:
+            seen.append(line)
+            if after_line in line or time.monotonic() > deadline:
+                break
+        proc.send_signal(signal.SIGINT)
+        _, rest = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, "".join(seen) + rest
+
+
+@pytest.mark.parametrize("cls", [RunConfig, DataConfig, OptimConfig, MLPConfig,
+                                 TransformerConfig, ServerConfig, ClientConfig, WorkerConfig])
+def test_every_flag_has_a_help_line(cls):
+    missing = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("help")]
+    assert not missing, f"{cls.__name__} fields without help: {missing}"
+
+
+def test_pserver_help_exits_0():
+    out = run(sys.executable, "-m", "pserver", "--help")
+    assert out.returncode == 0 and "serve" in out.stdout
+
+
+def test_ctrl_c_ends_a_trainer_with_one_line():
+    rc, err = interrupt([sys.executable, "-m", "models.train", *MLP, "--steps", "1000000",
+                         "--log-every", "1"], after_line="step      2/")
+    assert rc == 130, err
+    assert err.rstrip().splitlines()[-1] == "python -m models.train: interrupted"
+    assert "Traceback" not in err
+
+
+@pytest.mark.mpi
+def test_ctrl_c_ends_an_mpi_job_with_one_line_a_rank_at_most():
+    """A rank blocked in a collective when the signal lands is ended by the first rank's
+    abort before it can print: each line names its rank, and nothing else is said."""
+    rc, err = interrupt([mpiexec_path(), "-n", "2", sys.executable, "-m", "collective.train",
+                         *MLP, "--steps", "1000000", "--log-every", "1"], after_line="step      2/")
+    assert rc == 130, err
+    tail = err.rstrip().splitlines()[-2:]
+    lines = [line for line in tail if "interrupted" in line]
+    assert lines and set(lines) <= {f"python -m collective.train: rank {r}: interrupted"
+                                    for r in (0, 1)}, err
+    assert "Traceback" not in err and "MPI_Abort" not in err
+
+
+@pytest.mark.mpi
+def test_each_rank_names_itself_in_its_error_line():
+    r = mpirun(2, "-m", "collective.train", "--bucket-mb", "-1", wrap=False, timeout=60)
+    assert r.rc != 0
+    lines = sorted(line for line in r.stderr.splitlines() if "must be positive" in line)
+    assert lines == [f"python -m collective.train: rank {k}: error: --bucket-mb must be "
+                     "positive (got -1.0)" for k in (0, 1)], r
+
+
+def test_console_and_metrics_count_steps_alike(tmp_path):
+    path = tmp_path / "m.jsonl"
+    out = run(sys.executable, "-m", "models.train", *MLP, "--steps", "5", "--log-every", "1",
+              "--metrics", str(path))
+    assert out.returncode == 0, out.stderr
+    console = [int(line.split()[1].split("/")[0]) for line in out.stderr.splitlines()
+               if line.startswith("step ")]
+    assert console == [r["step"] for r in read_metrics(str(path))[1]] == [1, 2, 3, 4, 5]
+    assert "final training loss" in out.stdout and "(the last step)" in out.stdout
+    assert "data teacher: 512 examples, 8 features, 4 classes" in out.stderr
+
+
+def test_resume_says_what_it_did(tmp_path):
+    ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"]
+    train = [sys.executable, "-m", "models.train", *MLP, *ck]
+    out = run(*train, "--steps", "4", "--resume")
+    assert "no checkpoint in" in out.stderr and out.returncode == 0, out.stderr
+    out = run(*train, "--steps", "6", "--resume")
+    assert f"resumed from step 4 of {tmp_path / 'ck'}" in out.stderr
+    assert "--steps is 6, the checkpointed run had 4" in out.stderr
+    out = run(*train, "--steps", "6", "--resume")
+    assert "already reached step 6 of --steps 6: nothing to do" in out.stderr
+    assert "no steps run" in out.stdout and "nan" not in out.stdout
+    out = run(*train, "--steps", "8", "--resume", "--d-hidden", "32", "--lr", "0.5")
+    assert out.returncode == 1
+    assert "model.d_hidden: 16 -> 32" in out.stderr and "optim.lr: 0.01 -> 0.5" in out.stderr

@@ -106,11 +106,6 @@ def to_host(a) -> np.ndarray:
     return np.asarray(a)
 
 
-def to_device(a, dtype=None):
-    """`a` as an array of the process's array module."""
-    return xp().asarray(a, dtype=dtype)
-
-
 def synchronize() -> None:
     """Wait for queued GPU work; call before handing a device buffer to MPI."""
     if on_gpu():

@@ -172,7 +172,7 @@ def parse(argv: list[str], prog: str, description: str = "",
                              "given override it")
     parser.add_argument("--model", choices=sorted(MODELS), default=model_name,
                         help=f"which model to train (its flags follow) (default: {model_name})")
-    model_cls = MODELS[model_name][0]
+    model_cls = MODELS[model_name].config
     add_flags(parser, model_cls, f"{model_name} model")
     for name, only in flags.items():
         add_flags(parser, GROUPS[name], name, only=only)

@@ -1,20 +1,45 @@
-"""The models by name, each with its config class."""
+"""The one registry of models: name -> config class, model class and cost recipe.
+
+    from models.zoo import MODELS, build_model
+    model = build_model("transformer", TransformerConfig(d_model=128))
+
+A new model kind registers here once; every trainer, the parameter server
+and the cost estimator (models/cost.py) find it by name.
+"""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from models.mlp import MLP, MLPConfig
 from models.model import Model
+from models.parts import (
+    Recipe,
+    mlp_palm_flops,
+    mlp_parts,
+    transformer_palm_flops,
+    transformer_parts,
+)
 from models.transformer import Transformer, TransformerConfig
 
+
+class ModelKind(NamedTuple):
+    config: type
+    build: type[Model]
+    cost: Recipe
+
+
 MODELS = {
-    "mlp": (MLPConfig, MLP),
-    "transformer": (TransformerConfig, Transformer),
+    "mlp": ModelKind(MLPConfig, MLP, Recipe(mlp_parts, lambda c: 1, mlp_palm_flops)),
+    "transformer": ModelKind(TransformerConfig, Transformer,
+                             Recipe(transformer_parts, lambda c: c.seq_len,
+                                    transformer_palm_flops)),
 }
 
 
 def config_class(name: str):
-    return MODELS[name][0]
+    return MODELS[name].config
 
 
 def build_model(name: str, config) -> Model:
-    return MODELS[name][1](config)
+    return MODELS[name].build(config)

@@ -1,9 +1,13 @@
 """scripts/bench_sync.py runs at a tiny size, so it cannot rot."""
 
 import json
+import math
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+from models.threads import USER_VARS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -12,13 +16,18 @@ def test_tiny_sync_benchmark(tmp_path):
     out = tmp_path / "sync.json"
     r = subprocess.run([sys.executable, "scripts/bench_sync.py", "--tiny", "--ranks", "1,2",
                         "--allreduce", "ring,naive", "--steps", "6", "--json", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=180)
+                       cwd=ROOT, capture_output=True, text=True, timeout=180,
+                       env={k: v for k, v in os.environ.items() if k not in USER_VARS})
     assert r.returncode == 0, r.stderr
     assert "samples/s" in r.stdout and "wait %" in r.stdout
+    assert "# threads: BLAS threads per rank" in r.stdout  # the legend
     rows = json.loads(out.read_text())["rows"]
     assert [(row["algo"], row["n"]) for row in rows] == [
         ("ring", 1), ("ring", 2), ("naive", 1), ("naive", 2)]
+    cores = len(os.sched_getaffinity(0))
     for row in rows:
+        assert row["threads"] == max(1, cores // row["n"])  # the trainer shares the cores
+        assert math.isfinite(row["final_loss"])
         assert row["samples_per_step"] == 8 * row["n"] and row["samples_per_s"] > 0
         assert 0 <= row["comm_frac"] <= 1 and row["speedup"] > 0
     assert {row["speedup"] for row in rows if row["n"] == 1} == {1.0}

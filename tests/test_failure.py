@@ -13,7 +13,7 @@ from mpirun import mpirun
 pytestmark = pytest.mark.mpi
 
 PROG = "tests/mpi_progs/failure_prog.py"
-QUICK_S = 20  # an abort takes about 1 s; generous for a loaded 2-core machine
+QUICK_S = 20  # an abort takes about 1 s; generous for a loaded machine
 
 
 def test_exception_on_one_rank_aborts_the_job_with_its_traceback():

@@ -1,0 +1,153 @@
+"""What each layer of models/ costs: parameters, matmul FLOPs and the bytes its
+forward context keeps, one function per module of models/layers.py and
+attention.py, and each model's Recipe built from them (registered with the
+model in models/zoo.py). models/cost.py adds them up; tests/test_cost.py holds
+them to an instrumented run, so a layer change that breaks them fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from models.mlp import MLPConfig
+from models.transformer import TransformerConfig
+
+FLOAT_BYTES = 4  # this implementation computes in float32
+TOKEN_BYTES = 8  # int64 token ids (NumPy's default integer)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One kind of layer, occurring `count` times; all figures are per copy.
+
+    act_floats: float elements its forward context keeps for backward.
+    act_other_bytes: other bytes kept (int64 token ids, bool masks).
+    embedding: its parameters are gathered, not multiplied (not in PaLM's N).
+    """
+
+    name: str
+    count: int = 1
+    params: int = 0
+    params_active: int | None = None
+    embedding: bool = False
+    flops_forward: int = 0
+    flops_backward: int = 0
+    flops_recompute: int = 0
+    act_floats: int = 0
+    act_other_bytes: int = 0
+
+    @property
+    def active(self) -> int:
+        return self.params if self.params_active is None else self.params_active
+
+    def act_bytes(self, float_bytes: int = FLOAT_BYTES) -> int:
+        return self.act_floats * float_bytes + self.act_other_bytes
+
+
+def linear(name: str, N: int, d_in: int, d_out: int, bias: bool = True) -> Part:
+    """y = x W + b on N rows: 2 N d_in d_out forward, 4 N d_in d_out backward; keeps x."""
+    f = 2 * N * d_in * d_out
+    return Part(name, params=d_in * d_out + (d_out if bias else 0), flops_forward=f,
+                flops_backward=2 * f, act_floats=N * d_in)
+
+
+def norm(name: str, kind: str, N: int, d: int) -> Part:
+    """LayerNorm (g, b) or RMSNorm (g): keeps xhat (N, d) and 1/std (N, 1)."""
+    return Part(name, params=2 * d if kind == "layernorm" else d, act_floats=N * d + N)
+
+
+def attention(name: str, B: int, T: int, d: int, n_heads: int) -> Part:
+    """Causal self-attention, full (T, T) scores per head.
+
+    Forward 2 N d 3d (qkv) + 2 B T^2 d (Q K^T) + 2 B T^2 d (A V) + 2 N d^2 (proj);
+    backward twice that. Keeps x, qkv (3 N d), A (B h T^2) and the heads' output.
+    """
+    N = B * T
+    f = 2 * N * d * 3 * d + 4 * B * T * T * d + 2 * N * d * d
+    return Part(name, params=3 * d * d + 3 * d + d * d + d, flops_forward=f,
+                flops_backward=2 * f, act_floats=N * d + 3 * N * d + B * n_heads * T * T + N * d)
+
+
+def gelu_ffn(name: str, N: int, d: int, d_ff: int) -> Part:
+    """Linear -> GELU -> Linear: keeps x, GELU's input and tanh, and its output."""
+    fc, proj = linear("fc", N, d, d_ff), linear("proj", N, d_ff, d)
+    return Part(name, params=fc.params + proj.params,
+                flops_forward=fc.flops_forward + proj.flops_forward,
+                flops_backward=fc.flops_backward + proj.flops_backward,
+                act_floats=N * d + 3 * N * d_ff)
+
+
+def swiglu_ffn(name: str, N: int, d: int, d_ff: int) -> Part:
+    """(silu(x W1) * x W3) W2, no biases: 3 matmuls; keeps x, a, b, sigmoid(a)."""
+    f = 3 * 2 * N * d * d_ff
+    return Part(name, params=3 * d * d_ff, flops_forward=f, flops_backward=2 * f,
+                act_floats=N * d + 3 * N * d_ff)
+
+
+def recomputed(p: Part) -> Part:
+    """Under Recompute the part keeps nothing and runs its forward again in backward."""
+    return dataclasses.replace(p, flops_recompute=p.flops_forward, act_floats=0,
+                               act_other_bytes=0)
+
+
+def transformer_parts(c: TransformerConfig, B: int) -> list[Part]:
+    """models/transformer.py: embedding, n_layers x (ln1, attention, ln2, ffn), ln_f, head.
+
+    Per layer the context keeps 8 N d + 2 N + 3 N d_ff + B heads T^2 floats; under
+    Recompute only the block's input (N d). The loss keeps dlogits (N vocab).
+    """
+    N, d, L = B * c.seq_len, c.d_model, c.n_layers
+    layer = [
+        norm("ln1", c.norm, N, d),
+        attention("attention", B, c.seq_len, d, c.n_heads),
+        norm("ln2", c.norm, N, d),
+        (swiglu_ffn if c.ffn == "swiglu" else gelu_ffn)(f"ffn ({c.ffn})", N, d, c.d_ff),
+    ]
+    if c.recompute:
+        layer = [recomputed(p) for p in layer] + [Part("block input", act_floats=N * d)]
+    head = linear("head", N, d, c.vocab, bias=False)
+    return [
+        Part("embedding", params=c.vocab * d + c.seq_len * d, embedding=True,
+             act_other_bytes=N * TOKEN_BYTES),
+        *(dataclasses.replace(p, name="h." + p.name, count=L) for p in layer),
+        norm("ln_f", c.norm, N, d),
+        head,
+        Part("loss (dlogits)", act_floats=N * c.vocab),
+    ]
+
+
+def mlp_parts(c: MLPConfig, B: int) -> list[Part]:
+    """models/mlp.py: n_layers x (Linear, activation), Linear out; one row per sample."""
+    widths = [c.d_in] + [c.d_hidden] * c.n_layers
+    parts = []
+    for i in range(c.n_layers):
+        parts.append(linear(f"l{i}", B, widths[i], widths[i + 1]))
+        h = widths[i + 1]
+        if c.activation == "gelu":
+            parts.append(Part(f"gelu{i}", act_floats=2 * B * h))
+        else:
+            parts.append(Part(f"relu{i}", act_other_bytes=B * h))  # bool mask
+    parts.append(linear("out", B, widths[-1], c.n_classes))
+    parts.append(Part("loss (dlogits)", act_floats=B * c.n_classes))
+    return parts
+
+
+def transformer_palm_flops(c: TransformerConfig, n_matmul_params: int) -> int:
+    """6 N + 12 L H Q T per token (Chowdhery et al. 2022, appendix B); H Q = d_model."""
+    return 6 * n_matmul_params + 12 * c.n_layers * c.d_model * c.seq_len
+
+
+def mlp_palm_flops(c: MLPConfig, n_matmul_params: int) -> int:
+    """6 N per sample: no attention term."""
+    return 6 * n_matmul_params
+
+
+class Recipe(NamedTuple):
+    """How to cost one model: its parts, tokens per sample, PaLM FLOPs per token."""
+
+    parts: Callable[[Any, int], list[Part]]
+    tokens_per_sample: Callable[[Any], int]
+    palm_flops_per_token: Callable[[Any, int], int]

@@ -60,19 +60,23 @@ class Trailer(_message.Message):
     def __init__(self, chunks: _Optional[int] = ..., adler32: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "model", "model_size", "layout_crc32")
+    __slots__ = ("worker_id", "model", "model_size", "layout_crc32", "registration", "run_config")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_CRC32_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    RUN_CONFIG_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     model: str
     model_size: int
     layout_crc32: int
-    def __init__(self, worker_id: _Optional[int] = ..., model: _Optional[str] = ..., model_size: _Optional[int] = ..., layout_crc32: _Optional[int] = ...) -> None: ...
+    registration: int
+    run_config: str
+    def __init__(self, worker_id: _Optional[int] = ..., model: _Optional[str] = ..., model_size: _Optional[int] = ..., layout_crc32: _Optional[int] = ..., registration: _Optional[int] = ..., run_config: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("shard", "num_shards", "model_size", "meta", "consistency", "staleness_bound", "next_step", "max_message_bytes")
+    __slots__ = ("shard", "num_shards", "model_size", "meta", "consistency", "staleness_bound", "next_step", "max_message_bytes", "worker_id", "num_workers", "optim_config", "schedule_steps", "staleness_lr")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MODEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +85,11 @@ class RegisterReply(_message.Message):
     STALENESS_BOUND_FIELD_NUMBER: _ClassVar[int]
     NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    OPTIM_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_LR_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     model_size: int
@@ -89,29 +98,38 @@ class RegisterReply(_message.Message):
     staleness_bound: int
     next_step: int
     max_message_bytes: int
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., model_size: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., staleness_bound: _Optional[int] = ..., next_step: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    worker_id: int
+    num_workers: int
+    optim_config: str
+    schedule_steps: int
+    staleness_lr: str
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., model_size: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., staleness_bound: _Optional[int] = ..., next_step: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., optim_config: _Optional[str] = ..., schedule_steps: _Optional[int] = ..., staleness_lr: _Optional[str] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "registration")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
-    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
+    registration: int
+    def __init__(self, worker_id: _Optional[int] = ..., registration: _Optional[int] = ...) -> None: ...
 
 class DeregisterReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "shard", "known_version", "wait_timeout_s")
+    __slots__ = ("worker_id", "shard", "known_version", "wait_timeout_s", "registration")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     shard: int
     known_version: int
     wait_timeout_s: float
-    def __init__(self, worker_id: _Optional[int] = ..., shard: _Optional[int] = ..., known_version: _Optional[int] = ..., wait_timeout_s: _Optional[float] = ...) -> None: ...
+    registration: int
+    def __init__(self, worker_id: _Optional[int] = ..., shard: _Optional[int] = ..., known_version: _Optional[int] = ..., wait_timeout_s: _Optional[float] = ..., registration: _Optional[int] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("meta", "not_modified")
@@ -132,16 +150,18 @@ class PullReply(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "step", "shard", "meta")
+    __slots__ = ("worker_id", "step", "shard", "meta", "registration")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     step: int
     shard: int
     meta: TensorMeta
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., shard: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ...) -> None: ...
+    registration: int
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., shard: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., registration: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk", "trailer")

@@ -75,8 +75,10 @@ class ParameterServerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Register(self, request, context):
-        """Join the training run. Idempotent: a worker that registers again (after
-        a restart) keeps its clock and learns the next step the shard accepts.
+        """Join the training run, under a given worker id or (none given, shard 0
+        only) one the server assigns. A worker that registers its id again after
+        its process ended (a restart) keeps its clock and learns the next step
+        the shard accepts; while another process holds the id, ALREADY_EXISTS.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -48,6 +48,8 @@ class WorkerState:
     clock: int = 0  # gradients accepted
     next_step: int = 0  # the lowest step still accepted; lower ones are duplicates
     active: bool = True
+    registration: int = 0  # the client process that holds the id (0: none known)
+    live: int = 0  # that client's open sessions and calls in progress on this shard
 
 
 class Clocks:
@@ -68,6 +70,10 @@ class Clocks:
             state = self.workers[worker] = WorkerState(clock=self.min_clock())
         state.active = True
         return state
+
+    def new_id(self) -> int:
+        """One past the highest id ever registered: a worker that never ran here."""
+        return max(self.workers, default=-1) + 1
 
     def deregister(self, worker: int) -> None:
         if worker in self.workers:

@@ -24,6 +24,10 @@ class FailedPrecondition(PSError):
     status = "FAILED_PRECONDITION"
 
 
+class AlreadyExists(PSError):
+    status = "ALREADY_EXISTS"
+
+
 class DataLoss(PSError):
     status = "DATA_LOSS"
 

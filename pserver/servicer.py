@@ -20,11 +20,18 @@ have ended with. A session whose worker is on this host may agree on a
 shared-memory segment (pserver.shm): then a push's gradient and a pull's
 values move through the segment, with the same header, checks, Adler-32 and
 (worker, step) deduplication as on the wire.
+
+Register checks the worker's run config against the server's
+(pserver.runconfig) and answers with what the server runs (optimizer,
+schedule, consistency), for the worker's records. Every pull and push runs
+while its worker's registration counts as live (ShardStore.holding); a
+session counts from its first operation to its end.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -34,7 +41,7 @@ import grpc
 import numpy as np
 
 from protos import dtlab_ps_pb2 as pb
-from pserver import shm, wire
+from pserver import runconfig, shm, wire
 from pserver.errors import DataLoss, FailedPrecondition, InvalidArgument, PSError, Unavailable
 from pserver.staleness import Histogram
 from pserver.store import PushResult, Read, ShardStats, ShardStore
@@ -47,13 +54,21 @@ PUSHED, SHM_OFFER, SHM_READY, SHM_PULLED = 4, 5, 6, 7
 
 
 class ParameterServerServicer:
-    """`shm`: offer co-located workers a shared-memory segment; `codec`: how chunks are
+    """`config`: the daemon's config record (pserver.daemon.config_record: the run config
+    workers are checked against, the optimizer and server flags Register reports);
+    `shm`: offer co-located workers a shared-memory segment; `codec`: how chunks are
     encoded and decoded (wire.HAND, or wire.CODECS["generated"] for the benchmark)."""
 
     def __init__(self, store: ShardStore, max_message_bytes: int,
                  checkpoint: Callable[[], tuple[str, int]] | None = None, shm: bool = True,
-                 codec: wire.HandCodec | wire.GeneratedCodec = wire.HAND):
+                 codec: wire.HandCodec | wire.GeneratedCodec = wire.HAND,
+                 config: dict | None = None):
         self.store, self.max_message_bytes, self._checkpoint = store, max_message_bytes, checkpoint
+        config = config or {}
+        self.run_config = runconfig.of_record(config)
+        server = config.get("server", {})
+        self.num_workers = server.get("num_workers", 0)
+        self.optim_config = json.dumps(config.get("optim", {}), sort_keys=True)
         self.shm, self.codec, self.boot_id = shm, codec, shm and _boot_id()
         lay = store.layout
         self.meta = pb.TensorMeta(dtype=wire.dtype_code(store.params.dtype), shape=[lay.length],
@@ -92,20 +107,40 @@ class ParameterServerServicer:
     def Register(self, raw: bytes, context) -> pb.RegisterReply:
         try:
             req = wire.parse(pb.RegisterRequest, memoryview(raw))
-            state, version = self.store.register(req.worker_id, req.model, req.model_size,
-                                                 req.layout_crc32)
+            given = req.worker_id if req.HasField("worker_id") else None
+            self._check_run_config(given, req.run_config)
+            worker, state, version = self.store.register(
+                given, req.model, req.model_size, req.layout_crc32, req.registration)
         except PSError as e:
             self._fail(context, e)
-        lay, policy = self.store.layout, self.store.policy
+        lay, store = self.store.layout, self.store
         return pb.RegisterReply(
             shard=lay.shard, num_shards=lay.num_shards, model_size=lay.model_size,
-            meta=self._meta(version), consistency=CONSISTENCY[policy.mode],
-            staleness_bound=policy.bound or 0, next_step=state.next_step,
-            max_message_bytes=self.max_message_bytes)
+            meta=self._meta(version), consistency=CONSISTENCY[store.policy.mode],
+            staleness_bound=store.policy.bound or 0, next_step=state.next_step,
+            max_message_bytes=self.max_message_bytes, worker_id=worker,
+            num_workers=self.num_workers, optim_config=self.optim_config,
+            schedule_steps=store.schedule.total, staleness_lr=store.staleness_lr)
+
+    def _check_run_config(self, worker: int | None, text: str) -> None:
+        if not text:
+            return
+        who = "the worker" if worker is None else f"worker {worker}"
+        try:
+            theirs = runconfig.parse(text)
+        except ValueError as e:
+            raise InvalidArgument(f"run_config of {who}: {e}", reason="config") from None
+        differ = runconfig.differences(self.run_config, theirs)
+        if differ:
+            raise FailedPrecondition(
+                f"the run config of {who} differs from shard {self.store.layout.shard}'s: "
+                f"{'; '.join(differ)}. Give every process the same --config (or the same "
+                "model and data flags and --seed)", reason="config")
 
     def Deregister(self, raw: bytes, context) -> pb.DeregisterReply:
         try:
-            self.store.deregister(wire.parse(pb.DeregisterRequest, memoryview(raw)).worker_id)
+            req = wire.parse(pb.DeregisterRequest, memoryview(raw))
+            self.store.deregister(req.worker_id, req.registration)
         except PSError as e:
             self._fail(context, e)
         return pb.DeregisterReply()
@@ -148,9 +183,10 @@ class ParameterServerServicer:
             self.store.release(read)
 
     def Pull(self, raw: bytes, context) -> Iterator[bytes]:
-        with self._operation():
+        with self._operation(), contextlib.ExitStack() as live:
             try:
                 req = wire.parse(pb.PullRequest, memoryview(raw))
+                live.enter_context(self.store.holding(req.worker_id, req.registration))
                 context.add_callback(self.store.wake)
                 read = self._read(req, context, context.time_remaining())
             except PSError as e:
@@ -206,6 +242,13 @@ class ParameterServerServicer:
     def _push(self, h: pb.PushHeader, requests: Iterator[bytes], cls,
               session: bool) -> PushResult:
         self._check_header(h)
+        if not session:
+            with self.store.holding(h.worker_id, h.registration):
+                return self._push_held(h, requests, cls, session)
+        return self._push_held(h, requests, cls, session)
+
+    def _push_held(self, h: pb.PushHeader, requests: Iterator[bytes], cls,
+                   session: bool) -> PushResult:
         result = self.store.admit(h.worker_id, h.step, h.meta.version)
         if result is not None:
             if session:
@@ -243,12 +286,14 @@ class ParameterServerServicer:
         requests = iter(requests)
         context.add_callback(self.store.wake)
         segment: Segment | None = None
+        held = SessionHolder(self.store)
         try:
             for raw in requests:
                 with self._operation():
                     kind, value = self.codec.read(pb.SessionRequest, raw)
                     if self.store.closed:
                         raise Unavailable("server is shutting down", reason="shutdown")
+                    held.check(kind, value)
                     if kind == "pull":
                         read = self._read(value, context, value.wait_timeout_s or None)
                         yield from self._pull_stream(read)
@@ -274,6 +319,7 @@ class ParameterServerServicer:
             self.store.reject("broken")
             context.abort(grpc.StatusCode.CANCELLED, "session broke off; nothing applied")
         finally:
+            held.close()
             if segment is not None:
                 segment.close()
 
@@ -341,6 +387,32 @@ class ParameterServerServicer:
             return pb.ShmPulled(header=self._header(read), adler32=checksum)
         finally:
             self.store.release(read)
+
+
+class SessionHolder:
+    """A session's worker: the first pull or push names it (worker, registration), which
+    then counts as live until the session ends; later operations must name the same."""
+
+    def __init__(self, store: ShardStore):
+        self.store, self.who, self._hold = store, None, contextlib.ExitStack()
+
+    def check(self, kind: str, value) -> None:
+        if kind in ("pull", "shm_pull"):
+            who = (value.worker_id, value.registration)
+        elif kind in ("header", "shm_push"):
+            h = value if kind == "header" else value.header
+            who = (h.worker_id, h.registration)
+        else:
+            return
+        if self.who is None:
+            self._hold.enter_context(self.store.holding(*who))
+            self.who = who
+        elif who != self.who:
+            raise InvalidArgument(f"session of worker {self.who[0]}: an operation of worker "
+                                  f"{who[0]} (registration {who[1]:#x})", reason="order")
+
+    def close(self) -> None:
+        self._hold.close()
 
 
 class Segment:

@@ -18,6 +18,18 @@ gradient first (finite values, checksum), then calls `push`, which applies it
 (or, under BSP, adds it to the round) under the lock, or raises and changes
 nothing. Pushes are idempotent by (worker, step): steps below the worker's
 next expected step are answered as duplicates and not applied again.
+
+Worker ids. A worker registers under its id, or asks shard 0 to assign one:
+one past the highest id the shard has seen, so a new worker never inherits
+an old worker's clock and next step (it runs every step it was asked for),
+and then registers that id with the other shards (pserver.client). Each
+registration carries a random number of the client process. A second
+process registering an id is refused (ALREADY_EXISTS) while the holder is
+live: a session of it is open, or a call of it in progress, on this shard.
+Once it is not (its process ended and the connection with it), the new
+process takes the id over with its clock and next step (a restarted worker
+goes on where it left off), and calls still carrying the old registration
+are refused. Two workers never silently share an id.
 """
 
 from __future__ import annotations
@@ -36,7 +48,13 @@ import numpy as np
 from models.optim import Optimizer, Schedule
 from pserver.blocked import BlockedOptimizer
 from pserver.consistency import Clocks, Consistency, Round, WorkerState
-from pserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from pserver.errors import (
+    AlreadyExists,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+)
 from pserver.staleness import Histogram, StalenessLog
 from pserver.wire import CHUNK_BYTES, ChunkedArray, Snapshot
 
@@ -142,36 +160,84 @@ class ShardStore:
 
     # -- workers ---------------------------------------------------------------------------
 
-    def register(self, worker: int, model: str, model_size: int,
-                 layout_crc: int) -> tuple[WorkerState, int]:
-        """Join (or rejoin) worker; returns its state and the current version."""
+    def register(self, worker: int | None, model: str, model_size: int, layout_crc: int,
+                 registration: int = 0) -> tuple[int, WorkerState, int]:
+        """Join (or rejoin) `worker`, or a new id assigned here (None, shard 0 only);
+        returns (the id, its state, the current version). `registration`: the client
+        process's number (0: unchecked)."""
         lay = self.layout
+        who = "a new worker" if worker is None else f"worker {worker}"
         if (model, model_size, layout_crc) != (lay.model, lay.model_size, lay.layout_crc):
             raise FailedPrecondition(
-                f"worker {worker} runs model {model!r} with {model_size} parameters (layout "
+                f"{who} runs model {model!r} with {model_size} parameters (layout "
                 f"{layout_crc:#010x}); this server holds {lay.model!r} with {lay.model_size} "
                 f"({lay.layout_crc:#010x}): give both the same model flags", reason="model")
+        if worker is None and lay.shard != 0:
+            raise InvalidArgument(f"shard {lay.shard} assigns no worker ids: register with "
+                                  "shard 0 first, then the id it gave", reason="worker")
         with self._cond:
+            if worker is None:
+                worker = self._held_by(registration)
+                if worker is None:
+                    worker = self.clocks.new_id()
+            state = self.clocks.workers.get(worker)
+            if state is not None and registration and state.registration not in (0, registration):
+                if state.active and state.live:
+                    raise AlreadyExists(
+                        f"worker {worker} is taken: another worker process holds it and is "
+                        f"connected to shard {lay.shard}; give each worker its own "
+                        "--worker-id, or none and the servers assign one", reason="duplicate")
+                log.info("worker %d: a new process takes over its id (clock %d, next step %d)",
+                         worker, state.clock, state.next_step)
             state = self.clocks.register(worker)
+            if registration and state.registration != registration:
+                state.registration, state.live = registration, 0
             self._cond.notify_all()
             log.info("worker %d registered (clock %d, next step %d)", worker, state.clock,
                      state.next_step)
-            return state, self.version
+            return worker, state, self.version
 
-    def deregister(self, worker: int) -> None:
+    def _held_by(self, registration: int) -> int | None:
+        """The id `registration` already holds (a retried assigning Register). Lock held."""
+        if registration:
+            for w, s in self.clocks.workers.items():
+                if s.registration == registration:
+                    return w
+        return None
+
+    @contextlib.contextmanager
+    def holding(self, worker: int, registration: int) -> Iterator[None]:
+        """`worker`'s holder is live while this lasts (an open session, a call)."""
         with self._cond:
-            self._known(worker)
+            state = self._known(worker, registration)
+            counted = bool(registration) and state.registration == registration
+            state.live += counted
+        try:
+            yield
+        finally:
+            with self._cond:
+                if counted and state.registration == registration:
+                    state.live -= 1
+
+    def deregister(self, worker: int, registration: int = 0) -> None:
+        with self._cond:
+            self._known(worker, registration)
             self.clocks.deregister(worker)
             if self._round is not None and self._round.complete(self.clocks):
                 self._apply_round()
             self._cond.notify_all()
             log.info("worker %d left", worker)
 
-    def _known(self, worker: int) -> WorkerState:
+    def _known(self, worker: int, registration: int = 0) -> WorkerState:
         state = self.clocks.workers.get(worker)
         if state is None:
             raise FailedPrecondition(f"worker {worker} is not registered with shard "
                                      f"{self.layout.shard}; call Register first", reason="worker")
+        if registration and state.registration not in (0, registration):
+            raise FailedPrecondition(
+                f"worker {worker} was registered by another process since this one did (two "
+                f"workers with --worker-id {worker}?); this one may not go on",
+                reason="superseded")
         return state
 
     # -- pull ------------------------------------------------------------------------------

@@ -2,11 +2,20 @@
 
     client = PSClient(ClientConfig(servers="127.0.0.1:50051,127.0.0.1:50052"))
     client.connect(0, "mlp", params.size, wire.layout_crc(params.specs))  # health wait + Register
+    client.connect(None, ...)            # shard 0 assigns the id (client.worker)
     client.pull(params.data)             # every shard in parallel, into the flat buffer
     replies = client.push(params.grad, step)
 
 Shards may be listed in any order; Register tells each one's index and
-element range, and `connect` checks that they tile [0, n) exactly. Pulls
+element range, and `connect` checks that they tile [0, n) exactly. Without
+a worker id, `connect` registers with shard 0 first, which assigns one (a
+fresh id: see pserver.store), then registers that id with the other shards,
+so the worker has one id everywhere. Every call carries the process's
+registration number, drawn at random once per process (the clients of one
+process are one worker to the servers): a second process registering the
+same id is refused while this one is live, and this one's calls are refused
+once another has taken the id over. A connect that fails part-way
+deregisters from the shards it registered with. Pulls
 land straight in the caller's flat parameter buffer (no intermediate copy);
 a shard whose version has not moved answers "not modified" and sends
 nothing. Every call has a deadline; only UNAVAILABLE is retried, with
@@ -23,6 +32,7 @@ the same pass, and gRPC carries the rest.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -36,13 +46,27 @@ from protos import dtlab_ps_pb2 as pb
 from pserver import auth, wire
 from pserver.config import ClientConfig
 from pserver.errors import DataLoss, InvalidArgument
-from pserver.session import PULL, SHM_PULL, SHM_PUSH, Session, Watchdog
+from pserver.session import PULL, SHM_PULL, SHM_PUSH, Session, StatusError, Watchdog
 from pserver.wire import SERVICE
 
 log = logging.getLogger(__name__)
 
 _MAX_BACKOFF_S = 2.0
+_WAIT_REPORT_S = 5.0  # a worker waiting for its servers says so this often
+PROCESS_REGISTRATION = random.SystemRandom().getrandbits(64) or 1
 TRANSPORTS = ("session", "calls")
+
+
+def why_unreachable(e: grpc.RpcError) -> str:
+    """A failed health check in a few words: "connection refused", "no answer", ..."""
+    details = e.details() or ""
+    for words in ("connection refused", "no route to host", "name or service not known",
+                  "certificate verify failed", "handshake failed"):
+        if words in details.lower():
+            return words
+    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "no answer"
+    return f"{e.code().name}: {details}"
 
 
 class ShardClient:
@@ -89,15 +113,24 @@ class ShardClient:
         self._open = ch.stream_stream(path + "Session")
         self._health = health_pb2_grpc.HealthStub(ch)
         self.info: pb.RegisterReply | None = None
+        self.registration = 0  # PSClient's number, sent on every call
+
+    def _failed(self, e: grpc.RpcError) -> StatusError:
+        """`e` as its status and message, naming this shard's address."""
+        details = e.details() or ""
+        if not details.startswith(self.address):
+            details = f"{self.address}: {details}"
+        return StatusError(e.code(), details)
 
     def _retry(self, attempt, what: str):
-        """Run `attempt()`, retrying UNAVAILABLE with exponential backoff and jitter."""
+        """Run `attempt()`, retrying UNAVAILABLE with exponential backoff and jitter; a
+        final failure is a StatusError naming the shard."""
         for i in range(self.cfg.retries + 1):
             try:
                 return attempt()
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or i == self.cfg.retries:
-                    raise
+                    raise self._failed(e) from None
                 delay = min(_MAX_BACKOFF_S, self.cfg.backoff_s * 2**i) * random.uniform(0.5, 1)
                 log.info("%s %s: UNAVAILABLE (%s), retry %d in %.2f s", self.address, what,
                          e.details(), i + 1, delay)
@@ -105,35 +138,46 @@ class ShardClient:
         raise AssertionError("unreachable")
 
     def wait_ready(self) -> None:
-        """Block until the health service reports the shard SERVING (bounded)."""
-        deadline = time.monotonic() + self.cfg.connect_timeout_s
+        """Block until the health service reports the shard SERVING (bounded); say why
+        not at the first failed check and every few seconds after."""
+        start = time.monotonic()
+        limit = self.cfg.connect_timeout_s
         request = health_pb2.HealthCheckRequest(service=SERVICE)
-        delay, last = self.cfg.backoff_s, "no answer"
-        while time.monotonic() < deadline:
+        delay, last, reported = self.cfg.backoff_s, "no answer", None
+        while (waited := time.monotonic() - start) < limit:
             try:
                 timeout = min(2.0, self.cfg.rpc_timeout_s)
                 status = self._health.Check(request, timeout=timeout).status
                 if status == health_pb2.HealthCheckResponse.SERVING:
+                    if reported is not None:
+                        log.info("%s is serving", self.address)
                     return
-                last = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+                last = "not serving yet"
             except grpc.RpcError as e:
-                last = f"{e.code().name}: {e.details()}"
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                last = why_unreachable(e)
+            waited = time.monotonic() - start
+            if reported is None or waited - reported >= _WAIT_REPORT_S:
+                log.info("waiting for %s (%s), %.0f s of %g", self.address, last, waited, limit)
+                reported = waited
+            time.sleep(min(delay, max(0.0, limit - waited)))
             delay = min(_MAX_BACKOFF_S, delay * 2)
-        raise TimeoutError(f"{self.address}: not serving after {self.cfg.connect_timeout_s} s "
-                           f"({last})")
+        raise TimeoutError(f"{self.address}: not serving after {limit:g} s ({last}); is the "
+                           "server started, and is the address right?")
 
-    def register(self, worker: int, model: str, model_size: int,
-                 layout_crc: int) -> pb.RegisterReply:
-        req = pb.RegisterRequest(worker_id=worker, model=model, model_size=model_size,
-                                 layout_crc32=layout_crc)
+    def register(self, worker: int | None, model: str, model_size: int, layout_crc: int,
+                 run_config: str = "") -> pb.RegisterReply:
+        """Register `worker`, or (None) ask this shard to assign an id."""
+        req = pb.RegisterRequest(model=model, model_size=model_size, layout_crc32=layout_crc,
+                                 registration=self.registration, run_config=run_config)
+        if worker is not None:
+            req.worker_id = worker
         self.info = self._retry(lambda: self._register(
             req, timeout=self.cfg.rpc_timeout_s, metadata=self._metadata), "Register")
         return self.info
 
     def deregister(self, worker: int) -> None:
-        self._retry(lambda: self._deregister(pb.DeregisterRequest(worker_id=worker),
-                                             timeout=self.cfg.rpc_timeout_s,
+        req = pb.DeregisterRequest(worker_id=worker, registration=self.registration)
+        self._retry(lambda: self._deregister(req, timeout=self.cfg.rpc_timeout_s,
                                              metadata=self._metadata), "Deregister")
 
     def stats(self) -> pb.StatsReply:
@@ -141,8 +185,11 @@ class ShardClient:
                                                metadata=self._metadata), "Stats")
 
     def save_checkpoint(self) -> pb.CheckpointReply:
-        return self._checkpoint(pb.CheckpointRequest(), timeout=self.cfg.rpc_timeout_s,
-                                metadata=self._metadata)
+        try:
+            return self._checkpoint(pb.CheckpointRequest(), timeout=self.cfg.rpc_timeout_s,
+                                    metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise self._failed(e) from None
 
     def _check_meta(self, meta: pb.TensorMeta, values: np.ndarray) -> None:
         want = self.info.meta
@@ -161,7 +208,8 @@ class ShardClient:
 
         If this raises, `out` may hold a mix of old and new values.
         """
-        req = pb.PullRequest(worker_id=worker, shard=self.info.shard)
+        req = pb.PullRequest(worker_id=worker, shard=self.info.shard,
+                             registration=self.registration)
         if known_version is not None:
             req.known_version = known_version
         if self.transport == "session":
@@ -220,7 +268,8 @@ class ShardClient:
         info = self.info
         meta = pb.TensorMeta(dtype=wire.dtype_code(grad.dtype), shape=list(grad.shape),
                              offset=info.meta.offset, version=version)
-        header = pb.PushHeader(worker_id=worker, step=step, shard=info.shard, meta=meta)
+        header = pb.PushHeader(worker_id=worker, step=step, shard=info.shard, meta=meta,
+                               registration=self.registration)
         chunk = min(self.cfg.chunk_bytes, info.max_message_bytes - 1024)
         if self.transport == "session":
             return self._retry(lambda: self._in_session(
@@ -285,11 +334,13 @@ class PSClient:
 
     transport: "session" (one stream per shard) or "calls" (a call per pull and push);
     shm: use shared memory with shards on this host; codec: wire.HAND, or
-    wire.CODECS["generated"] (the benchmark's baseline).
+    wire.CODECS["generated"] (the benchmark's baseline); registration: the number this
+    client registers with (default: the process's, PROCESS_REGISTRATION).
     """
 
     def __init__(self, cfg: ClientConfig, transport: str = "session", shm: bool = True,
-                 codec: wire.HandCodec | wire.GeneratedCodec = wire.HAND):
+                 codec: wire.HandCodec | wire.GeneratedCodec = wire.HAND,
+                 registration: int = PROCESS_REGISTRATION):
         self.cfg = cfg
         self._watchdog = Watchdog(min(1.0, cfg.rpc_timeout_s / 4))
         self.shards = [ShardClient(a, cfg, transport=transport, shm=shm, codec=codec,
@@ -297,18 +348,43 @@ class PSClient:
         self._pool = ThreadPoolExecutor(len(self.shards), thread_name_prefix="ps-client")
         self.versions: list[int | None] = [None] * len(self.shards)
         self.worker = -1
+        self.registration = registration
+        for s in self.shards:
+            s.registration = self.registration
 
     def _each(self, fn) -> list:
         return list(self._pool.map(fn, self.shards))
 
-    def connect(self, worker: int, model: str, model_size: int, layout_crc: int = 0) -> int:
+    def connect(self, worker: int | None, model: str, model_size: int, layout_crc: int = 0,
+                run_config: dict | None = None) -> int:
         """Wait for every shard, register, check the layout; returns the step to start at.
 
-        layout_crc: wire.layout_crc of the model's parameter specs.
+        worker: this worker's id, or None: shard 0 assigns one (then in self.worker).
+        layout_crc: wire.layout_crc of the model's parameter specs; run_config: the
+        worker's run config (pserver.runconfig), checked by every shard.
         """
-        self.worker = worker
         self._each(ShardClient.wait_ready)
-        infos = self._each(lambda s: s.register(worker, model, model_size, layout_crc))
+        config = json.dumps(run_config, sort_keys=True) if run_config else ""
+        try:
+            return self._register(worker, model, model_size, layout_crc, config)
+        except BaseException:
+            self._forget()
+            raise
+
+    def _register(self, worker: int | None, model: str, model_size: int, layout_crc: int,
+                  config: str) -> int:
+        first, assigned = None, None
+        if worker is None:
+            first = next((s for s, st in zip(self.shards, self._each(ShardClient.stats),
+                                             strict=True) if st.shard == 0), None)
+            if first is None:
+                raise InvalidArgument(f"--servers {','.join(self.cfg.addresses())}: no shard 0 "
+                                      "among them, and shard 0 assigns worker ids")
+            assigned = first.register(None, model, model_size, layout_crc, config)
+            worker = assigned.worker_id
+        self.worker = worker
+        infos = self._each(lambda s: assigned if s is first else
+                           s.register(worker, model, model_size, layout_crc, config))
         order = sorted(range(len(infos)), key=lambda i: infos[i].shard)
         self.shards = [self.shards[i] for i in order]
         infos = [infos[i] for i in order]
@@ -358,8 +434,23 @@ class PSClient:
     def stats(self) -> list[pb.StatsReply]:
         return self._each(ShardClient.stats)
 
+    @property
+    def server(self) -> pb.RegisterReply:
+        """Shard 0's answer to Register: what the servers run (optimizer, consistency...)."""
+        return self.shards[0].info
+
     def leave(self) -> None:
         self._each(lambda s: s.deregister(self.worker))
+
+    def _forget(self) -> None:
+        """Deregister from every shard that registered us (a connect that failed)."""
+        for s in self.shards:
+            if s.info is not None:
+                try:
+                    s.deregister(s.info.worker_id)
+                except grpc.RpcError as e:
+                    log.warning("%s: could not deregister: %s", s.address, e)
+                s.info = None
 
     def close(self) -> None:
         for s in self.shards:

@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 PULL, SHM_REQUEST, SHM_ATTACH, SHM_PUSH, SHM_PULL = 4, 5, 6, 7, 8
 
 
-class SessionError(grpc.RpcError):
-    """A failed session operation, with a status like a failed call's."""
+class StatusError(grpc.RpcError):
+    """A failed call or session operation as its status code and message, which is
+    also its str() (gRPC's own call errors print as a repr of the call)."""
 
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(details)
@@ -46,6 +47,9 @@ class SessionError(grpc.RpcError):
 
     def details(self) -> str:
         return self._details
+
+    def __str__(self) -> str:
+        return f"{self._code.name}: {self._details}"
 
 
 class Watchdog:
@@ -101,11 +105,11 @@ class Session:
         try:
             raw = next(self.call)
         except StopIteration:
-            raise SessionError(grpc.StatusCode.UNAVAILABLE,
+            raise StatusError(grpc.StatusCode.UNAVAILABLE,
                                f"{self.address}: the server ended the session") from None
         got, value = self.codec.read(pb.SessionReply, raw)
         if got != kind:
-            raise SessionError(grpc.StatusCode.INTERNAL,
+            raise StatusError(grpc.StatusCode.INTERNAL,
                                f"{self.address}: session answered {got}, expected {kind}")
         return value
 
@@ -116,15 +120,15 @@ class Session:
         try:
             yield
         except StopIteration:
-            raise SessionError(grpc.StatusCode.UNAVAILABLE,
+            raise StatusError(grpc.StatusCode.UNAVAILABLE,
                                f"{self.address}: the server ended the session") from None
         except grpc.RpcError as e:
             if self._expired:
-                raise SessionError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                    f"{self.address}: no answer within {timeout} s") from None
-            if e.code() == grpc.StatusCode.CANCELLED and not isinstance(e, SessionError):
+            if e.code() == grpc.StatusCode.CANCELLED and not isinstance(e, StatusError):
                 # cancelled by the server's side (it stopped): the operation may be retried
-                raise SessionError(grpc.StatusCode.UNAVAILABLE,
+                raise StatusError(grpc.StatusCode.UNAVAILABLE,
                                    f"{self.address}: session cancelled ({e.details()})") from None
             raise
         finally:

@@ -1,7 +1,7 @@
 """The asynchronous SGD worker: pull from every shard, compute on its own data, push.
 
     python -m pserver.worker --servers 127.0.0.1:50051,127.0.0.1:50052 --model mlp \\
-        --steps 300 --batch-size 32 --seed 0 --worker-id 0 --num-workers 2 --metrics runs/w0.jsonl
+        --steps 300 --batch-size 32 --seed 0 --num-workers 2 --metrics 'runs/w{worker}.jsonl'
     mpiexec -n 4 python -m pserver.worker --servers ... --model mlp --steps 300 \
         --metrics 'runs/w{worker}.jsonl'
 
@@ -11,27 +11,41 @@ One step (Dean et al. 2012, Downpour SGD; Li et al. 2014, ps-lite):
            whose version the worker already holds answers "not modified".
            Under SSP/BSP the server holds the pull until the worker may read.
     grads  Replica.compute_grads on this worker's slice of the global batch
-           (ShardedLoader with rank = worker id, world = number of workers,
-           so W workers with batch B see what one process with batch W*B sees)
+           (ShardedLoader with rank = worker id mod W, world = W workers, so
+           W workers with batch B see what one process with batch W*B sees)
     clip   --clip on this worker's gradient (its global norm)
     push   every shard its slice of params.grad in parallel, each with the
            version it was read at; the servers run the optimizer
 
+The worker's id: --worker-id, else the launcher's rank (PMI_RANK,
+OMPI_COMM_WORLD_RANK, SLURM_PROCID; MPI itself is not used), else one the
+servers assign at Register (pserver.store: a fresh id, never one that ran
+before, and the same on every shard). Two workers never share an id: the
+servers refuse a second live registration of one. W, the number of workers
+the data is split among: --num-workers, else the launcher's size, else the
+servers' --num-workers; with none of them W is 1, and a worker whose id is
+not 0 stops with an error rather than read worker 0's data. The data shard
+is id mod W (an assigned id past W wraps around, and says so).
+
 The worker never runs the optimizer: of the optimizer flags it takes --clip
 only (the servers take --optimizer, --lr, ...; a --config file's optimizer
-section is read by the servers and left alone here), and its metrics header
-records the optimizer the servers report at Register. Flags are those of
-models.train (models.session) plus the client's (pserver.config.ClientConfig)
-and --worker-id / --num-workers, which default to the launcher's rank and
-size (PMI_RANK/PMI_SIZE, OMPI_COMM_WORLD_*, SLURM_PROCID/SLURM_NTASKS), else
-0 and 1; MPI itself is not used. Metrics are the trainer's JSON lines (header,
-then step, loss, lr, grad_norm, step_s, compute_s, elapsed_s) plus pull_s,
-push_s, and the staleness and version of each shard's push.
+section is read by the servers and left alone here). Register checks the
+worker's model, data, seed and dtype against the servers' (pserver.runconfig)
+and answers with the optimizer, schedule and consistency the servers run;
+the metrics header records those (config.optim is the servers' optimizer
+with this worker's --clip), so it is true and can be rerun with --config.
+Flags are those of models.train (models.session) plus the client's
+(pserver.config.ClientConfig) and --worker-id / --num-workers. Metrics are
+the trainer's JSON lines (header, then step, loss, lr, grad_norm, step_s,
+compute_s, elapsed_s) plus pull_s, push_s, and the staleness and version of
+each shard's push. Log lines name the worker ("worker 3: ...").
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import math
 import sys
@@ -45,20 +59,22 @@ from models import backend
 from models.config import (
     ConfigError,
     add_flags,
+    build,
     command_name,
     described,
     from_namespace,
     run_cli,
 )
+from models.data import ShardedLoader
 from models.launcher import launcher_rank, launcher_size
 from models.metrics import MetricsLog, run_header
-from models.optim import clip_grad_norm
+from models.optim import OptimConfig, clip_grad_norm
 from models.progress import Progress
 from models.session import Session, build_session, parse
 from models.threads import share_cores
 from models.trainer import Summary
 from protos import dtlab_ps_pb2 as pb
-from pserver import wire
+from pserver import runconfig, wire
 from pserver.allocator import keep_freed_memory
 from pserver.client import PSClient
 from pserver.config import ClientConfig
@@ -69,20 +85,63 @@ log = logging.getLogger(__name__)
 @dataclass
 class WorkerConfig:
     worker_id: int = described(-1, "this worker's id, which picks its data shard "
-                                   "(-1: the launcher's rank, else 0)")
-    num_workers: int = described(0, "workers sharing the data (0: the launcher's size, else 1)")
+                                   "(-1: the launcher's rank, else one the servers assign)")
+    num_workers: int = described(0, "workers sharing the data (0: the launcher's size, else "
+                                    "the servers' --num-workers, else 1)")
 
-    def resolve(self) -> tuple[int, int]:
-        """(worker id, number of workers), filled in from the launcher's environment."""
-        wid = self.worker_id if self.worker_id >= 0 else (launcher_rank() or 0)
-        world = self.num_workers or launcher_size() or 1
-        if not 0 <= wid < world:
+    def given_id(self) -> int | None:
+        """The id from the flag or the launcher; None: the servers assign one."""
+        if self.worker_id >= 0:
+            return self.worker_id
+        return launcher_rank()
+
+    def given_world(self) -> int | None:
+        return self.num_workers or launcher_size()
+
+    def data_shard(self, wid: int, servers_world: int) -> tuple[int, int]:
+        """(rank, world) of worker `wid`'s data shard; ConfigError where it cannot be told
+        apart from another worker's."""
+        world = self.given_world() or servers_world
+        given = self.given_id() is not None
+        if given and world and not wid < world:
             raise ConfigError(f"--worker-id {wid} must be in [0, --num-workers={world})")
-        return wid, world
+        if not world:
+            if wid:
+                whose = (f"--worker-id {wid}" if given
+                         else f"the servers assigned this worker id {wid}, but")
+                raise ConfigError(
+                    f"{whose} nothing tells how many workers share the data (no --num-workers "
+                    f"here or on the servers, no launcher): worker {wid} would read worker 0's "
+                    "data. Give --num-workers")
+            world = 1
+        return wid % world, world
 
     def validate(self):
         if self.worker_id < -1 or self.num_workers < 0:
             raise ConfigError("--worker-id must be >= -1 and --num-workers >= 0")
+
+
+class WorkerName(logging.Filter):
+    """Puts `who` ("worker 3", or "worker" before the servers assigned the id) on every
+    log record, so that the lines of several workers on one console tell who said them."""
+
+    def __init__(self):
+        super().__init__()
+        self.who = "worker"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.who = self.who
+        return True
+
+
+def start_logging() -> WorkerName:
+    handler = logging.StreamHandler()
+    name = WorkerName()
+    handler.addFilter(name)
+    handler.setFormatter(logging.Formatter(
+        "%(asctime)s %(levelname)s %(who)s: %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+    return name
 
 
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:
@@ -151,40 +210,65 @@ def main(argv: list[str]) -> int:
         raise ConfigError("the servers keep the checkpoints (pserver --checkpoint-dir); the "
                           "worker takes no --checkpoint-every or --resume")
     wcfg = from_namespace(WorkerConfig, setup.extra)
-    wid, world = wcfg.resolve()
-    metrics_path = setup.run.metrics.replace("{worker}", str(wid))
-    if wcfg.worker_id < 0 and world > 1 and metrics_path == setup.run.metrics != "":
-        raise ConfigError(f"--metrics {setup.run.metrics}: {world} launcher ranks would share "
-                          "it; put {worker} in the path")
+    launched = wcfg.worker_id < 0 and (wcfg.given_world() or 1) > 1
+    if launched and "{worker}" not in setup.run.metrics and setup.run.metrics:
+        raise ConfigError(f"--metrics {setup.run.metrics}: {wcfg.given_world()} launcher ranks "
+                          "would share it; put {worker} in the path")
     client_cfg = from_namespace(ClientConfig, setup.extra)
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    name = start_logging()
+    given = wcfg.given_id()
+    if given is not None:
+        name.who = f"worker {given}"
     keep_freed_memory()
     threads = share_cores()
-    log.info("worker %d: %s", wid, threads.describe())
-    session = build_session(setup, rank=wid, world=world)
+    log.info("%s", threads.describe())
+    session = build_session(setup)
     client = PSClient(client_cfg, transport=client_cfg.transport, shm=client_cfg.shm)
     try:
-        first = client.connect(wid, setup.model_name, session.params.size,
-                               wire.layout_crc(session.params.specs))
-        if first:
-            log.info("worker %d rejoins at step %d", wid, first)
-            skip_to(session, first)
-        info = client.shards[0].info
-        header = run_header(session, "async", worker=wid, servers=client_cfg.addresses(),
-                            consistency=pb.Consistency.Name(info.consistency).lower(),
-                            staleness_bound=info.staleness_bound, threads=threads.as_dict())
-        metrics = MetricsLog(metrics_path, header, append=first > 0)
+        first = client.connect(given, setup.model_name, session.params.size,
+                               wire.layout_crc(session.params.specs),
+                               runconfig.run_config(setup.model_name, setup.model, setup.data,
+                                                    setup.run.seed, setup.run.dtype))
+        wid = client.worker
+        name.who = f"worker {wid}"
         try:
-            summary = Worker(session, client, wid, metrics).run(first)
+            summary = train(session, client, wcfg, first, client_cfg, threads)
         finally:
-            metrics.close()
             leave(client)
     finally:
         client.close()
     for line in summary.lines():
         print(f"worker {wid}: {line}")
     return 0
+
+
+def train(session: Session, client: PSClient, wcfg: WorkerConfig, first: int,
+          client_cfg: ClientConfig, threads) -> Summary:
+    """Run a registered worker from step `first`: its data shard, header and steps."""
+    setup, server, wid = session.setup, client.server, client.worker
+    rank, world = wcfg.data_shard(wid, server.num_workers)
+    if rank != wid:
+        log.info("reads data shard %d of %d (ids past the number of workers wrap around)",
+                 rank, world)
+    run = setup.run
+    session = dataclasses.replace(session, rank=rank, world=world, loader=ShardedLoader(
+        session.dataset, run.batch_size, rank=rank, world=world, seed=run.seed,
+        micro_batches=run.grad_accum))
+    if first:
+        log.info("rejoins at step %d", first)
+        skip_to(session, first)
+    setup.optim = build(OptimConfig, {**json.loads(server.optim_config or "{}"),
+                                      "clip": setup.optim.clip})
+    header = run_header(session, "async", worker=wid, servers=client_cfg.addresses(),
+                        consistency=pb.Consistency.Name(server.consistency).lower(),
+                        staleness_bound=server.staleness_bound,
+                        schedule_steps=server.schedule_steps, staleness_lr=server.staleness_lr,
+                        threads=threads.as_dict())
+    metrics = MetricsLog(run.metrics.replace("{worker}", str(wid)), header, append=first > 0)
+    try:
+        return Worker(session, client, wid, metrics).run(first)
+    finally:
+        metrics.close()
 
 
 def leave(client: PSClient) -> None:
@@ -203,8 +287,10 @@ def cli() -> int:
 
 def describe_error(error: BaseException) -> str:
     """A server's refusal as its status and message, not the RPC error's repr."""
-    if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
+    if isinstance(error, grpc.RpcError) and callable(getattr(error, "code", None)):
         return f"{error.code().name}: {error.details()}"
+    if isinstance(error, PSError):
+        return f"{error.status}: {error}"
     return str(error)
 
 

@@ -14,7 +14,9 @@ is given, the span of the lr schedule: --steps updates under BSP (one per
 round), --steps x --num-workers otherwise (one per push). Register refuses a
 worker whose model or parameter layout differs. The server's own flags are
 pserver.config.ServerConfig; see `python -m pserver serve --help`. SIGTERM or
-SIGINT shuts down cleanly (pserver.daemon.Daemon.shutdown) and exits 0.
+SIGINT shuts down cleanly (pserver.daemon.Daemon.shutdown) and exits 0. Log
+lines name the shard ("shard 1: ..."); a port already in use is one error
+line (the daemon tries the bind itself before gRPC does).
 """
 
 from __future__ import annotations
@@ -60,15 +62,16 @@ def serve(argv: list[str]) -> int:
                   add_extra=lambda p: add_flags(p, ServerConfig, "server"))
     setup.model = implied_model(setup.data, setup.model_name, setup.model)
     cfg = server_config(setup)
+    # every line names the shard: several daemons often share one console
     logging.basicConfig(level=cfg.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=f"%(asctime)s %(levelname)s shard {cfg.shard}: %(name)s: "
+                               "%(message)s")
     keep_freed_memory()
     # The daemon's work is the optimizer on its own thread pool (--apply-threads), no matmul.
-    logging.getLogger("pserver").info("shard %d: %s", cfg.shard,
-                                      share_cores(threads=1).describe())
+    logging.getLogger("pserver").info("%s", share_cores(threads=1).describe())
     store = build_store(cfg, setup.model_name, setup.model, setup.optim)
-    daemon = Daemon(cfg, store, config_record(cfg, setup.model_name, setup.model, setup.optim),
-                    shm=cfg.shm)
+    daemon = Daemon(cfg, store, config_record(cfg, setup.model_name, setup.model, setup.optim,
+                                              setup.data), shm=cfg.shm)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

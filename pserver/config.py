@@ -24,7 +24,9 @@ class ServerConfig:
     staleness: int = described(0, "SSP bound s: a worker may lead the slowest by at most s clocks")
     staleness_lr: str = choice("none", "none", "divide",
                                help="divide the lr by the gradient's staleness (Zhang et al. 2016)")
-    num_workers: int = described(0, "SSP/BSP: serve no pull before this many workers registered")
+    num_workers: int = described(0, "workers sharing the data: SSP/BSP serve no pull before this "
+                                    "many registered; workers without --num-workers split the "
+                                    "data this many ways")
     schedule_steps: int = described(0, "updates the lr schedule spans (0: constant after warm-up)")
     chunk_bytes: int = described(1 << 20, "bytes per pulled chunk message")
     max_message_bytes: int = described(4 << 20, "largest message accepted or sent")

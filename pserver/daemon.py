@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from concurrent import futures
@@ -31,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from models.checkpoint import CheckpointError
 from models.config import ConfigError
+from models.data import DataConfig
 from models.optim import OptimConfig, Schedule
 from models.params import FlatParams
 from models.zoo import build_model
@@ -72,11 +74,31 @@ def build_store(cfg: ServerConfig, model_name: str, model_cfg,
                       chunk_bytes=cfg.chunk_bytes, log_every=cfg.log_every)
 
 
-def config_record(cfg: ServerConfig, model_name: str, model_cfg,
-                  optim_cfg: OptimConfig) -> dict:
-    """The full configuration, as checkpoints record it."""
+def config_record(cfg: ServerConfig, model_name: str, model_cfg, optim_cfg: OptimConfig,
+                  data_cfg: DataConfig | None = None) -> dict:
+    """The full configuration, as checkpoints record it and Register checks workers
+    against (pserver.runconfig)."""
     return {"server": dataclasses.asdict(cfg), "model_name": model_name,
-            "model": dataclasses.asdict(model_cfg), "optim": dataclasses.asdict(optim_cfg)}
+            "model": dataclasses.asdict(model_cfg),
+            "data": dataclasses.asdict(data_cfg or DataConfig()),
+            "optim": dataclasses.asdict(optim_cfg)}
+
+
+def why_not_listen(host: str, port: int) -> str:
+    """Why a server could not listen on host:port ("" if it can): a plain bind first, so
+    that a port in use is one clear error rather than gRPC's own log line and then ours."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        return e.strerror
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's listener does
+        try:
+            s.bind(address)
+        except OSError as e:
+            return e.strerror.lower()
+    return ""
 
 
 class Daemon:
@@ -112,7 +134,7 @@ class Daemon:
         self.servicer = ParameterServerServicer(
             self.store, cfg.max_message_bytes,
             checkpoint=self.save_checkpoint if cfg.checkpoint_dir else None, shm=shm,
-            codec=codec)
+            codec=codec, config=config)
         self.server.add_generic_rpc_handlers((handler(self.servicer), *handlers))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -121,6 +143,9 @@ class Daemon:
                 (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                  reflection.SERVICE_NAME), self.server)
         address = host_port(cfg.bind, cfg.port)
+        why = why_not_listen(cfg.bind, cfg.port) if cfg.port else ""
+        if why:
+            raise ConfigError(f"--bind {cfg.bind} --port {cfg.port}: cannot listen there ({why})")
         try:
             if cfg.tls_cert:
                 creds = auth.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)

@@ -1,28 +1,39 @@
-"""Prometheus text exposition of a shard's stats, served on GET /metrics.
+"""Prometheus metrics of a shard, served on GET /metrics.
 
     python -m pserver serve ... --metrics-port 9100
     curl -s 127.0.0.1:9100/metrics | grep staleness
 
-Written by hand in the text format (version 0.0.4) rather than with
-prometheus-client: a dozen series from one StatsReply need no dependency.
-Staleness histograms use cumulative buckets le = 0, 1, 2, 4, ..., 256, +Inf.
+The exposition is prometheus-client's: a collector turns one StatsReply into
+the dtlab_ps_* families at every scrape (nothing is kept between scrapes),
+and the client's process collector adds the daemon's memory, CPU time, open
+file descriptors and start time (process_*). Each server has its own
+registry, so several daemons in one process (the tests) report apart.
+Staleness histograms use cumulative buckets le = 0, 1, 2, 4, ..., 256, +Inf
+folded from the exact counts (pserver.staleness).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+
 from protos import dtlab_ps_pb2 as pb
-from pserver.staleness import PROMETHEUS_BOUNDS
 
 log = logging.getLogger(__name__)
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-_COUNTERS = (
+BOUNDS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+COUNTERS = (  # StatsReply field -> dtlab_ps_<field>_total
     ("updates", "optimizer steps taken"),
     ("pushes", "gradients accepted"),
     ("duplicates", "retried pushes answered without applying"),
@@ -34,68 +45,89 @@ _COUNTERS = (
     ("receive_seconds", "seconds receiving push streams, header to checked trailer"),
     ("check_seconds", "of those, seconds checking chunks (Adler-32, finite values)"),
 )
+GAUGES = (  # StatsReply field -> dtlab_ps_<field>
+    ("version", "shard version (updates applied)"),
+    ("lr", "learning rate of the last update"),
+    ("max_clock_lead", "largest clock lead a pull was served at"),
+    ("pushes_in_flight", "push streams being received"),
+)
 
 
-def _labels(**kw) -> str:
-    return "{" + ",".join(f'{k}="{v}"' for k, v in kw.items()) + "}"
+def buckets(h: pb.Histogram) -> list[tuple[str, int]]:
+    """Cumulative (le, gradients with staleness <= le) from exact counts, ending at +Inf."""
+    return [(str(le), sum(c for s, c in h.counts.items() if s <= le)) for le in BOUNDS] + [
+        ("+Inf", h.total)]
 
 
-def _histogram(lines: list[str], name: str, h: pb.Histogram, **labels) -> None:
-    for le in PROMETHEUS_BOUNDS:
-        count = sum(c for s, c in h.counts.items() if s <= le)
-        lines.append(f"{name}_bucket{_labels(**labels, le=le)} {count}")
-    lines.append(f"{name}_bucket{_labels(**labels, le='+Inf')} {h.total}")
-    lines.append(f"{name}_sum{_labels(**labels)} {h.sum}")
-    lines.append(f"{name}_count{_labels(**labels)} {h.total}")
-
-
-def _family(name: str, kind: str, help_text: str) -> list[str]:
-    """The HELP and TYPE lines that open a metric family."""
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-
-
-def render(s: pb.StatsReply) -> str:
-    shard = s.shard
-    lines = []
-    for name, help_text in _COUNTERS:
-        full = f"dtlab_ps_{name}_total"
-        lines += [*_family(full, "counter", help_text),
-                  f"{full}{_labels(shard=shard)} {getattr(s, name)}"]
-    lines += _family("dtlab_ps_rejected_total", "counter", "calls rejected, by reason")
-    lines += [f"dtlab_ps_rejected_total{_labels(shard=shard, reason=r)} {n}"
-              for r, n in sorted(s.rejected.items())]
-    for name, value, help_text in (
-            ("version", s.version, "shard version (updates applied)"),
-            ("lr", s.lr, "learning rate of the last update"),
-            ("max_clock_lead", s.max_clock_lead, "largest clock lead a pull was served at"),
-            ("pushes_in_flight", s.pushes_in_flight, "push streams being received")):
-        lines += [*_family(f"dtlab_ps_{name}", "gauge", help_text),
-                  f"dtlab_ps_{name}{_labels(shard=shard)} {value}"]
-    lines += _family("dtlab_ps_worker_clock", "gauge", "gradients accepted from each worker")
-    lines += [f"dtlab_ps_worker_clock{_labels(shard=shard, worker=w)} {ws.clock}"
-              for w, ws in sorted(s.workers.items())]
-    lines += _family("dtlab_ps_staleness", "histogram",
-                     "updates between a gradient's read and its apply")
-    _histogram(lines, "dtlab_ps_staleness", s.staleness, shard=shard)
-    lines += _family("dtlab_ps_worker_staleness", "histogram",
-                     "staleness of each worker's applied gradients")
+def families(s: pb.StatsReply) -> Iterator[Metric]:
+    """The dtlab_ps_* metric families of one StatsReply."""
+    shard = str(s.shard)
+    for name, help_text in COUNTERS:
+        yield _one(CounterMetricFamily(f"dtlab_ps_{name}", help_text, labels=["shard"]),
+                   [shard], getattr(s, name))
+    rejected = CounterMetricFamily("dtlab_ps_rejected", "calls rejected, by reason",
+                                   labels=["shard", "reason"])
+    for reason, n in sorted(s.rejected.items()):
+        rejected.add_metric([shard, reason], n)
+    yield rejected
+    for name, help_text in GAUGES:
+        yield _one(GaugeMetricFamily(f"dtlab_ps_{name}", help_text, labels=["shard"]), [shard],
+                   getattr(s, name))
+    clock = GaugeMetricFamily("dtlab_ps_worker_clock", "gradients accepted from each worker",
+                              labels=["shard", "worker"])
     for w, ws in sorted(s.workers.items()):
-        _histogram(lines, "dtlab_ps_worker_staleness", ws.staleness, shard=shard, worker=w)
-    return "\n".join(lines) + "\n"
+        clock.add_metric([shard, str(w)], ws.clock)
+    yield clock
+    staleness = HistogramMetricFamily("dtlab_ps_staleness",
+                                      "updates between a gradient's read and its apply",
+                                      labels=["shard"])
+    staleness.add_metric([shard], buckets(s.staleness), s.staleness.sum)
+    yield staleness
+    per_worker = HistogramMetricFamily("dtlab_ps_worker_staleness",
+                                       "staleness of each worker's applied gradients",
+                                       labels=["shard", "worker"])
+    for w, ws in sorted(s.workers.items()):
+        per_worker.add_metric([shard, str(w)], buckets(ws.staleness), ws.staleness.sum)
+    yield per_worker
+
+
+def _one(family, labels: list[str], value):
+    family.add_metric(labels, value)
+    return family
+
+
+class StatsCollector:
+    """A prometheus-client collector reading the shard's stats at every scrape."""
+
+    def __init__(self, stats: Callable[[], pb.StatsReply]):
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        return families(self._stats())
+
+
+def registry(stats: Callable[[], pb.StatsReply]) -> CollectorRegistry:
+    """A registry of the shard's metrics and its process's (memory, CPU, descriptors)."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(StatsCollector(stats))
+    ProcessCollector(registry=reg)
+    return reg
 
 
 class MetricsServer:
     """A plain HTTP server answering GET /metrics from `stats()`, on a daemon thread."""
 
     def __init__(self, host: str, port: int, stats: Callable[[], pb.StatsReply]):
+        reg = registry(stats)
+
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
                 if self.path.split("?")[0] != "/metrics":
                     self.send_error(404, "only /metrics is served here")
                     return
-                body = render(stats()).encode()
+                body = generate_latest(reg)
                 self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE)
+                self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)

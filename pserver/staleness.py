@@ -9,15 +9,13 @@ between the worker's read and this apply:
 Learning"; Dean et al. 2012 report the same quantity for DistBelief's
 Downpour SGD). The shard store records it under the lock that guards the
 update, so the histograms hold exactly one entry per applied gradient.
-Counts are exact (one bin per value); Prometheus export folds them into
-cumulative power-of-two buckets.
+Counts are exact (one bin per value); the Prometheus export (pserver.metrics)
+folds them into cumulative power-of-two buckets.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-
-PROMETHEUS_BOUNDS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class Histogram:
@@ -32,11 +30,6 @@ class Histogram:
         self.total += 1
         self.sum += staleness
         self.max = max(self.max, staleness)
-
-    def cumulative(self, bounds=PROMETHEUS_BOUNDS) -> list[tuple[str, int]]:
-        """Prometheus buckets: (le, gradients with staleness <= le), ending with +Inf."""
-        out = [(str(b), sum(c for s, c in self.counts.items() if s <= b)) for b in bounds]
-        return out + [("+Inf", self.total)]
 
     def copy(self) -> Histogram:
         return Histogram.from_dict(self.to_dict())

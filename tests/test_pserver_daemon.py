@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+from prometheus_client.parser import text_string_to_metric_families
 from pserver_util import ROOT, TINY_MLP_FLAGS, DaemonProcess, connect, initial_params
 
 from protos import dtlab_ps_pb2 as pb
@@ -53,6 +54,18 @@ def test_port_in_use_is_a_clear_error():
             r = subprocess.run([sys.executable, "-m", "pserver", "serve", *TINY_MLP_FLAGS, flag,
                                 str(port)], cwd=ROOT, capture_output=True, text=True, timeout=60)
             assert r.returncode == 2 and f"{flag} {port}" in r.stderr, r.stderr
+            last = r.stderr.strip().splitlines()[-1]  # the error, said once, and nothing else
+            assert f"{flag} {port}" in last and "already in use" in last.lower(), r.stderr
+            assert r.stderr.count("in use") == 1 and "add_port" not in r.stderr, r.stderr
+
+
+def scrape(port: int) -> tuple[dict, dict]:
+    """GET /metrics: ({(sample name, frozenset of labels): value}, {family: type})."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=20).read().decode()
+    families = list(text_string_to_metric_families(body))
+    samples = {(s.name, frozenset(s.labels.items())): s.value for f in families
+               for s in f.samples}
+    return samples, {f.name: f.type for f in families}
 
 
 def slow_push(address: str, step: int, version: int, sent_first: threading.Event, out: list):
@@ -85,11 +98,19 @@ def test_metrics_reflection_and_sigterm_with_checkpoint(tmp_path: Path):
         client.pull(np.empty(N, np.float32))
         client.push(np.ones(N, np.float32), 0)
 
-        body = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics",
-                                      timeout=20).read().decode()
-        assert 'dtlab_ps_staleness_bucket{shard="0",le="0"} 1' in body
-        assert 'dtlab_ps_worker_staleness_count{shard="0",worker="0"} 1' in body
-        assert "# TYPE dtlab_ps_staleness histogram" in body
+        samples, types = scrape(d.metrics_port)
+        shard0 = frozenset({("shard", "0")})
+        assert samples["dtlab_ps_staleness_bucket", shard0 | {("le", "0")}] == 1
+        assert samples["dtlab_ps_staleness_bucket", shard0 | {("le", "+Inf")}] == 1
+        assert samples["dtlab_ps_worker_staleness_count", shard0 | {("worker", "0")}] == 1
+        assert samples["dtlab_ps_pushes_total", shard0] == 1
+        assert samples["dtlab_ps_version", shard0] == 1
+        assert types["dtlab_ps_staleness"] == "histogram"
+        assert types["dtlab_ps_pushes"] == "counter"
+        # the process collector: this daemon's memory, CPU time and open descriptors
+        assert samples["process_resident_memory_bytes", frozenset()] > 1 << 20
+        assert samples["process_open_fds", frozenset()] >= 3
+        assert "process_cpu_seconds_total" in {name for name, _ in samples}
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/other", timeout=20)
         assert e.value.code == 404
@@ -112,6 +133,8 @@ def test_metrics_reflection_and_sigterm_with_checkpoint(tmp_path: Path):
             pusher.join(timeout=60)
         client.close()
         assert d.proc.wait(timeout=60) == 0, d.output()
+        logged = [line for line in d.output().splitlines() if " INFO " in line]
+        assert logged and all(" INFO shard 0: " in line for line in logged), logged
         code, reply = result[0]
         assert code == grpc.StatusCode.OK and reply.version == 2  # finished, not dropped
         saved = sorted(p.name for p in (ckpt / "shard-0-of-1").iterdir())

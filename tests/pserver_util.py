@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from models.config import build
+from models.data import DataConfig
 from models.optim import OptimConfig
 from models.params import FlatParams
 from models.zoo import build_model, config_class
@@ -49,17 +50,19 @@ def initial_params(model: str = "mlp", model_cfg: dict | None = None, seed: int 
 
 @contextmanager
 def serve(shards: int = 1, model: str = "mlp", model_cfg: dict | None = None,
-          optim: dict | None = None, shm: bool = True, **server):
-    """`shards` daemons of one model in this process; yields them, shuts them down after."""
+          optim: dict | None = None, shm: bool = True, data: dict | None = None, **server):
+    """`shards` daemons of one model in this process; yields them, shuts them down after.
+    `data`: the data config workers must bring (Register checks it)."""
     model_cfg = build(config_class(model), dict(TINY_MLP if model_cfg is None else model_cfg))
     ocfg = build(OptimConfig, dict(SGD1 if optim is None else optim))
+    dcfg = build(DataConfig, dict(data or {}))
     daemons = []
     try:
         for i in range(shards):
             cfg = build(ServerConfig, {"shard": i, "num_shards": shards, "grace_s": 2.0,
                                        **server})
             d = Daemon(cfg, build_store(cfg, model, model_cfg, ocfg),
-                       config_record(cfg, model, model_cfg, ocfg), shm=shm)
+                       config_record(cfg, model, model_cfg, ocfg, dcfg), shm=shm)
             d.start()
             daemons.append(d)
         yield daemons
@@ -137,21 +140,25 @@ class DaemonProcess:
 
 
 def run_workers(servers: str, count: int, flags: list[str], tmp: Path,
-                timeout: float = 120.0) -> list[Path]:
-    """`count` real worker processes to completion; their metrics files."""
+                timeout: float = 120.0, ids: bool = True, name: str = "worker") -> list[Path]:
+    """`count` real worker processes to completion; their metrics files, in launch order.
+    ids=False: no --worker-id or --num-workers (the servers assign ids and know the count);
+    each process's stderr is kept in NAME{i}.err."""
     procs, paths = [], []
     try:
         for w in range(count):
-            path = tmp / f"worker{w}.jsonl"
+            path = tmp / f"{name}{w}.jsonl"
             paths.append(path)
+            given = ["--worker-id", str(w), "--num-workers", str(count)] if ids else []
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "pserver.worker", "--servers", servers, "--worker-id",
-                 str(w), "--num-workers", str(count), "--metrics", str(path), *flags],
+                [sys.executable, "-m", "pserver.worker", "--servers", servers, *given,
+                 "--metrics", str(path), *flags],
                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                 env=ONE_BLAS_THREAD))
         deadline = time.monotonic() + timeout
-        for p in procs:
+        for p, path in zip(procs, paths, strict=True):
             _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            path.with_suffix(".err").write_text(err)
             assert p.returncode == 0, f"worker exited with {p.returncode}:\n{err}"
     finally:
         for p in procs:

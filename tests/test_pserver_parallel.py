@@ -20,9 +20,18 @@ def test_groups_are_contiguous_balanced_and_in_order(threads, n):
     assert len(groups) == max(1, min(threads, n))
     sizes = [len(g) for g in groups]
     assert max(sizes) - min(sizes) <= 1
-    seen = []
-    assert parallel.run(lambda g: (seen.append(threading.get_ident()), sum(g))[1],
-                        groups) == [sum(g) for g in groups]
+    ran_on = {}  # group index -> name of the thread that ran it
+
+    def work(g):
+        ran_on[groups.index(g)] = threading.current_thread().name
+        return sum(g)
+
+    assert parallel.run(work, groups) == [sum(g) for g in groups]
+    assert sorted(ran_on) == list(range(len(groups)))  # every group ran once
+    caller = threading.current_thread().name
+    assert ran_on[0] == caller  # the caller runs the first group itself
+    assert all(name.startswith("parallel") and name != caller  # the rest on the pool
+               for i, name in ran_on.items() if i > 0)
     parallel.close()
 
 

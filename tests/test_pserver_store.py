@@ -275,16 +275,24 @@ def test_blocked_optimizer_reads_a_pushed_gradient_in_place_and_across_chunks():
     np.testing.assert_array_equal(blocked, whole)
 
 
-def test_worker_id_and_count_come_from_the_launcher(monkeypatch):
+def test_worker_id_and_count_come_from_the_launcher_else_the_servers(monkeypatch):
     for var in RANK_VARS + SIZE_VARS:
         monkeypatch.delenv(var, raising=False)
-    assert WorkerConfig().resolve() == (0, 1)
+    alone = WorkerConfig()
+    assert alone.given_id() is None  # the servers assign one
+    assert alone.data_shard(0, 0) == (0, 1)  # nobody says how many: the whole data
+    assert alone.data_shard(3, 2) == (1, 2)  # the servers' --num-workers; ids wrap around
+    with pytest.raises(ConfigError, match="assigned this worker id 1, but nothing tells"):
+        alone.data_shard(1, 0)
+    with pytest.raises(ConfigError, match="--worker-id 1 nothing tells"):
+        WorkerConfig(worker_id=1).data_shard(1, 0)
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "2")
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "3")
-    assert WorkerConfig().resolve() == (2, 3)
-    assert WorkerConfig(worker_id=0, num_workers=5).resolve() == (0, 5)
+    launched = WorkerConfig()
+    assert launched.given_id() == 2 and launched.data_shard(2, 7) == (2, 3)
+    assert WorkerConfig(worker_id=0, num_workers=5).data_shard(0, 2) == (0, 5)
     with pytest.raises(ConfigError, match="--worker-id 2 must be in"):
-        WorkerConfig(num_workers=2).resolve()
+        WorkerConfig(num_workers=2).data_shard(2, 0)
 
 
 def test_a_snapshot_is_copied_only_when_an_update_overtakes_its_readers():

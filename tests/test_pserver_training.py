@@ -38,19 +38,21 @@ def final_loss(paths) -> tuple[float, float]:
     return float(np.mean(tails)), floor
 
 
-@pytest.mark.parametrize("model, cfg, extra, steps, consistency, gap", [
-    ("mlp", MLP, ["--batch-size", "64"], 400, "ssp", 0.15),
-    ("transformer", TRANSFORMER, ["--batch-size", "16", "--markov-order", "1",
-                                  "--n-tokens", "20000"], 150, "asp", 0.1),
+@pytest.mark.parametrize("model, cfg, data, extra, steps, consistency, gap", [
+    ("mlp", MLP, {}, ["--batch-size", "64"], 400, "ssp", 0.15),
+    ("transformer", TRANSFORMER, {"markov_order": 1, "n_tokens": 20000}, ["--batch-size", "16"],
+     150, "asp", 0.1),
 ])
-def test_async_training_reaches_the_floor(tmp_path, model, cfg, extra, steps, consistency, gap):
+def test_async_training_reaches_the_floor(tmp_path, model, cfg, data, extra, steps, consistency,
+                                          gap):
     optim = {"optimizer": "adam", "lr": 1e-2, "warmup": 10, "schedule": "constant"}
     server = {"consistency": consistency, "num_workers": 2}
     if consistency == "ssp":
         server["staleness"] = 1
-    with serve(shards=2, model=model, model_cfg=cfg, optim=optim, **server) as daemons:
-        paths = run_workers(addresses(daemons), 2, [*flags(model, cfg), *extra, "--steps",
-                                                    str(steps), "--clip", "0"], tmp_path)
+    with serve(shards=2, model=model, model_cfg=cfg, optim=optim, data=data, **server) as daemons:
+        paths = run_workers(addresses(daemons), 2, [*flags(model, cfg), *flags("", data)[2:],
+                                                    *extra, "--steps", str(steps), "--clip", "0"],
+                            tmp_path)
         stats = [d.store.stats() for d in daemons]
     loss, floor = final_loss(paths)
     assert loss - floor < gap, (loss, floor)

@@ -14,8 +14,8 @@ install go on without them, and the Python code then runs its NumPy twin:
 from setuptools import Extension, setup
 
 setup(ext_modules=[
-    Extension("pserver._kernels", ["pserver/_kernels.c"], extra_compile_args=["-O3"],
+    Extension("dtlab.pserver._kernels", ["pserver/_kernels.c"], extra_compile_args=["-O3"],
               optional=True),
-    Extension("models._fused", ["models/_fused.c"],
+    Extension("dtlab.models._fused", ["models/_fused.c"],
               extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"], optional=True),
 ])

@@ -1,7 +1,7 @@
 """MPI side of dtlab: communicators, our own collectives, the process grid,
 bucketed gradient averaging and failure handling.
 
-    from collective import world, ProcessGrid, BucketReducer
+    from dtlab.collective import world, ProcessGrid, BucketReducer
     comm = world()                                   # abort handler installed
     comm.allreduce(x, average=True)                  # ring (ours) by default
 
@@ -21,11 +21,11 @@ Modules, one job each:
     buckets.py   bucketed, backward-overlapped gradient all-reduce
 """
 
-from collective.agree import MismatchError
-from collective.buckets import BucketReducer, ReduceTiming
-from collective.comm import Communicator, world
-from collective.failure import install_abort_handler
-from collective.grid import GridError, ProcessGrid
+from dtlab.collective.agree import MismatchError
+from dtlab.collective.buckets import BucketReducer, ReduceTiming
+from dtlab.collective.comm import Communicator, world
+from dtlab.collective.failure import install_abort_handler
+from dtlab.collective.grid import GridError, ProcessGrid
 
 __all__ = [
     "BucketReducer",

@@ -28,8 +28,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
-
-from collective.link import Link
+from dtlab.collective.link import Link
 
 CHECK_ENV = "DTLAB_COLLECTIVE_CHECK"
 MODES = ("first", "always", "never")

@@ -9,7 +9,7 @@ any size, including zero (expert-parallel token routing is uneven).
 
 from __future__ import annotations
 
-from collective.link import TAG_ALLTOALL, Link, byte_view
+from dtlab.collective.link import TAG_ALLTOALL, Link, byte_view
 
 _OP = "alltoallv(pairwise)"
 

@@ -1,6 +1,6 @@
 """The communicator: the small protocol models and trainers talk to.
 
-    from collective import world
+    from dtlab.collective import world
     comm = world()                      # COMM_WORLD; installs the abort handler
     comm.allreduce(grad, average=True)  # in place, ring by default
 
@@ -36,16 +36,16 @@ import math
 import numpy as np
 from mpi4py import MPI
 
-from collective import gpu
-from collective.agree import ALGOS, Agreement, MismatchError, resolve_mode
-from collective.alltoall import pairwise_alltoallv
-from collective.doubling import doubling_allreduce
-from collective.failure import install_abort_handler, resolve_timeout
-from collective.link import Link, byte_view, resolve_yield
-from collective.naive import naive_allreduce
-from collective.ring import ring_allgather, ring_allreduce, ring_reduce_scatter, segment_bounds
-from collective.tree import tree_broadcast
-from models import backend
+from dtlab.collective import gpu
+from dtlab.collective.agree import ALGOS, Agreement, MismatchError, resolve_mode
+from dtlab.collective.alltoall import pairwise_alltoallv
+from dtlab.collective.doubling import doubling_allreduce
+from dtlab.collective.failure import install_abort_handler, resolve_timeout
+from dtlab.collective.link import Link, byte_view, resolve_yield
+from dtlab.collective.naive import naive_allreduce
+from dtlab.collective.ring import ring_allgather, ring_allreduce, ring_reduce_scatter, segment_bounds
+from dtlab.collective.tree import tree_broadcast
+from dtlab.models import backend
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_SMALL_BYTES = 256 << 10

@@ -21,7 +21,7 @@ the same IEEE sum), so all ranks end with bit-identical results.
 
 from __future__ import annotations
 
-from collective.link import TAG_DOUBLING, Link, byte_view
+from dtlab.collective.link import TAG_DOUBLING, Link, byte_view
 
 _OP = "allreduce(doubling)"
 

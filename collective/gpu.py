@@ -31,8 +31,8 @@ import os
 
 import numpy as np
 
-from collective.link import Workspace
-from models import backend
+from dtlab.collective.link import Workspace
+from dtlab.models import backend
 
 AWARE_ENV = "DTLAB_GPU_AWARE_MPI"
 

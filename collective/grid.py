@@ -39,10 +39,9 @@ The node-local rank comes from `MPI_Comm_split_type(COMM_TYPE_SHARED)`, and
 
 from __future__ import annotations
 
+from dtlab.collective.comm import Communicator, world
+from dtlab.models import backend
 from mpi4py import MPI
-
-from collective.comm import Communicator, world
-from models import backend
 
 DIMS = ("dp", "pp", "ep", "tp")  # slowest to fastest
 

@@ -28,7 +28,7 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
-from collective.failure import Watch
+from dtlab.collective.failure import Watch
 
 # Receive buffers in scratch memory start at the same offset within a page as
 # the memory the peer sends from (see mirror()).

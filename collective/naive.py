@@ -11,7 +11,7 @@ Contributions are added in rank order, so the result is deterministic.
 
 from __future__ import annotations
 
-from collective.link import TAG_NAIVE, Link, byte_view
+from dtlab.collective.link import TAG_NAIVE, Link, byte_view
 
 _OP = "allreduce(naive)"
 ROOT = 0

@@ -75,7 +75,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from collective.link import PAGE, TAG_RING, Link, address, byte_view, mirror
+from dtlab.collective.link import PAGE, TAG_RING, Link, address, byte_view, mirror
 
 
 def segment_bounds(length: int, parts: int) -> list[int]:

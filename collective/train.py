@@ -1,6 +1,6 @@
 """Synchronous data-parallel training over MPI.
 
-    mpiexec -n 4 python -m collective.train --model transformer --steps 600 --seed 0 \
+    mpiexec -n 4 python -m dtlab.collective.train --model transformer --steps 600 --seed 0 \
         --metrics runs/sync.jsonl [--allreduce ring|naive|mpi] [--bucket-mb 25] [--no-overlap]
 
 Every rank holds a full replica. Rank 0's initial parameters are broadcast
@@ -24,19 +24,19 @@ import sys
 import time
 
 import numpy as np
+from dtlab.collective.buckets import BucketReducer
+from dtlab.collective.comm import ALGOS, Communicator
+from dtlab.collective.failure import FORWARD_S
+from dtlab.collective.grid import ProcessGrid
+from dtlab.models.config import ConfigError
+from dtlab.models.data.dataset import in_words
+from dtlab.models.run.checkpoint import CheckpointError
+from dtlab.models.run.cli import command_name, run_cli
+from dtlab.models.run.metrics import MetricsLog, run_header
+from dtlab.models.run.session import build_session, parse, replica_cost
+from dtlab.models.run.threads import share_cores
+from dtlab.models.run.trainer import Trainer
 from mpi4py import MPI
-
-from collective.buckets import BucketReducer
-from collective.comm import ALGOS, Communicator
-from collective.failure import FORWARD_S
-from collective.grid import ProcessGrid
-from models.checkpoint import CheckpointError
-from models.config import ConfigError, command_name, run_cli
-from models.data.dataset import in_words
-from models.metrics import MetricsLog, run_header
-from models.session import build_session, parse, replica_cost
-from models.threads import share_cores
-from models.trainer import Trainer
 
 INTERRUPTED = 130
 
@@ -86,8 +86,8 @@ def check_replicas_agree(comm: Communicator, params, when: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    setup = parse(argv, prog=command_name("collective.train"), description=__doc__.split("\n\n")[0],
-                  add_extra=add_sync_flags)
+    setup = parse(argv, prog=command_name("dtlab.collective.train"),
+                  description=__doc__.split("\n\n")[0], add_extra=add_sync_flags)
     opts = setup.extra
     if opts.bucket_mb <= 0:
         raise ConfigError(f"--bucket-mb must be positive (got {opts.bucket_mb})")
@@ -127,7 +127,7 @@ def main(argv: list[str]) -> int:
 def cli() -> int:
     """Errors and Ctrl-C are printed by run_cli; then the whole job is ended, not just
     this rank: a peer may be blocked in a collective this rank will never join."""
-    rc = run_cli(main, command_name("collective.train"),
+    rc = run_cli(main, command_name("dtlab.collective.train"),
                  user_errors=(CheckpointError, FloatingPointError))
     if rc and MPI.COMM_WORLD.Get_size() > 1:
         time.sleep(FORWARD_S)  # the other ranks' own lines get out before the abort

@@ -17,7 +17,7 @@ scatter + all-gather (MPICH's choice above 12 KB) would be bandwidth-optimal.
 
 from __future__ import annotations
 
-from collective.link import TAG_BCAST, Link, byte_view
+from dtlab.collective.link import TAG_BCAST, Link, byte_view
 
 _OP = "broadcast(tree)"
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import math
 
-from models.backend import array_module
-from models.layers import Linear, Module
+from dtlab.models.backend import array_module
+from dtlab.models.layers import Linear, Module
 
 
 class CausalSelfAttention(Module):

@@ -1,6 +1,6 @@
 """What one training step of a model costs: parameters, FLOPs, memory, tokens.
 
-    python -m models.cost --model transformer --vocab 50257 --seq-len 1024 \\
+    python -m dtlab.models.cost --model transformer --vocab 50257 --seq-len 1024 \\
         --d-model 1024 --n-heads 16 --n-layers 24 --d-ff 4096 --batch-size 8
 
 Counted for *this* implementation, layer by layer (one `Part` per kind of
@@ -68,9 +68,10 @@ import json
 import sys
 from dataclasses import dataclass
 
-from models.config import ConfigError, add_flags, as_dict, command_name, from_namespace, run_cli
-from models.parts import FLOAT_BYTES, Part
-from models.zoo import MODELS, config_class
+from dtlab.models.config import ConfigError, add_flags, as_dict, from_namespace
+from dtlab.models.parts import FLOAT_BYTES, Part
+from dtlab.models.run.cli import command_name, run_cli
+from dtlab.models.zoo import MODELS, config_class
 
 TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022
 
@@ -230,8 +231,8 @@ def main(argv: list[str]) -> int:
     pre.add_argument("--model", choices=sorted(MODELS), default="transformer",
                      help="which model (default: transformer)")
     model = pre.parse_known_args(argv)[0].model
-    parser = argparse.ArgumentParser(prog=command_name("models.cost"), description=__doc__.split(
-        "\n")[0], parents=[pre])
+    parser = argparse.ArgumentParser(prog=command_name("dtlab.models.cost"),
+                                     description=__doc__.split("\n")[0], parents=[pre])
     parser.add_argument("--batch-size", type=int, default=8, help="samples per step (default: 8)")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw",
                         help="decides the optimizer-state bytes (default: adamw)")
@@ -245,7 +246,7 @@ def main(argv: list[str]) -> int:
 
 
 def cli() -> int:
-    return run_cli(main, command_name("models.cost"))
+    return run_cli(main, command_name("dtlab.models.cost"))
 
 
 if __name__ == "__main__":

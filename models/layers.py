@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import math
 
-from models.backend import array_module
-from models.params import FlatParams, ParamSpec
+from dtlab.models.backend import array_module
+from dtlab.models.params import FlatParams, ParamSpec
 
 
 class Module:

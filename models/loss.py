@@ -10,7 +10,7 @@ gradient, in place.
 
 from __future__ import annotations
 
-from models.backend import array_module
+from dtlab.models.backend import array_module
 
 
 def softmax_cross_entropy(logits, targets, scale: float = 1.0):

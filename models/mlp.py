@@ -2,7 +2,7 @@
 
     x (B, d_in) -> [Linear -> act] x n_layers -> Linear -> logits (B, n_classes)
 
-    python -m models.train --model mlp --d-hidden 256 --n-layers 3
+    python -m dtlab.models.run.train --model mlp --d-hidden 256 --n-layers 3
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from models.config import ConfigError, choice, described, positive
-from models.layers import GELU, Linear, ReLU, Sequential
-from models.model import Model
+from dtlab.models.config import ConfigError, choice, described, positive
+from dtlab.models.layers import GELU, Linear, ReLU, Sequential
+from dtlab.models.model import Model
 
 
 @dataclass

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from models import backend
-from models.layers import Sequential
-from models.loss import softmax_cross_entropy
-from models.params import FlatParams
+from dtlab.models import backend
+from dtlab.models.layers import Sequential
+from dtlab.models.loss import softmax_cross_entropy
+from dtlab.models.params import FlatParams
 
 
 class Model:

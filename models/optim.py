@@ -26,12 +26,11 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-
-from models.backend import array_module
-from models.config import ConfigError, choice, described, non_negative, positive
+from dtlab.models.backend import array_module
+from dtlab.models.config import ConfigError, choice, described, non_negative, positive
 
 try:
-    from models import _fused
+    from dtlab.models import _fused
 except ImportError:
     _fused = None
 

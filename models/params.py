@@ -22,8 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-from models import backend
+from dtlab.models import backend
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from models.mlp import MLPConfig
-from models.transformer import TransformerConfig
+from dtlab.models.mlp import MLPConfig
+from dtlab.models.transformer import TransformerConfig
 
 FLOAT_BYTES = 4  # this implementation computes in float32
 TOKEN_BYTES = 8  # int64 token ids (NumPy's default integer)

@@ -9,7 +9,7 @@ output projections of each block start with std 0.02 / sqrt(2 n_layers), as
 in GPT-2. The head is not tied to the embedding, so parameters are laid out
 in the order backward finishes them (see Sequential.grad_ready).
 
-    python -m models.train --model transformer --d-model 128 --n-heads 4 --n-layers 2
+    python -m dtlab.models.run.train --model transformer --d-model 128 --n-heads 4 --n-layers 2
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from models.attention import CausalSelfAttention
-from models.config import ConfigError, choice, described, positive
-from models.layers import (
+from dtlab.models.attention import CausalSelfAttention
+from dtlab.models.config import ConfigError, choice, described, positive
+from dtlab.models.layers import (
     GELU,
     Embedding,
     LayerNorm,
@@ -31,7 +31,7 @@ from models.layers import (
     Sequential,
     SwiGLU,
 )
-from models.model import Model
+from dtlab.models.model import Model
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The one registry of models: name -> config class, model class and cost recipe.
 
-    from models.zoo import MODELS, build_model
+    from dtlab.models.zoo import MODELS, build_model
     model = build_model("transformer", TransformerConfig(d_model=128))
 
 A new model kind registers here once; every trainer, the parameter server
@@ -11,16 +11,16 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from models.mlp import MLP, MLPConfig
-from models.model import Model
-from models.parts import (
+from dtlab.models.mlp import MLP, MLPConfig
+from dtlab.models.model import Model
+from dtlab.models.parts import (
     Recipe,
     mlp_palm_flops,
     mlp_parts,
     transformer_palm_flops,
     transformer_parts,
 )
-from models.transformer import Transformer, TransformerConfig
+from dtlab.models.transformer import Transformer, TransformerConfig
 
 
 class ModelKind(NamedTuple):

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import dtlab_ps_pb2 as protos_dot_dtlab__ps__pb2
+from dtlab.protos import dtlab_ps_pb2 as dtlab_dot_protos_dot_dtlab__ps__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/dtlab_ps_pb2_grpc.py depends on'
+        + ' but the generated code in dtlab/protos/dtlab_ps_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,38 +36,38 @@ class ParameterServerStub:
         """
         self.Register = channel.unary_unary(
                 '/dtlab.ps.v1.ParameterServer/Register',
-                request_serializer=protos_dot_dtlab__ps__pb2.RegisterRequest.SerializeToString,
-                response_deserializer=protos_dot_dtlab__ps__pb2.RegisterReply.FromString,
+                request_serializer=dtlab_dot_protos_dot_dtlab__ps__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=dtlab_dot_protos_dot_dtlab__ps__pb2.RegisterReply.FromString,
                 _registered_method=True)
         self.Deregister = channel.unary_unary(
                 '/dtlab.ps.v1.ParameterServer/Deregister',
-                request_serializer=protos_dot_dtlab__ps__pb2.DeregisterRequest.SerializeToString,
-                response_deserializer=protos_dot_dtlab__ps__pb2.DeregisterReply.FromString,
+                request_serializer=dtlab_dot_protos_dot_dtlab__ps__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=dtlab_dot_protos_dot_dtlab__ps__pb2.DeregisterReply.FromString,
                 _registered_method=True)
         self.Pull = channel.unary_stream(
                 '/dtlab.ps.v1.ParameterServer/Pull',
-                request_serializer=protos_dot_dtlab__ps__pb2.PullRequest.SerializeToString,
-                response_deserializer=protos_dot_dtlab__ps__pb2.PullReply.FromString,
+                request_serializer=dtlab_dot_protos_dot_dtlab__ps__pb2.PullRequest.SerializeToString,
+                response_deserializer=dtlab_dot_protos_dot_dtlab__ps__pb2.PullReply.FromString,
                 _registered_method=True)
         self.Push = channel.stream_unary(
                 '/dtlab.ps.v1.ParameterServer/Push',
-                request_serializer=protos_dot_dtlab__ps__pb2.PushRequest.SerializeToString,
-                response_deserializer=protos_dot_dtlab__ps__pb2.PushReply.FromString,
+                request_serializer=dtlab_dot_protos_dot_dtlab__ps__pb2.PushRequest.SerializeToString,
+                response_deserializer=dtlab_dot_protos_dot_dtlab__ps__pb2.PushReply.FromString,
                 _registered_method=True)
         self.Session = channel.stream_stream(
                 '/dtlab.ps.v1.ParameterServer/Session',
-                request_serializer=protos_dot_dtlab__ps__pb2.SessionRequest.SerializeToString,
-                response_deserializer=protos_dot_dtlab__ps__pb2.SessionReply.FromString,
+                request_serializer=dtlab_dot_protos_dot_dtlab__ps__pb2.SessionRequest.SerializeToString,
+                response_deserializer=dtlab_dot_protos_dot_dtlab__ps__pb2.SessionReply.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/dtlab.ps.v1.ParameterServer/Stats',
-                request_serializer=protos_dot_dtlab__ps__pb2.StatsRequest.SerializeToString,
-                response_deserializer=protos_dot_dtlab__ps__pb2.StatsReply.FromString,
+                request_serializer=dtlab_dot_protos_dot_dtlab__ps__pb2.StatsRequest.SerializeToString,
+                response_deserializer=dtlab_dot_protos_dot_dtlab__ps__pb2.StatsReply.FromString,
                 _registered_method=True)
         self.SaveCheckpoint = channel.unary_unary(
                 '/dtlab.ps.v1.ParameterServer/SaveCheckpoint',
-                request_serializer=protos_dot_dtlab__ps__pb2.CheckpointRequest.SerializeToString,
-                response_deserializer=protos_dot_dtlab__ps__pb2.CheckpointReply.FromString,
+                request_serializer=dtlab_dot_protos_dot_dtlab__ps__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=dtlab_dot_protos_dot_dtlab__ps__pb2.CheckpointReply.FromString,
                 _registered_method=True)
 
 
@@ -140,38 +140,38 @@ def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
-                    request_deserializer=protos_dot_dtlab__ps__pb2.RegisterRequest.FromString,
-                    response_serializer=protos_dot_dtlab__ps__pb2.RegisterReply.SerializeToString,
+                    request_deserializer=dtlab_dot_protos_dot_dtlab__ps__pb2.RegisterRequest.FromString,
+                    response_serializer=dtlab_dot_protos_dot_dtlab__ps__pb2.RegisterReply.SerializeToString,
             ),
             'Deregister': grpc.unary_unary_rpc_method_handler(
                     servicer.Deregister,
-                    request_deserializer=protos_dot_dtlab__ps__pb2.DeregisterRequest.FromString,
-                    response_serializer=protos_dot_dtlab__ps__pb2.DeregisterReply.SerializeToString,
+                    request_deserializer=dtlab_dot_protos_dot_dtlab__ps__pb2.DeregisterRequest.FromString,
+                    response_serializer=dtlab_dot_protos_dot_dtlab__ps__pb2.DeregisterReply.SerializeToString,
             ),
             'Pull': grpc.unary_stream_rpc_method_handler(
                     servicer.Pull,
-                    request_deserializer=protos_dot_dtlab__ps__pb2.PullRequest.FromString,
-                    response_serializer=protos_dot_dtlab__ps__pb2.PullReply.SerializeToString,
+                    request_deserializer=dtlab_dot_protos_dot_dtlab__ps__pb2.PullRequest.FromString,
+                    response_serializer=dtlab_dot_protos_dot_dtlab__ps__pb2.PullReply.SerializeToString,
             ),
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
-                    request_deserializer=protos_dot_dtlab__ps__pb2.PushRequest.FromString,
-                    response_serializer=protos_dot_dtlab__ps__pb2.PushReply.SerializeToString,
+                    request_deserializer=dtlab_dot_protos_dot_dtlab__ps__pb2.PushRequest.FromString,
+                    response_serializer=dtlab_dot_protos_dot_dtlab__ps__pb2.PushReply.SerializeToString,
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
-                    request_deserializer=protos_dot_dtlab__ps__pb2.SessionRequest.FromString,
-                    response_serializer=protos_dot_dtlab__ps__pb2.SessionReply.SerializeToString,
+                    request_deserializer=dtlab_dot_protos_dot_dtlab__ps__pb2.SessionRequest.FromString,
+                    response_serializer=dtlab_dot_protos_dot_dtlab__ps__pb2.SessionReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=protos_dot_dtlab__ps__pb2.StatsRequest.FromString,
-                    response_serializer=protos_dot_dtlab__ps__pb2.StatsReply.SerializeToString,
+                    request_deserializer=dtlab_dot_protos_dot_dtlab__ps__pb2.StatsRequest.FromString,
+                    response_serializer=dtlab_dot_protos_dot_dtlab__ps__pb2.StatsReply.SerializeToString,
             ),
             'SaveCheckpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.SaveCheckpoint,
-                    request_deserializer=protos_dot_dtlab__ps__pb2.CheckpointRequest.FromString,
-                    response_serializer=protos_dot_dtlab__ps__pb2.CheckpointReply.SerializeToString,
+                    request_deserializer=dtlab_dot_protos_dot_dtlab__ps__pb2.CheckpointRequest.FromString,
+                    response_serializer=dtlab_dot_protos_dot_dtlab__ps__pb2.CheckpointReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -199,8 +199,8 @@ class ParameterServer:
             request,
             target,
             '/dtlab.ps.v1.ParameterServer/Register',
-            protos_dot_dtlab__ps__pb2.RegisterRequest.SerializeToString,
-            protos_dot_dtlab__ps__pb2.RegisterReply.FromString,
+            dtlab_dot_protos_dot_dtlab__ps__pb2.RegisterRequest.SerializeToString,
+            dtlab_dot_protos_dot_dtlab__ps__pb2.RegisterReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -226,8 +226,8 @@ class ParameterServer:
             request,
             target,
             '/dtlab.ps.v1.ParameterServer/Deregister',
-            protos_dot_dtlab__ps__pb2.DeregisterRequest.SerializeToString,
-            protos_dot_dtlab__ps__pb2.DeregisterReply.FromString,
+            dtlab_dot_protos_dot_dtlab__ps__pb2.DeregisterRequest.SerializeToString,
+            dtlab_dot_protos_dot_dtlab__ps__pb2.DeregisterReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -253,8 +253,8 @@ class ParameterServer:
             request,
             target,
             '/dtlab.ps.v1.ParameterServer/Pull',
-            protos_dot_dtlab__ps__pb2.PullRequest.SerializeToString,
-            protos_dot_dtlab__ps__pb2.PullReply.FromString,
+            dtlab_dot_protos_dot_dtlab__ps__pb2.PullRequest.SerializeToString,
+            dtlab_dot_protos_dot_dtlab__ps__pb2.PullReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -280,8 +280,8 @@ class ParameterServer:
             request_iterator,
             target,
             '/dtlab.ps.v1.ParameterServer/Push',
-            protos_dot_dtlab__ps__pb2.PushRequest.SerializeToString,
-            protos_dot_dtlab__ps__pb2.PushReply.FromString,
+            dtlab_dot_protos_dot_dtlab__ps__pb2.PushRequest.SerializeToString,
+            dtlab_dot_protos_dot_dtlab__ps__pb2.PushReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -307,8 +307,8 @@ class ParameterServer:
             request_iterator,
             target,
             '/dtlab.ps.v1.ParameterServer/Session',
-            protos_dot_dtlab__ps__pb2.SessionRequest.SerializeToString,
-            protos_dot_dtlab__ps__pb2.SessionReply.FromString,
+            dtlab_dot_protos_dot_dtlab__ps__pb2.SessionRequest.SerializeToString,
+            dtlab_dot_protos_dot_dtlab__ps__pb2.SessionReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -334,8 +334,8 @@ class ParameterServer:
             request,
             target,
             '/dtlab.ps.v1.ParameterServer/Stats',
-            protos_dot_dtlab__ps__pb2.StatsRequest.SerializeToString,
-            protos_dot_dtlab__ps__pb2.StatsReply.FromString,
+            dtlab_dot_protos_dot_dtlab__ps__pb2.StatsRequest.SerializeToString,
+            dtlab_dot_protos_dot_dtlab__ps__pb2.StatsReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -361,8 +361,8 @@ class ParameterServer:
             request,
             target,
             '/dtlab.ps.v1.ParameterServer/SaveCheckpoint',
-            protos_dot_dtlab__ps__pb2.CheckpointRequest.SerializeToString,
-            protos_dot_dtlab__ps__pb2.CheckpointReply.FromString,
+            dtlab_dot_protos_dot_dtlab__ps__pb2.CheckpointRequest.SerializeToString,
+            dtlab_dot_protos_dot_dtlab__ps__pb2.CheckpointReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,8 +1,8 @@
 """Run one parameter-server shard daemon.
 
-    python -m pserver serve --config run.json --shard 0 --num-shards 2 --port 50051 \\
+    python -m dtlab.pserver serve --config run.json --shard 0 --num-shards 2 --port 50051 \\
         --consistency ssp --staleness 2 --num-workers 2
-    python -m pserver serve --model mlp --data digits --shard 0 --port 50051 \\
+    python -m dtlab.pserver serve --model mlp --data digits --shard 0 --port 50051 \\
         --optimizer adam --lr 1e-3
 
 The server reads the run config the way every trainer does (models.session):
@@ -13,7 +13,7 @@ seed and dtype (the workers' initial weights) and, unless --schedule-steps
 is given, the span of the lr schedule: --steps updates under BSP (one per
 round), --steps x --num-workers otherwise (one per push). Register refuses a
 worker whose model or parameter layout differs. The server's own flags are
-pserver.config.ServerConfig; see `python -m pserver serve --help`. SIGTERM or
+pserver.config.ServerConfig; see `python -m dtlab.pserver serve --help`. SIGTERM or
 SIGINT shuts down cleanly (pserver.daemon.Daemon.shutdown) and exits 0. Log
 lines name the shard ("shard 1: ..."); a port already in use is one error
 line (the daemon tries the bind itself before gRPC does).
@@ -27,19 +27,20 @@ import signal
 import sys
 import threading
 
-from models.checkpoint import CheckpointError
-from models.config import add_flags, command_name, from_namespace, run_cli
-from models.data.factory import implied_model
-from models.optim import OptimConfig
-from models.session import Setup, parse
-from models.threads import share_cores
-from pserver.allocator import keep_freed_memory
-from pserver.config import ServerConfig
-from pserver.daemon import Daemon, build_store, config_record
+from dtlab.models.config import add_flags, from_namespace
+from dtlab.models.data.factory import implied_model
+from dtlab.models.optim import OptimConfig
+from dtlab.models.run.checkpoint import CheckpointError
+from dtlab.models.run.cli import command_name, run_cli
+from dtlab.models.run.session import Setup, parse
+from dtlab.models.run.threads import share_cores
+from dtlab.pserver.allocator import keep_freed_memory
+from dtlab.pserver.config import ServerConfig
+from dtlab.pserver.daemon import Daemon, build_store, config_record
 
 # The workers clip their own gradients: --clip has no effect on a server.
 SERVER_OPTIM_FLAGS = tuple(f.name for f in dataclasses.fields(OptimConfig) if f.name != "clip")
-COMMANDS = {"serve": "run one parameter-server shard (python -m pserver serve --help)"}
+COMMANDS = {"serve": "run one parameter-server shard (python -m dtlab.pserver serve --help)"}
 
 
 def server_config(setup: Setup) -> ServerConfig:
@@ -54,7 +55,7 @@ def server_config(setup: Setup) -> ServerConfig:
 
 
 def serve(argv: list[str]) -> int:
-    prog = command_name("pserver") + " serve"
+    prog = command_name("dtlab.pserver") + " serve"
     setup = parse(argv, prog=prog, description="One gRPC parameter-server shard.",
                   flags={"data": None, "optim": SERVER_OPTIM_FLAGS},
                   why="a server takes the model, data and optimizer flags; the workers take "
@@ -68,7 +69,7 @@ def serve(argv: list[str]) -> int:
                                "%(message)s")
     keep_freed_memory()
     # The daemon's work is the optimizer on its own thread pool (--apply-threads), no matmul.
-    logging.getLogger("pserver").info("%s", share_cores(threads=1).describe())
+    logging.getLogger(__name__).info("%s", share_cores(threads=1).describe())
     store = build_store(cfg, setup.model_name, setup.model, setup.optim)
     daemon = Daemon(cfg, store, config_record(cfg, setup.model_name, setup.model, setup.optim,
                                               setup.data), shm=cfg.shm)
@@ -82,7 +83,7 @@ def serve(argv: list[str]) -> int:
 
 
 def usage() -> str:
-    lines = [f"usage: {command_name('pserver')} COMMAND [flags]", "", "commands:"]
+    lines = [f"usage: {command_name('dtlab.pserver')} COMMAND [flags]", "", "commands:"]
     return "\n".join(lines + [f"  {name:<8} {text}" for name, text in COMMANDS.items()])
 
 
@@ -92,13 +93,13 @@ def main(argv: list[str]) -> int:
         return 0
     if not argv or argv[0] not in COMMANDS:
         given = f"unknown command {argv[0]!r}" if argv else "no command given"
-        print(f"{usage()}\n\n{command_name('pserver')}: error: {given}", file=sys.stderr)
+        print(f"{usage()}\n\n{command_name('dtlab.pserver')}: error: {given}", file=sys.stderr)
         return 2
     return serve(argv[1:])
 
 
 def cli() -> int:
-    return run_cli(main, command_name("pserver"), user_errors=(CheckpointError,))
+    return run_cli(main, command_name("dtlab.pserver"), user_errors=(CheckpointError,))
 
 
 if __name__ == "__main__":

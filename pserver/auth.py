@@ -20,8 +20,7 @@ import os
 from pathlib import Path
 
 import grpc
-
-from models.config import ConfigError
+from dtlab.models.config import ConfigError
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 DENIED = "missing or wrong bearer token (authorization: Bearer <token>)"

@@ -21,9 +21,8 @@ it were a single optimizer.
 from __future__ import annotations
 
 import numpy as np
-
-from models.optim import OptimConfig, make_optimizer
-from pserver.parallel import Parallel
+from dtlab.models.optim import OptimConfig, make_optimizer
+from dtlab.pserver.parallel import Parallel
 
 BLOCK = 1 << 18  # elements per block (1 MiB of float32)
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import os
 
-from models import checkpoint
-from models.checkpoint import CheckpointError
-from pserver.staleness import StalenessLog
-from pserver.store import ShardLayout
+from dtlab.models.run import checkpoint
+from dtlab.models.run.checkpoint import CheckpointError
+from dtlab.pserver.staleness import StalenessLog
+from dtlab.pserver.store import ShardLayout
 
 
 def shard_dir(root: str, layout: ShardLayout) -> str:

@@ -40,14 +40,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
+from dtlab.protos import dtlab_ps_pb2 as pb
+from dtlab.pserver import auth, wire
+from dtlab.pserver.config import ClientConfig
+from dtlab.pserver.errors import DataLoss, InvalidArgument
+from dtlab.pserver.session import PULL, SHM_PULL, SHM_PUSH, Session, StatusError, Watchdog
+from dtlab.pserver.wire import SERVICE
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from protos import dtlab_ps_pb2 as pb
-from pserver import auth, wire
-from pserver.config import ClientConfig
-from pserver.errors import DataLoss, InvalidArgument
-from pserver.session import PULL, SHM_PULL, SHM_PUSH, Session, StatusError, Watchdog
-from pserver.wire import SERVICE
 
 log = logging.getLogger(__name__)
 

@@ -2,14 +2,14 @@
 
 The daemon's `--model` and model flags (`--d-model`, ...) and its optimizer
 flags (`--optimizer`, `--lr`, ...) are parsed by models.session, as for every
-trainer; see pserver.__main__ and pserver.worker.
+trainer; see pserver.__main__ and dtlab.pserver.worker.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.config import ConfigError, choice, described, non_negative, positive
+from dtlab.models.config import ConfigError, choice, described, non_negative, positive
 
 
 @dataclass

@@ -23,9 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from pserver.errors import FailedPrecondition
-from pserver.wire import ChunkedArray
+from dtlab.pserver.errors import FailedPrecondition
+from dtlab.pserver.wire import ChunkedArray
 
 
 @dataclass(frozen=True)

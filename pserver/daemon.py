@@ -27,24 +27,23 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from dtlab.models.config import ConfigError
+from dtlab.models.data import DataConfig
+from dtlab.models.optim import OptimConfig, Schedule
+from dtlab.models.params import FlatParams
+from dtlab.models.run.checkpoint import CheckpointError
+from dtlab.models.zoo import build_model
+from dtlab.pserver import auth, checkpoint, shm, wire
+from dtlab.pserver.allocator import huge_empty
+from dtlab.pserver.blocked import BlockedOptimizer
+from dtlab.pserver.config import ServerConfig
+from dtlab.pserver.consistency import Consistency
+from dtlab.pserver.metrics import MetricsServer
+from dtlab.pserver.servicer import ParameterServerServicer, handler
+from dtlab.pserver.store import ShardLayout, ShardStore
+from dtlab.pserver.wire import SERVICE
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-
-from models.checkpoint import CheckpointError
-from models.config import ConfigError
-from models.data import DataConfig
-from models.optim import OptimConfig, Schedule
-from models.params import FlatParams
-from models.zoo import build_model
-from pserver import auth, checkpoint, shm, wire
-from pserver.allocator import huge_empty
-from pserver.blocked import BlockedOptimizer
-from pserver.config import ServerConfig
-from pserver.consistency import Consistency
-from pserver.metrics import MetricsServer
-from pserver.servicer import ParameterServerServicer, handler
-from pserver.store import ShardLayout, ShardStore
-from pserver.wire import SERVICE
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Prometheus metrics of a shard, served on GET /metrics.
 
-    python -m pserver serve ... --metrics-port 9100
+    python -m dtlab.pserver serve ... --metrics-port 9100
     curl -s 127.0.0.1:9100/metrics | grep staleness
 
 The exposition is prometheus-client's: a collector turns one StatsReply into
@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from dtlab.protos import dtlab_ps_pb2 as pb
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -27,8 +28,6 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
-
-from protos import dtlab_ps_pb2 as pb
 
 log = logging.getLogger(__name__)
 

@@ -39,12 +39,11 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import numpy as np
-
-from protos import dtlab_ps_pb2 as pb
-from pserver import runconfig, shm, wire
-from pserver.errors import DataLoss, FailedPrecondition, InvalidArgument, PSError, Unavailable
-from pserver.staleness import Histogram
-from pserver.store import PushResult, Read, ShardStats, ShardStore
+from dtlab.protos import dtlab_ps_pb2 as pb
+from dtlab.pserver import runconfig, shm, wire
+from dtlab.pserver.errors import DataLoss, FailedPrecondition, InvalidArgument, PSError, Unavailable
+from dtlab.pserver.staleness import Histogram
+from dtlab.pserver.store import PushResult, Read, ShardStats, ShardStore
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,8 @@ import time
 from collections.abc import Iterable, Iterator
 
 import grpc
-
-from protos import dtlab_ps_pb2 as pb
-from pserver import shm, wire
+from dtlab.protos import dtlab_ps_pb2 as pb
+from dtlab.pserver import shm, wire
 
 log = logging.getLogger(__name__)
 

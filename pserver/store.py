@@ -44,19 +44,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
-
-from models.optim import Optimizer, Schedule
-from pserver.blocked import BlockedOptimizer
-from pserver.consistency import Clocks, Consistency, Round, WorkerState
-from pserver.errors import (
+from dtlab.models.optim import Optimizer, Schedule
+from dtlab.pserver.blocked import BlockedOptimizer
+from dtlab.pserver.consistency import Clocks, Consistency, Round, WorkerState
+from dtlab.pserver.errors import (
     AlreadyExists,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     Unavailable,
 )
-from pserver.staleness import Histogram, StalenessLog
-from pserver.wire import CHUNK_BYTES, ChunkedArray, Snapshot
+from dtlab.pserver.staleness import Histogram, StalenessLog
+from dtlab.pserver.wire import CHUNK_BYTES, ChunkedArray, Snapshot
 
 log = logging.getLogger(__name__)
 

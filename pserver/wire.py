@@ -49,8 +49,8 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 try:  # one pass per chunk, GIL released (pserver/_kernels.c, built where a compiler was)
-    from pserver import _kernels
-    from pserver._kernels import adler32  # AVX2 where the CPU has it
+    from dtlab.pserver import _kernels
+    from dtlab.pserver._kernels import adler32  # AVX2 where the CPU has it
 except ImportError:
     _kernels = None
     try:  # ISA-L's Adler-32 gives zlib's values, vectorised
@@ -58,8 +58,8 @@ except ImportError:
     except ImportError:
         from zlib import adler32
 
-from protos import dtlab_ps_pb2 as pb
-from pserver.errors import DataLoss, InvalidArgument
+from dtlab.protos import dtlab_ps_pb2 as pb
+from dtlab.pserver.errors import DataLoss, InvalidArgument
 
 HEADER, CHUNK, TRAILER = 1, 2, 3  # oneof field numbers of PullReply and PushRequest
 CHUNK_BYTES = 1 << 20  # about 1 MiB per message: the streaming sweet spot

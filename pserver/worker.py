@@ -1,8 +1,8 @@
 """The asynchronous SGD worker: pull from every shard, compute on its own data, push.
 
-    python -m pserver.worker --servers 127.0.0.1:50051,127.0.0.1:50052 --model mlp \\
+    python -m dtlab.pserver.worker --servers 127.0.0.1:50051,127.0.0.1:50052 --model mlp \\
         --steps 300 --batch-size 32 --seed 0 --num-workers 2 --metrics 'runs/w{worker}.jsonl'
-    mpiexec -n 4 python -m pserver.worker --servers ... --model mlp --steps 300 \
+    mpiexec -n 4 python -m dtlab.pserver.worker --servers ... --model mlp --steps 300 \
         --metrics 'runs/w{worker}.jsonl'
 
 One step (Dean et al. 2012, Downpour SGD; Li et al. 2014, ps-lite):
@@ -34,7 +34,7 @@ worker's model, data, seed and dtype against the servers' (pserver.runconfig)
 and answers with the optimizer, schedule and consistency the servers run;
 the metrics header records those (config.optim is the servers' optimizer
 with this worker's --clip), so it is true and can be rerun with --config.
-Flags are those of models.train (models.session) plus the client's
+Flags are those of dtlab.models.run.train (models.session) plus the client's
 (pserver.config.ClientConfig) and --worker-id / --num-workers. Metrics are
 the trainer's JSON lines (header, then step, loss, lr, grad_norm, step_s,
 compute_s, elapsed_s) plus pull_s, push_s, and the staleness and version of
@@ -54,31 +54,29 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-
-from models import backend
-from models.config import (
+from dtlab.models import backend
+from dtlab.models.config import (
     ConfigError,
     add_flags,
     build,
-    command_name,
     described,
     from_namespace,
-    run_cli,
 )
-from models.data import ShardedLoader
-from models.launcher import launcher_rank, launcher_size
-from models.metrics import MetricsLog, run_header
-from models.optim import OptimConfig, clip_grad_norm
-from models.progress import Progress
-from models.session import Session, build_session, parse
-from models.threads import share_cores
-from models.trainer import Summary
-from protos import dtlab_ps_pb2 as pb
-from pserver import runconfig, wire
-from pserver.allocator import keep_freed_memory
-from pserver.client import PSClient
-from pserver.config import ClientConfig
-from pserver.errors import PSError
+from dtlab.models.data import ShardedLoader
+from dtlab.models.optim import OptimConfig, clip_grad_norm
+from dtlab.models.run.cli import command_name, run_cli
+from dtlab.models.run.launcher import launcher_rank, launcher_size
+from dtlab.models.run.metrics import MetricsLog, run_header
+from dtlab.models.run.progress import Progress
+from dtlab.models.run.session import Session, build_session, parse
+from dtlab.models.run.threads import share_cores
+from dtlab.models.run.trainer import Summary
+from dtlab.protos import dtlab_ps_pb2 as pb
+from dtlab.pserver import runconfig, wire
+from dtlab.pserver.allocator import keep_freed_memory
+from dtlab.pserver.client import PSClient
+from dtlab.pserver.config import ClientConfig
+from dtlab.pserver.errors import PSError
 
 log = logging.getLogger(__name__)
 
@@ -202,10 +200,10 @@ class Worker:
 
 
 def main(argv: list[str]) -> int:
-    setup = parse(argv, prog=command_name("pserver.worker"),
+    setup = parse(argv, prog=command_name("dtlab.pserver.worker"),
                   description=__doc__.split("\n\n")[0], add_extra=add_worker_flags,
                   flags={"data": None, "run": None, "optim": ("clip",)},
-                  why="the servers run the optimizer (give it to python -m pserver serve)")
+                  why="the servers run the optimizer (give it to python -m dtlab.pserver serve)")
     if setup.run.checkpoint_every or setup.run.resume:
         raise ConfigError("the servers keep the checkpoints (pserver --checkpoint-dir); the "
                           "worker takes no --checkpoint-every or --resume")
@@ -280,7 +278,7 @@ def leave(client: PSClient) -> None:
 
 
 def cli() -> int:
-    return run_cli(main, command_name("pserver.worker"),
+    return run_cli(main, command_name("dtlab.pserver.worker"),
                    user_errors=(FloatingPointError, TimeoutError, PSError, grpc.RpcError),
                    describe=describe_error)
 

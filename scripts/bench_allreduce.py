@@ -49,7 +49,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from collective.comm import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_BYTES, world
+from dtlab.collective.comm import DEFAULT_CHUNK_BYTES, DEFAULT_SMALL_BYTES, world
 
 ALGOS = ("ring", "naive", "mpi")
 MOVED_PER_SIZE = 64 << 20

@@ -10,12 +10,12 @@ a float32 matmul timed just before in the same process, at a shape the
 model itself multiplies: (tokens, d_model) @ (d_model, d_ff) for the
 transformer, (batch, d_hidden) @ (d_hidden, d_hidden) for the MLP.
 
-    GFLOP/s = models.cost FLOPs per step (matmuls as executed) / step time
+    GFLOP/s = dtlab.models.cost FLOPs per step (matmuls as executed) / step time
     ratio   = GFLOP/s / matmul GFLOP/s
 
 Best-of-N timings because the machine is shared: other processes only ever
 add time. Activation bytes are measured on the forward context
-(models.memory) and compared with models.cost; a mismatch counts in #wrong,
+(models.memory) and compared with dtlab.models.cost; a mismatch counts in #wrong,
 as does a non-finite loss, and makes the exit status 1.
 """
 
@@ -31,16 +31,15 @@ import sys
 import time
 
 import numpy as np
-
-from models import backend
-from models.cost import estimate
-from models.memory import context_bytes
-from models.mlp import MLPConfig
-from models.model import Replica
-from models.optim import OptimConfig, make_optimizer
-from models.threads import share_cores
-from models.transformer import TransformerConfig
-from models.zoo import build_model
+from dtlab.models import backend
+from dtlab.models.cost import estimate
+from dtlab.models.memory import context_bytes
+from dtlab.models.mlp import MLPConfig
+from dtlab.models.model import Replica
+from dtlab.models.optim import OptimConfig, make_optimizer
+from dtlab.models.run.threads import share_cores
+from dtlab.models.transformer import TransformerConfig
+from dtlab.models.zoo import build_model
 
 # (model, size, config, batch size)
 SIZES = [
@@ -180,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
               "load_average": os.getloadavg(), "reps": reps, "warmup": warmup,
               "timing": "best of reps", "threads": threads.as_dict()}
     print(f"# dtlab model step benchmark on {header['device']}: best of {reps} after "
-          f"{warmup} warm-up, {threads.describe()}; GFLOP = models.cost matmul FLOPs per step; "
+          f"{warmup} warm-up, {threads.describe()}; "
+          "GFLOP = dtlab.models.cost matmul FLOPs per step; "
           "ratio = GFLOP/s / same-run float32 matmul GFLOP/s")
     print("#" + HEADER[1:])
     rows = []

@@ -32,12 +32,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+import dtlab.models.optim as optim
 import numpy as np
-
-import models.optim as optim
-from models.config import ConfigError, add_flags, build, from_namespace, positive_list, run_cli
-from models.optim import OptimConfig
-from pserver.blocked import BlockedOptimizer
+from dtlab.models.config import ConfigError, add_flags, build, from_namespace, positive_list
+from dtlab.models.optim import OptimConfig
+from dtlab.models.run.cli import run_cli
+from dtlab.pserver.blocked import BlockedOptimizer
 
 MB = 1 << 20
 TRAFFIC = {"sgd": 3, "momentum": 5, "adam": 7}  # tensor-sized reads + writes per step

@@ -73,25 +73,24 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-
-from models.config import (
+from dtlab.models.config import (
     ConfigError,
     add_flags,
     build,
     choice,
     from_namespace,
     positive_list,
-    run_cli,
 )
-from models.optim import OptimConfig, Schedule
-from pserver import wire
-from pserver.allocator import huge_empty, keep_freed_memory
-from pserver.blocked import BlockedOptimizer
-from pserver.client import PSClient
-from pserver.config import ClientConfig, ServerConfig
-from pserver.consistency import Consistency
-from pserver.daemon import Daemon
-from pserver.store import ShardLayout, ShardStore
+from dtlab.models.optim import OptimConfig, Schedule
+from dtlab.models.run.cli import run_cli
+from dtlab.pserver import wire
+from dtlab.pserver.allocator import huge_empty, keep_freed_memory
+from dtlab.pserver.blocked import BlockedOptimizer
+from dtlab.pserver.client import PSClient
+from dtlab.pserver.config import ClientConfig, ServerConfig
+from dtlab.pserver.consistency import Consistency
+from dtlab.pserver.daemon import Daemon
+from dtlab.pserver.store import ShardLayout, ShardStore
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -3,7 +3,7 @@
     python scripts/bench_sync.py --json bench-sync.json
     python scripts/bench_sync.py --ranks 1,2 --allreduce ring,mpi --steps 40 -- --d-model 128
 
-Runs `mpiexec -n N python -m collective.train` on one fixed config (per-rank
+Runs `mpiexec -n N python -m dtlab.collective.train` on one fixed config (per-rank
 batch fixed: weak scaling) for each N and all-reduce algorithm, reads the
 rank-0 metrics and reports, over the steps after warm-up (medians):
 
@@ -29,10 +29,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from dtlab.models.run.metrics import read_metrics
 
-from models.metrics import read_metrics  # noqa: E402 - after the path set-up
+ROOT = Path(__file__).resolve().parent.parent
 
 CONFIG = ["--model", "transformer", "--vocab", "64", "--seq-len", "64", "--d-model", "256",
           "--n-heads", "8", "--n-layers", "4", "--d-ff", "1024", "--batch-size", "8"]
@@ -47,7 +46,7 @@ def mpiexec() -> str:
 
 def run(n: int, algo: str, steps: int, config: list[str], workdir: str, timeout: float) -> dict:
     metrics = os.path.join(workdir, f"sync-{n}-{algo}.jsonl")
-    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "collective.train", *config,
+    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "dtlab.collective.train", *config,
            "--steps", str(steps), "--allreduce", algo, "--metrics", metrics,
            "--log-every", str(steps), "--warmup", "0"]
     subprocess.run(cmd, cwd=ROOT, check=True, timeout=timeout,

@@ -5,7 +5,7 @@
     r = mpirun(3, "tests/mpi_progs/collectives_check.py", "--quick", timeout=60)
     assert r.rc == 0, r            # str(r) shows the command, rc and output tails
 
-    r = mpirun(2, "-m", "collective.train", "--steps", "4", timeout=120)
+    r = mpirun(2, "-m", "dtlab.collective.train", "--steps", "4", timeout=120)
     r = mpirun(2, "-c", "from mpi4py import MPI; print(MPI.COMM_WORLD.rank)")
 
 The job is `mpiexec -n N python -m mpi4py ARGS...`, run from the repository

@@ -1,8 +1,8 @@
 """Helpers for the parameter-server tests: real daemons on ephemeral loopback ports.
 
 `serve(...)` runs shard daemons in this process (fast, for unit-level tests);
-`DaemonProcess` runs `python -m pserver serve` as a subprocess (signals,
-exit codes, checkpoints); `run_workers` starts real `python -m pserver.worker`
+`DaemonProcess` runs `python -m dtlab.pserver serve` as a subprocess (signals,
+exit codes, checkpoints); `run_workers` starts real `python -m dtlab.pserver.worker`
 processes. Every wait is bounded and every process is killed in teardown.
 """
 
@@ -19,16 +19,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-
-from models.config import build
-from models.data import DataConfig
-from models.optim import OptimConfig
-from models.params import FlatParams
-from models.zoo import build_model, config_class
-from pserver import wire
-from pserver.client import PSClient
-from pserver.config import ClientConfig, ServerConfig
-from pserver.daemon import Daemon, build_store, config_record
+from dtlab.models.config import build
+from dtlab.models.data import DataConfig
+from dtlab.models.optim import OptimConfig
+from dtlab.models.params import FlatParams
+from dtlab.models.zoo import build_model, config_class
+from dtlab.pserver import wire
+from dtlab.pserver.client import PSClient
+from dtlab.pserver.config import ClientConfig, ServerConfig
+from dtlab.pserver.daemon import Daemon, build_store, config_record
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MLP = {"d_in": 4, "d_hidden": 8, "n_layers": 1, "n_classes": 3}
@@ -87,14 +86,14 @@ def connect(servers: str, worker: int = 0, params: FlatParams | None = None,
 
 
 class DaemonProcess:
-    """`python -m pserver serve ARGS` in a subprocess, ready once it wrote its ready file."""
+    """`python -m dtlab.pserver serve ARGS` in a subprocess, ready once it wrote its ready file."""
 
     def __init__(self, tmp: Path, args: list[str], env: dict | None = None, wait: bool = True,
                  timeout: float = 60.0):
         self.ready = tmp / f"ready-{time.monotonic_ns()}.json"
         self.log = tmp / f"{self.ready.stem}.log"
-        self.args = [sys.executable, "-m", "pserver", "serve", "--ready-file", str(self.ready),
-                     *args]
+        self.args = [sys.executable, "-m", "dtlab.pserver", "serve",
+                     "--ready-file", str(self.ready), *args]
         self._log_f = open(self.log, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(self.args, cwd=ROOT, stdout=self._log_f,
                                      stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
@@ -151,7 +150,7 @@ def run_workers(servers: str, count: int, flags: list[str], tmp: Path,
             paths.append(path)
             given = ["--worker-id", str(w), "--num-workers", str(count)] if ids else []
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "pserver.worker", "--servers", servers, *given,
+                [sys.executable, "-m", "dtlab.pserver.worker", "--servers", servers, *given,
                  "--metrics", str(path), *flags],
                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                 env=ONE_BLAS_THREAD))

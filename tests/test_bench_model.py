@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_bench(*args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DTLAB_DEVICE": "cpu"}
+    env = {**os.environ, "DTLAB_DEVICE": "cpu"}
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_model.py"), *args],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
 

@@ -14,13 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_bench(*args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = dict(os.environ)
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_optim.py"), *args],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
 
 
 def test_tiny_run_prints_table_and_writes_json(tmp_path):
-    pytest.importorskip("models._fused")
+    pytest.importorskip("dtlab.models._fused")
     out = tmp_path / "bench.json"
     r = run_bench("--tiny", "--json", str(out))
     assert r.returncode == 0, r.stdout + r.stderr

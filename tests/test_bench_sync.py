@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from models.threads import USER_VARS
+from dtlab.models.run.threads import USER_VARS
 
 ROOT = Path(__file__).resolve().parent.parent
 

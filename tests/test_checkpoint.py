@@ -4,9 +4,8 @@ import os
 
 import numpy as np
 import pytest
-
-from models import checkpoint
-from models.checkpoint import CheckpointError
+from dtlab.models.run import checkpoint
+from dtlab.models.run.checkpoint import CheckpointError
 
 
 def test_round_trip_and_latest(tmp_path):

@@ -11,16 +11,15 @@ import sys
 import time
 
 import pytest
+from dtlab.models.data.factory import DataConfig
+from dtlab.models.mlp import MLPConfig
+from dtlab.models.optim import OptimConfig
+from dtlab.models.run.metrics import read_metrics
+from dtlab.models.run.session import RunConfig
+from dtlab.models.transformer import TransformerConfig
+from dtlab.pserver.config import ClientConfig, ServerConfig
+from dtlab.pserver.worker import WorkerConfig
 from mpirun import ROOT, mpiexec_path, mpirun
-
-from models.data.factory import DataConfig
-from models.metrics import read_metrics
-from models.mlp import MLPConfig
-from models.optim import OptimConfig
-from models.session import RunConfig
-from models.transformer import TransformerConfig
-from pserver.config import ClientConfig, ServerConfig
-from pserver.worker import WorkerConfig
 
 MLP = ["--model", "mlp", "--d-in", "8", "--d-hidden", "16", "--n-classes", "4",
        "--n-samples", "512", "--batch-size", "8"]
@@ -56,15 +55,15 @@ def test_every_flag_has_a_help_line(cls):
 
 
 def test_pserver_help_exits_0():
-    out = run(sys.executable, "-m", "pserver", "--help")
+    out = run(sys.executable, "-m", "dtlab.pserver", "--help")
     assert out.returncode == 0 and "serve" in out.stdout
 
 
 def test_ctrl_c_ends_a_trainer_with_one_line():
-    rc, err = interrupt([sys.executable, "-m", "models.train", *MLP, "--steps", "1000000",
+    rc, err = interrupt([sys.executable, "-m", "dtlab.models.run.train", *MLP, "--steps", "1000000",
                          "--log-every", "1"], after_line="step      2/")
     assert rc == 130, err
-    assert err.rstrip().splitlines()[-1] == "python -m models.train: interrupted"
+    assert err.rstrip().splitlines()[-1] == "python -m dtlab.models.run.train: interrupted"
     assert "Traceback" not in err
 
 
@@ -72,29 +71,29 @@ def test_ctrl_c_ends_a_trainer_with_one_line():
 def test_ctrl_c_ends_an_mpi_job_with_one_line_a_rank_at_most():
     """A rank blocked in a collective when the signal lands is ended by the first rank's
     abort before it can print: each line names its rank, and nothing else is said."""
-    rc, err = interrupt([mpiexec_path(), "-n", "2", sys.executable, "-m", "collective.train",
+    rc, err = interrupt([mpiexec_path(), "-n", "2", sys.executable, "-m", "dtlab.collective.train",
                          *MLP, "--steps", "1000000", "--log-every", "1"], after_line="step      2/")
     assert rc == 130, err
     tail = err.rstrip().splitlines()[-2:]
     lines = [line for line in tail if "interrupted" in line]
-    assert lines and set(lines) <= {f"python -m collective.train: rank {r}: interrupted"
+    assert lines and set(lines) <= {f"python -m dtlab.collective.train: rank {r}: interrupted"
                                     for r in (0, 1)}, err
     assert "Traceback" not in err and "MPI_Abort" not in err
 
 
 @pytest.mark.mpi
 def test_each_rank_names_itself_in_its_error_line():
-    r = mpirun(2, "-m", "collective.train", "--bucket-mb", "-1", wrap=False, timeout=60)
+    r = mpirun(2, "-m", "dtlab.collective.train", "--bucket-mb", "-1", wrap=False, timeout=60)
     assert r.rc != 0
     lines = sorted(line for line in r.stderr.splitlines() if "must be positive" in line)
-    assert lines == [f"python -m collective.train: rank {k}: error: --bucket-mb must be "
+    assert lines == [f"python -m dtlab.collective.train: rank {k}: error: --bucket-mb must be "
                      "positive (got -1.0)" for k in (0, 1)], r
 
 
 def test_console_and_metrics_count_steps_alike(tmp_path):
     path = tmp_path / "m.jsonl"
-    out = run(sys.executable, "-m", "models.train", *MLP, "--steps", "5", "--log-every", "1",
-              "--metrics", str(path))
+    out = run(sys.executable, "-m", "dtlab.models.run.train", *MLP, "--steps", "5",
+              "--log-every", "1", "--metrics", str(path))
     assert out.returncode == 0, out.stderr
     console = [int(line.split()[1].split("/")[0]) for line in out.stderr.splitlines()
                if line.startswith("step ")]
@@ -105,7 +104,7 @@ def test_console_and_metrics_count_steps_alike(tmp_path):
 
 def test_resume_says_what_it_did(tmp_path):
     ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"]
-    train = [sys.executable, "-m", "models.train", *MLP, *ck]
+    train = [sys.executable, "-m", "dtlab.models.run.train", *MLP, *ck]
     out = run(*train, "--steps", "4", "--resume")
     assert "no checkpoint in" in out.stderr and out.returncode == 0, out.stderr
     out = run(*train, "--steps", "6", "--resume")

@@ -1,4 +1,4 @@
-"""models.cost against what the implementation really does.
+"""dtlab.models.cost against what the implementation really does.
 
 - parameter counts equal the FlatParams size exactly;
 - FLOPs equal the matmul FLOPs counted while a real forward and backward
@@ -19,14 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from models.config import ConfigError
-from models.cost import estimate
-from models.memory import context_bytes
-from models.mlp import MLPConfig
-from models.params import FlatParams
-from models.transformer import TransformerConfig
-from models.zoo import build_model
+from dtlab.models.config import ConfigError
+from dtlab.models.cost import estimate
+from dtlab.models.memory import context_bytes
+from dtlab.models.mlp import MLPConfig
+from dtlab.models.params import FlatParams
+from dtlab.models.transformer import TransformerConfig
+from dtlab.models.zoo import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -217,7 +216,7 @@ def test_seed_exercise_gpt2_scale():
 
 def run_cost(*args):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "models.cost", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "dtlab.models.cost", *args], capture_output=True,
                           text=True, cwd=ROOT, env=env, timeout=60)
 
 

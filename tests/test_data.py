@@ -9,9 +9,8 @@ import sys
 
 import numpy as np
 import pytest
-
-from models.config import ConfigError, add_flags, build, flag, from_namespace
-from models.data import (
+from dtlab.models.config import ConfigError, add_flags, build, flag, from_namespace
+from dtlab.models.data import (
     ArrayDataset,
     DataConfig,
     Dataset,
@@ -21,9 +20,9 @@ from models.data import (
     make_dataset,
     teacher_floor,
 )
-from models.data.markov import entropy
-from models.mlp import MLPConfig
-from models.transformer import TransformerConfig
+from dtlab.models.data.markov import entropy
+from dtlab.models.mlp import MLPConfig
+from dtlab.models.transformer import TransformerConfig
 
 
 def within(estimate: float, exact: float, std_error: float, z: float = 5.0) -> bool:

@@ -15,14 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from models import backend
-from models.cost import estimate
-from models.memory import context_bytes
-from models.mlp import MLPConfig
-from models.model import Replica
-from models.transformer import TransformerConfig
-from models.zoo import build_model
+from dtlab.models import backend
+from dtlab.models.cost import estimate
+from dtlab.models.memory import context_bytes
+from dtlab.models.mlp import MLPConfig
+from dtlab.models.model import Replica
+from dtlab.models.transformer import TransformerConfig
+from dtlab.models.zoo import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,11 +42,11 @@ def no_gpu_env(**extra):
 
 
 def test_gpu_without_gpu_raises_device_error():
-    code = "from models import backend; backend.xp()"
+    code = "from dtlab.models import backend; backend.xp()"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env=no_gpu_env(), timeout=120)
     assert r.returncode != 0
-    assert "models.backend.DeviceError: DTLAB_DEVICE=gpu but no GPU is usable" in r.stderr
+    assert "dtlab.models.backend.DeviceError: DTLAB_DEVICE=gpu but no GPU is usable" in r.stderr
     assert "cupy-cuda12x" in r.stderr
 
 
@@ -60,7 +59,7 @@ def test_bench_without_gpu_is_a_clean_error():
 
 
 def test_unknown_device_is_rejected():
-    code = "from models import backend; backend.xp()"
+    code = "from dtlab.models import backend; backend.xp()"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env=no_gpu_env(DTLAB_DEVICE="tpu"), timeout=120)
     assert r.returncode != 0

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gradcheck import assert_grad_close, numeric_grad
-
-from models.attention import CausalSelfAttention
-from models.layers import (
+from dtlab.models.attention import CausalSelfAttention
+from dtlab.models.layers import (
     GELU,
     Embedding,
     LayerNorm,
@@ -25,8 +23,9 @@ from models.layers import (
     Sequential,
     SwiGLU,
 )
-from models.loss import softmax_cross_entropy
-from models.params import FlatParams
+from dtlab.models.loss import softmax_cross_entropy
+from dtlab.models.params import FlatParams
+from gradcheck import assert_grad_close, numeric_grad
 
 D = 6
 SHAPES = [(2, 3, D), (5, D)]

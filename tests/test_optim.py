@@ -4,9 +4,8 @@ import math
 
 import numpy as np
 import pytest
-
-from models.config import ConfigError, build
-from models.optim import (
+from dtlab.models.config import ConfigError, build
+from dtlab.models.optim import (
     SGD,
     Adam,
     AdamW,

@@ -7,14 +7,13 @@ switched off (models.optim._fused = None), as on a machine without them.
 
 from __future__ import annotations
 
+import dtlab.models.optim as optim
 import numpy as np
 import pytest
+from dtlab.models.config import build
+from dtlab.models.optim import OptimConfig, make_optimizer
 
-import models.optim as optim
-from models.config import build
-from models.optim import OptimConfig, make_optimizer
-
-fused = pytest.importorskip("models._fused")
+fused = pytest.importorskip("dtlab.models._fused")
 
 SETTINGS = [
     {"optimizer": "sgd"},

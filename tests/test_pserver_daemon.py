@@ -14,15 +14,14 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from dtlab.protos import dtlab_ps_pb2 as pb
+from dtlab.pserver import wire
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 from prometheus_client.parser import text_string_to_metric_families
 from pserver_util import ROOT, TINY_MLP_FLAGS, DaemonProcess, connect, initial_params
-
-from protos import dtlab_ps_pb2 as pb
-from pserver import wire
 
 INIT = initial_params()
 N = INIT.size
@@ -40,7 +39,7 @@ def serve_args(*extra: str) -> list[str]:
     (["--token-env", "DTLAB_TEST_NO_SUCH_VAR"], "--token-env DTLAB_TEST_NO_SUCH_VAR"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(flags, message):
-    r = subprocess.run([sys.executable, "-m", "pserver", "serve", *TINY_MLP_FLAGS, *flags],
+    r = subprocess.run([sys.executable, "-m", "dtlab.pserver", "serve", *TINY_MLP_FLAGS, *flags],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and message in r.stderr, r.stderr
 
@@ -51,8 +50,9 @@ def test_port_in_use_is_a_clear_error():
         s.listen()
         port = s.getsockname()[1]
         for flag in ("--port", "--metrics-port"):
-            r = subprocess.run([sys.executable, "-m", "pserver", "serve", *TINY_MLP_FLAGS, flag,
-                                str(port)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+            r = subprocess.run([sys.executable, "-m", "dtlab.pserver", "serve", *TINY_MLP_FLAGS,
+                                flag, str(port)], cwd=ROOT, capture_output=True, text=True,
+                               timeout=60)
             assert r.returncode == 2 and f"{flag} {port}" in r.stderr, r.stderr
             last = r.stderr.strip().splitlines()[-1]  # the error, said once, and nothing else
             assert f"{flag} {port}" in last and "already in use" in last.lower(), r.stderr

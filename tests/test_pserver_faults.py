@@ -12,11 +12,10 @@ import zlib
 import grpc
 import numpy as np
 import pytest
+from dtlab.protos import dtlab_ps_pb2 as pb
+from dtlab.pserver import wire
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pserver_util import ROOT, addresses, connect, initial_params, serve
-
-from protos import dtlab_ps_pb2 as pb
-from pserver import wire
 
 C = grpc.StatusCode
 INIT = initial_params()
@@ -143,8 +142,8 @@ def test_retried_push_is_applied_once(shard, path):
 
 HALF_PUSH = """
 import sys, time, grpc, numpy as np
-from pserver import wire
-from protos import dtlab_ps_pb2 as pb
+from dtlab.pserver import wire
+from dtlab.protos import dtlab_ps_pb2 as pb
 n = int(sys.argv[2])
 h = pb.PushHeader(worker_id=0, step=0, shard=0,
                   meta=pb.TensorMeta(dtype=pb.FLOAT32, shape=[n], offset=0, version=0))

@@ -10,16 +10,15 @@ import zlib
 
 import numpy as np
 import pytest
+from dtlab.protos import dtlab_ps_pb2 as pb
+from dtlab.pserver import wire
+from dtlab.pserver.errors import InvalidArgument
 from pserver_util import ROOT
-
-from protos import dtlab_ps_pb2 as pb
-from pserver import wire
-from pserver.errors import InvalidArgument
 
 LENGTHS = [0, 1, 5, 31, 32, 33, 63, 64, 100, 5551, 5552, 5553, 11104, 65536, (1 << 20) + 7]
 CHECK = '''
 import sys, zlib, numpy as np
-from pserver import _kernels as k
+from dtlab.pserver import _kernels as k
 rng = np.random.default_rng(0)
 for n in {lengths}:
     for data in (rng.integers(0, 256, n, dtype=np.uint8).tobytes(), b"\\xff" * n):
@@ -48,7 +47,7 @@ print("ok")
 
 @pytest.mark.parametrize("path", ["simd", "scalar"])
 def test_kernels_match_zlib_and_numpy(path):
-    pytest.importorskip("pserver._kernels")
+    pytest.importorskip("dtlab.pserver._kernels")
     env = dict(os.environ)
     if path == "scalar":
         env["DTLAB_KERNELS_SCALAR"] = "1"
@@ -58,7 +57,7 @@ def test_kernels_match_zlib_and_numpy(path):
 
 
 def test_kernels_refuse_bad_arguments():
-    k = pytest.importorskip("pserver._kernels")
+    k = pytest.importorskip("dtlab.pserver._kernels")
     with pytest.raises(ValueError, match="itemsize 3"):
         k.check_chunk(b"\x00" * 6, 3, 1)
     with pytest.raises(ValueError, match="whole number"):
@@ -72,7 +71,7 @@ def test_kernels_refuse_bad_arguments():
 @pytest.mark.parametrize("kernels", [True, False])
 def test_wire_gives_the_same_bytes_and_verdicts_with_and_without_kernels(kernels, monkeypatch):
     if kernels:
-        pytest.importorskip("pserver._kernels")
+        pytest.importorskip("dtlab.pserver._kernels")
     else:
         monkeypatch.setattr(wire, "_kernels", None)  # the fallback: ISA-L (or zlib) and NumPy
     values = np.random.default_rng(2).standard_normal(70000).astype(np.float32)

@@ -7,9 +7,8 @@ import threading
 
 import numpy as np
 import pytest
-
-from pserver.allocator import HUGE_PAGE, huge_empty, keep_freed_memory
-from pserver.parallel import Parallel
+from dtlab.pserver.allocator import HUGE_PAGE, huge_empty, keep_freed_memory
+from dtlab.pserver.parallel import Parallel
 
 
 @pytest.mark.parametrize("threads, n", [(1, 5), (2, 5), (3, 2), (4, 0), (3, 10)])

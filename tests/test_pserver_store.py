@@ -6,17 +6,16 @@ import threading
 
 import numpy as np
 import pytest
-
-from models.config import ConfigError, build
-from models.launcher import RANK_VARS, SIZE_VARS
-from models.optim import OptimConfig, Schedule, make_optimizer
-from protos import dtlab_ps_pb2 as pb
-from pserver import checkpoint, wire
-from pserver.blocked import BlockedOptimizer
-from pserver.consistency import Consistency
-from pserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
-from pserver.store import ShardLayout, ShardStore
-from pserver.worker import WorkerConfig
+from dtlab.models.config import ConfigError, build
+from dtlab.models.optim import OptimConfig, Schedule, make_optimizer
+from dtlab.models.run.launcher import RANK_VARS, SIZE_VARS
+from dtlab.protos import dtlab_ps_pb2 as pb
+from dtlab.pserver import checkpoint, wire
+from dtlab.pserver.blocked import BlockedOptimizer
+from dtlab.pserver.consistency import Consistency
+from dtlab.pserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from dtlab.pserver.store import ShardLayout, ShardStore
+from dtlab.pserver.worker import WorkerConfig
 
 N = 10
 

@@ -13,11 +13,10 @@ import sys
 
 import numpy as np
 import pytest
+from dtlab.models.run import checkpoint
+from dtlab.models.run.metrics import read_metrics
 from mpirun import mpirun
 from pserver_util import ONE_BLAS_THREAD, ROOT, addresses, run_workers, serve
-
-from models import checkpoint
-from models.metrics import read_metrics
 
 MLP = {"d_in": 4, "d_hidden": 64, "n_layers": 1, "n_classes": 3}
 TRANSFORMER = {"vocab": 8, "seq_len": 16, "d_model": 32, "n_heads": 2, "n_layers": 1, "d_ff": 64}
@@ -75,7 +74,7 @@ def test_bsp_matches_single_process_training(tmp_path, optim, launch):
     model = flags("mlp", MLP)
     common = [*model, *optim, "--clip", "0", "--warmup", "3", "--seed", "3"]
     ref = tmp_path / "ref"
-    subprocess.run([sys.executable, "-m", "models.train", *common, "--steps", str(K),
+    subprocess.run([sys.executable, "-m", "dtlab.models.run.train", *common, "--steps", str(K),
                     "--batch-size", str(W * B), "--checkpoint-dir", str(ref),
                     "--checkpoint-every", str(K)], cwd=ROOT, check=True, timeout=120,
                    capture_output=True, env=ONE_BLAS_THREAD)
@@ -88,7 +87,7 @@ def test_bsp_matches_single_process_training(tmp_path, optim, launch):
                schedule_steps=K, seed=3) as daemons:
         worker = [*model, "--clip", "0", "--seed", "3", "--steps", str(K), "--batch-size", str(B)]
         if launch == "mpiexec":
-            r = mpirun(W, "-m", "pserver.worker", "--servers", addresses(daemons), *worker,
+            r = mpirun(W, "-m", "dtlab.pserver.worker", "--servers", addresses(daemons), *worker,
                        "--metrics", str(tmp_path / "w{worker}.jsonl"), wrap=False, timeout=120)
             assert r.rc == 0, r
             assert all(len(read_metrics(str(tmp_path / f"w{w}.jsonl"))[1]) == K for w in range(W))

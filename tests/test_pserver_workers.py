@@ -20,6 +20,8 @@ import time
 
 import numpy as np
 import pytest
+from dtlab.models.run.metrics import read_metrics
+from dtlab.pserver.errors import AlreadyExists, FailedPrecondition
 from pserver_util import (
     ONE_BLAS_THREAD,
     ROOT,
@@ -32,9 +34,6 @@ from pserver_util import (
 )
 from test_pserver_store import N, store
 
-from models.metrics import read_metrics
-from pserver.errors import AlreadyExists, FailedPrecondition
-
 ADAM = {"optimizer": "adam", "lr": 3e-3, "warmup": 0, "schedule": "constant", "clip": 0.0}
 WORKER = [*TINY_MLP_FLAGS, "--n-samples", "256", "--label-noise", "0.1", "--batch-size", "8",
           "--clip", "0.5", "--log-every", "1"]
@@ -42,7 +41,7 @@ DATA = {"n_samples": 256, "label_noise": 0.1}
 
 
 def worker(servers: str, *flags: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pserver.worker", "--servers", servers,
+    return subprocess.run([sys.executable, "-m", "dtlab.pserver.worker", "--servers", servers,
                            *WORKER, *flags], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=ONE_BLAS_THREAD)
 
@@ -89,7 +88,7 @@ def test_a_live_id_is_refused_and_a_restarted_worker_takes_it_over(tmp_path):
     with serve(data=DATA, num_workers=1) as daemons:
         servers, store_ = addresses(daemons), daemons[0].store
         first = subprocess.Popen(
-            [sys.executable, "-m", "pserver.worker", "--servers", servers, *WORKER,
+            [sys.executable, "-m", "dtlab.pserver.worker", "--servers", servers, *WORKER,
              "--worker-id", "0", "--steps", "1000000"], cwd=ROOT, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, env=ONE_BLAS_THREAD)
         try:

@@ -9,12 +9,11 @@ import subprocess
 import sys
 
 import pytest
+from dtlab.models.config import ConfigError
+from dtlab.models.run.metrics import read_metrics
+from dtlab.models.run.session import parse
 from mpirun import ROOT
 from pserver_util import DaemonProcess
-
-from models.config import ConfigError
-from models.metrics import read_metrics
-from models.session import parse
 
 RUN = {"model_name": "mlp", "model": {"d_hidden": 16},
        "data": {"data": "teacher", "n_samples": 512, "label_noise": 0.05},
@@ -70,11 +69,11 @@ def test_missing_and_garbled_files(tmp_path):
 
 def test_a_past_run_reruns_from_its_metrics_header(tmp_path):
     first = tmp_path / "first.jsonl"
-    out = run("models.train", "--config", write(tmp_path, RUN), "--metrics", str(first))
+    out = run("dtlab.models.run.train", "--config", write(tmp_path, RUN), "--metrics", str(first))
     assert out.returncode == 0, out.stderr
     before = first.read_text()
     again = tmp_path / "again.jsonl"
-    out = run("models.train", "--config", str(first), "--metrics", str(again))
+    out = run("dtlab.models.run.train", "--config", str(first), "--metrics", str(again))
     assert out.returncode == 0, out.stderr
     assert first.read_text() == before  # the run it was read from is untouched
     (h1, r1), (h2, r2) = read_metrics(str(first)), read_metrics(str(again))
@@ -88,7 +87,7 @@ def test_a_past_run_reruns_from_its_metrics_header(tmp_path):
 
 def test_a_rerun_from_a_header_writes_no_metrics_unless_asked(tmp_path):
     first = tmp_path / "first.jsonl"
-    assert run("models.train", "--config", write(tmp_path, RUN), "--metrics",
+    assert run("dtlab.models.run.train", "--config", write(tmp_path, RUN), "--metrics",
                str(first)).returncode == 0
     setup = parse(["--config", str(first)], prog="t")
     assert setup.run.metrics == "" and setup.run.checkpoint_dir == ""
@@ -96,9 +95,9 @@ def test_a_rerun_from_a_header_writes_no_metrics_unless_asked(tmp_path):
 
 @pytest.mark.parametrize("flag", [["--optimizer", "sgd"], ["--lr", "0.5"], ["--warmup", "3"]])
 def test_a_worker_refuses_optimizer_flags(flag):
-    out = run("pserver.worker", "--servers", "127.0.0.1:9", *flag)
+    out = run("dtlab.pserver.worker", "--servers", "127.0.0.1:9", *flag)
     assert out.returncode == 2
-    assert f"{flag[0]} has no effect in python -m pserver.worker" in out.stderr
+    assert f"{flag[0]} has no effect in python -m dtlab.pserver.worker" in out.stderr
     assert "the servers run the optimizer" in out.stderr
 
 
@@ -113,7 +112,7 @@ def test_one_file_serves_the_server_and_its_worker(tmp_path):
     config = write(tmp_path, {**RUN, "data": {"data": "digits"}})
     with DaemonProcess(tmp_path, ["--config", config, "--port", "0"]) as daemon:
         metrics = tmp_path / "w.jsonl"
-        out = run("pserver.worker", "--config", config, "--servers", daemon.address,
+        out = run("dtlab.pserver.worker", "--config", config, "--servers", daemon.address,
                   "--steps", "3", "--metrics", str(metrics), timeout=120)
         assert out.returncode == 0, out.stderr + daemon.output()
     header, records = read_metrics(str(metrics))
@@ -121,9 +120,9 @@ def test_one_file_serves_the_server_and_its_worker(tmp_path):
 
 
 def test_server_takes_seed_and_schedule_from_the_run_config(tmp_path):
-    from models.config import add_flags
-    from pserver.__main__ import SERVER_OPTIM_FLAGS, server_config
-    from pserver.config import ServerConfig
+    from dtlab.models.config import add_flags
+    from dtlab.pserver.__main__ import SERVER_OPTIM_FLAGS, server_config
+    from dtlab.pserver.config import ServerConfig
 
     setup = parse(["--config", write(tmp_path, RUN), "--num-workers", "3"], prog="t",
                   flags={"data": None, "optim": SERVER_OPTIM_FLAGS},

@@ -6,10 +6,9 @@ K steps with the same parameters as one process with batch N*B.
 
 import numpy as np
 import pytest
+from dtlab.models.run import checkpoint
+from dtlab.models.run.metrics import read_metrics
 from mpirun import mpirun
-
-from models import checkpoint
-from models.metrics import read_metrics
 
 MLP = ["--model", "mlp", "--d-in", "12", "--d-hidden", "32", "--n-classes", "5",
        "--n-samples", "4096"]
@@ -19,12 +18,12 @@ STEPS = 5
 
 
 def final_params(tmp_path, name, argv, n=None):
-    """Run K steps (mpiexec -n n collective.train, or models.train when n is None)
+    """Run K steps (mpiexec -n n dtlab.collective.train, or dtlab.models.run.train when n is None)
     checkpointing at the end, and return the final flat parameters."""
     ck = str(tmp_path / name)
     args = [*argv, "--steps", str(STEPS), "--seed", "3", "--checkpoint-dir", ck,
             "--checkpoint-every", str(STEPS), "--warmup", "2", "--lr", "3e-3"]
-    module = "models.train" if n is None else "collective.train"
+    module = "dtlab.models.run.train" if n is None else "dtlab.collective.train"
     r = mpirun(n or 1, "-m", module, *args, timeout=120)
     assert r.rc == 0, r
     arrays, _ = checkpoint.load(checkpoint.latest(ck))
@@ -55,7 +54,7 @@ def test_gradient_accumulation_and_every_algorithm_agree(tmp_path):
 
 def test_metrics_split_compute_and_communication(tmp_path):
     path = tmp_path / "sync.jsonl"
-    r = mpirun(2, "-m", "collective.train", *MLP, "--steps", "4", "--metrics", str(path),
+    r = mpirun(2, "-m", "dtlab.collective.train", *MLP, "--steps", "4", "--metrics", str(path),
                timeout=120)
     assert r.rc == 0, r
     assert r.stdout.count("final training loss") == 1  # rank 0 only
@@ -68,6 +67,6 @@ def test_metrics_split_compute_and_communication(tmp_path):
 
 
 def test_bad_flag_ends_every_rank_with_the_message():
-    r = mpirun(2, "-m", "collective.train", "--bucket-mb", "0", timeout=60)
+    r = mpirun(2, "-m", "dtlab.collective.train", "--bucket-mb", "0", timeout=60)
     assert r.rc != 0 and not r.timed_out
     assert "--bucket-mb must be positive" in r.stderr and "Traceback" not in r.stderr

@@ -8,9 +8,8 @@ import os
 import re
 
 import pytest
+from dtlab.models.run import threads
 from mpirun import mpirun
-
-from models import threads
 
 THREAD_VARS = threads.USER_VARS + threads.LOCAL_SIZE_VARS
 CORES = len(os.sched_getaffinity(0))
@@ -70,7 +69,7 @@ def test_two_ranks_each_run_their_share():
 @pytest.mark.mpi
 def test_sync_trainer_records_its_threads(tmp_path):
     metrics = tmp_path / "sync.jsonl"
-    r = mpirun(2, "-m", "collective.train", *MLP, "--metrics", str(metrics),
+    r = mpirun(2, "-m", "dtlab.collective.train", *MLP, "--metrics", str(metrics),
                env=_clean_env(), timeout=120)
     assert r.rc == 0, r
     header = json.loads(metrics.read_text().splitlines()[0])

@@ -7,11 +7,10 @@ import sys
 
 import numpy as np
 import pytest
-
-from models import checkpoint
-from models.metrics import MetricsLog, read_metrics, run_header
-from models.session import build_session, parse
-from models.trainer import Trainer
+from dtlab.models.run import checkpoint
+from dtlab.models.run.metrics import MetricsLog, read_metrics, run_header
+from dtlab.models.run.session import build_session, parse
+from dtlab.models.run.trainer import Trainer
 
 MLP = ["--model", "mlp", "--d-in", "8", "--n-classes", "4", "--d-hidden", "64",
        "--n-samples", "8192", "--batch-size", "64", "--lr", "1e-2", "--warmup", "10"]
@@ -75,8 +74,8 @@ def test_resume_continues_exactly(tmp_path):
 
 
 def cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "models.train", *args], capture_output=True,
-                          text=True, timeout=120, cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "dtlab.models.run.train", *args],
+                          capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -14,11 +14,11 @@ data-parallel loader.
     loader.py    ShardedLoader: one global order, rank slices, resumable
 """
 
-from models.data.dataset import ArrayDataset, Dataset, TokenWindows
-from models.data.factory import DataConfig, make_dataset
-from models.data.loader import ShardedLoader
-from models.data.markov import MarkovSource
-from models.data.teacher import TeacherDataset, teacher_floor
+from dtlab.models.data.dataset import ArrayDataset, Dataset, TokenWindows
+from dtlab.models.data.factory import DataConfig, make_dataset
+from dtlab.models.data.loader import ShardedLoader
+from dtlab.models.data.markov import MarkovSource
+from dtlab.models.data.teacher import TeacherDataset, teacher_floor
 
 __all__ = ["ArrayDataset", "DataConfig", "Dataset", "MarkovSource", "ShardedLoader",
            "TeacherDataset", "TokenWindows", "make_dataset", "teacher_floor"]

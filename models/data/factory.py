@@ -15,11 +15,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from models.config import ConfigError, choice, described, non_negative, positive
-from models.data.dataset import Dataset, TokenWindows
-from models.data.markov import MAX_TABLE, MarkovSource
-from models.data.real import load_digits, load_text
-from models.data.teacher import TeacherDataset
+from dtlab.models.config import ConfigError, choice, described, non_negative, positive
+from dtlab.models.data.dataset import Dataset, TokenWindows
+from dtlab.models.data.markov import MAX_TABLE, MarkovSource
+from dtlab.models.data.real import load_digits, load_text
+from dtlab.models.data.teacher import TeacherDataset
 
 CLASSIFICATION, LANGUAGE = "classification", "language"
 SOURCES = {"teacher": CLASSIFICATION, "digits": CLASSIFICATION,

@@ -21,9 +21,8 @@ ranks with batch B see, in the same epochs; and the state is global
 from __future__ import annotations
 
 import numpy as np
-
-from models.config import ConfigError
-from models.data.dataset import Dataset
+from dtlab.models.config import ConfigError
+from dtlab.models.data.dataset import Dataset
 
 
 class ShardedLoader:

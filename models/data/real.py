@@ -5,16 +5,15 @@
     text    the bytes of a local file as tokens (vocab 256), cut into
             next-token windows like the Markov stream
 
-    python -m models.train --model mlp --data digits
-    python -m models.train --model transformer --data text --path corpus.txt
+    python -m dtlab.models.run.train --model mlp --data digits
+    python -m dtlab.models.run.train --model transformer --data text --path corpus.txt
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-from models.config import ConfigError
-from models.data.dataset import ArrayDataset, TokenWindows
+from dtlab.models.config import ConfigError
+from dtlab.models.data.dataset import ArrayDataset, TokenWindows
 
 
 def load_digits() -> ArrayDataset:

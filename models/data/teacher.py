@@ -21,8 +21,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
-from models.data.dataset import ArrayDataset
+from dtlab.models.data.dataset import ArrayDataset
 
 
 def teacher_floor(eps: float, n_classes: int) -> float:

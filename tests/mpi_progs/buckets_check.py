@@ -20,13 +20,12 @@ import sys
 import warnings
 
 import numpy as np
+from dtlab.collective import BucketReducer, world
+from dtlab.collective.buckets import bucket_bounds
+from dtlab.models.mlp import MLP, MLPConfig
+from dtlab.models.model import Replica
 from mpi4py import MPI
 from rank_checks import RankChecks
-
-from collective import BucketReducer, world
-from collective.buckets import bucket_bounds
-from models.mlp import MLP, MLPConfig
-from models.model import Replica
 
 comm = world(timeout=60)
 N, R = comm.size, comm.rank

@@ -24,8 +24,8 @@ from fakecuda import FakeDeviceArray
 from mpi4py import MPI
 from rank_checks import RankChecks
 
-from collective import Communicator, gpu
-from collective.ring import segment_bounds
+from dtlab.collective import Communicator, gpu
+from dtlab.collective.ring import segment_bounds
 
 DTYPES = (np.float32, np.float64, np.float16, np.int32, np.int64)
 # (name, small_bytes, chunk_bytes): the ring unchunked, the ring in many

@@ -18,8 +18,7 @@ import threading
 import time
 
 import numpy as np
-
-from collective import Communicator, MismatchError, world
+from dtlab.collective import Communicator, MismatchError, world
 
 
 def raise_on_rank_1(comm: Communicator) -> None:

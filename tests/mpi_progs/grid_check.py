@@ -16,8 +16,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-
-from collective import GridError, ProcessGrid, world
+from dtlab.collective import GridError, ProcessGrid, world
 
 SHAPES = [
     {"dp": 2, "pp": 2, "tp": 2},

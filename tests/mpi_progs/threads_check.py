@@ -4,11 +4,13 @@
 prints one line per rank: "rank R threads CHOSEN blas IN_USE source SOURCE".
 """
 
-from mpi4py import MPI
+import sys
 
-from models.threads import share_cores, threads_in_use
+from dtlab.models.run.threads import share_cores, threads_in_use
+from mpi4py import MPI
 
 choice = share_cores()
 in_use = threads_in_use()
-print(f"rank {MPI.COMM_WORLD.rank} threads {choice.threads} blas {in_use.get('blas', -1)} "
-      f"source {choice.source}", flush=True)
+sys.stdout.write(f"rank {MPI.COMM_WORLD.rank} threads {choice.threads} "  # one write: whole lines
+                 f"blas {in_use.get('blas', -1)} source {choice.source}\n")
+sys.stdout.flush()

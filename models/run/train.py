@@ -1,7 +1,7 @@
 """Single-process training.
 
-    python -m models.train --model transformer --steps 600 --seed 0 --metrics runs/t.jsonl
-    python -m models.train --model mlp --data digits --d-hidden 128 --lr 3e-3
+    python -m dtlab.models.run.train --model transformer --steps 600 --seed 0 --metrics runs/t.jsonl
+    python -m dtlab.models.run.train --model mlp --data digits --d-hidden 128 --lr 3e-3
 
 Writes JSON-lines metrics (header with config, versions, hardware and the
 data's loss floor; then one object per step) and prints a summary: final
@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import sys
 
-from models.checkpoint import CheckpointError
-from models.config import command_name, run_cli
-from models.data.dataset import in_words
-from models.metrics import MetricsLog, run_header
-from models.session import build_session, parse, replica_cost
-from models.threads import share_cores
-from models.trainer import Trainer
+from dtlab.models.data.dataset import in_words
+from dtlab.models.run.checkpoint import CheckpointError
+from dtlab.models.run.cli import command_name, run_cli
+from dtlab.models.run.metrics import MetricsLog, run_header
+from dtlab.models.run.session import build_session, parse, replica_cost
+from dtlab.models.run.threads import share_cores
+from dtlab.models.run.trainer import Trainer
 
 
 def main(argv: list[str]) -> int:
-    setup = parse(argv, prog=command_name("models.train"),
+    setup = parse(argv, prog=command_name("dtlab.models.run.train"),
                   description=__doc__.split("\n\n")[0])
     threads = share_cores()
     session = build_session(setup)
@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
 
 
 def cli() -> int:
-    return run_cli(main, command_name("models.train"),
+    return run_cli(main, command_name("dtlab.models.run.train"),
                    user_errors=(CheckpointError, FloatingPointError))
 
 

@@ -27,8 +27,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from models import backend
-from models.config import (
+from dtlab.models import backend
+from dtlab.models.config import (
     ConfigError,
     add_flags,
     check_values,
@@ -37,12 +37,12 @@ from models.config import (
     from_namespace,
     positive,
 )
-from models.cost import estimate
-from models.data import DataConfig, ShardedLoader, make_dataset
-from models.model import Model, Replica
-from models.optim import OptimConfig, Optimizer, Schedule, make_optimizer
-from models.params import FlatParams
-from models.zoo import MODELS, build_model
+from dtlab.models.cost import estimate
+from dtlab.models.data import DataConfig, ShardedLoader, make_dataset
+from dtlab.models.model import Model, Replica
+from dtlab.models.optim import OptimConfig, Optimizer, Schedule, make_optimizer
+from dtlab.models.params import FlatParams
+from dtlab.models.zoo import MODELS, build_model
 
 
 @dataclass

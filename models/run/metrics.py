@@ -19,7 +19,7 @@ import platform
 import socket
 from importlib import metadata
 
-from models import backend
+from dtlab.models import backend
 
 _PACKAGES = ("dtlab", "numpy", "mpi4py", "mpich", "grpcio", "protobuf", "cupy-cuda12x")
 

@@ -17,12 +17,12 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from models import checkpoint
-from models.checkpoint import CheckpointError
-from models.metrics import MetricsLog
-from models.optim import clip_grad_norm
-from models.progress import Progress
-from models.session import Session
+from dtlab.models.optim import clip_grad_norm
+from dtlab.models.run import checkpoint
+from dtlab.models.run.checkpoint import CheckpointError
+from dtlab.models.run.metrics import MetricsLog
+from dtlab.models.run.progress import Progress
+from dtlab.models.run.session import Session
 
 
 class GradReducer(Protocol):

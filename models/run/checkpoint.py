@@ -22,8 +22,7 @@ import shutil
 import tempfile
 
 import numpy as np
-
-from models import backend
+from dtlab.models import backend
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 

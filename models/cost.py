@@ -1,6 +1,6 @@
 """What one training step of a model costs: parameters, FLOPs, memory, tokens.
 
-    python -m dtlab.models.cost --model transformer --vocab 50257 --seq-len 1024 \\
+    dtlab-cost --model transformer --vocab 50257 --seq-len 1024 \\
         --d-model 1024 --n-heads 16 --n-layers 24 --d-ff 4096 --batch-size 8
 
 Counted for *this* implementation, layer by layer (one `Part` per kind of
@@ -62,16 +62,12 @@ or pipeline-split model builds the Parts one rank holds.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import sys
 from dataclasses import dataclass
 
-from dtlab.models.config import ConfigError, add_flags, as_dict, from_namespace
+from dtlab.models.config import ConfigError, as_dict
 from dtlab.models.parts import FLOAT_BYTES, Part
-from dtlab.models.run.cli import command_name, run_cli
-from dtlab.models.zoo import MODELS, config_class
+from dtlab.models.zoo import MODELS
 
 TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022
 
@@ -224,30 +220,3 @@ def estimate(model_name: str, model_cfg, batch_size: int, optimizer: str = "adam
         activation_bytes=FLOAT_BYTES * act_floats + act_other, memory=memory,
         optimal_tokens=TOKENS_PER_PARAM * params, config=as_dict(model_cfg),
     )
-
-
-def main(argv: list[str]) -> int:
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--model", choices=sorted(MODELS), default="transformer",
-                     help="which model (default: transformer)")
-    model = pre.parse_known_args(argv)[0].model
-    parser = argparse.ArgumentParser(prog=command_name("dtlab.models.cost"),
-                                     description=__doc__.split("\n")[0], parents=[pre])
-    parser.add_argument("--batch-size", type=int, default=8, help="samples per step (default: 8)")
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw",
-                        help="decides the optimizer-state bytes (default: adamw)")
-    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
-    add_flags(parser, config_class(model), f"{model} config")
-    args = parser.parse_args(argv)
-    cost = estimate(model, from_namespace(config_class(model), args), args.batch_size,
-                    args.optimizer)
-    print(json.dumps(cost.as_dict(), indent=1) if args.json else cost.table())
-    return 0
-
-
-def cli() -> int:
-    return run_cli(main, command_name("dtlab.models.cost"))
-
-
-if __name__ == "__main__":
-    sys.exit(cli())

@@ -10,12 +10,12 @@ a float32 matmul timed just before in the same process, at a shape the
 model itself multiplies: (tokens, d_model) @ (d_model, d_ff) for the
 transformer, (batch, d_hidden) @ (d_hidden, d_hidden) for the MLP.
 
-    GFLOP/s = dtlab.models.cost FLOPs per step (matmuls as executed) / step time
+    GFLOP/s = models/cost.py FLOPs per step (matmuls as executed) / step time
     ratio   = GFLOP/s / matmul GFLOP/s
 
 Best-of-N timings because the machine is shared: other processes only ever
 add time. Activation bytes are measured on the forward context
-(models.memory) and compared with dtlab.models.cost; a mismatch counts in #wrong,
+(models/memory.py) and compared with models/cost.py; a mismatch counts in #wrong,
 as does a non-finite loss, and makes the exit status 1.
 """
 

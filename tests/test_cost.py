@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import types
@@ -215,9 +214,8 @@ def test_seed_exercise_gpt2_scale():
 # ---- the command ----
 
 def run_cost(*args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "dtlab.models.cost", *args], capture_output=True,
-                          text=True, cwd=ROOT, env=env, timeout=60)
+    return subprocess.run([sys.executable, "-m", "dtlab.models.run.cost", *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
 
 
 def test_cli_prints_table_and_json():

@@ -10,4 +10,5 @@ the math (models/), shared by every topology.
     launcher.py    rank, size and local size from mpiexec/srun's environment
     cli.py         program names and run_cli (errors, Ctrl-C, exit status)
     train.py       single-process training (dtlab-train)
+    cost.py        the cost estimator's table (dtlab-cost)
 """

@@ -45,6 +45,9 @@ def run_cli(main: Callable[[list[str]], int], prog: str = "", argv: list[str] | 
     except KeyboardInterrupt:
         _say(f"{prog}: {rank}interrupted")
         return 130
+    except BrokenPipeError:  # the reader left (`| head`): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def _say(line: str) -> None:

@@ -12,9 +12,8 @@ rank 0's every rank raises the same `MismatchError`, naming both ranks:
     allreduce: ranks disagree: rank 0 has allreduce(1000 x float32, ring),
     rank 2 has allreduce(999 x float32, ring)
 
-Cost: one small Allgather, measured at 20-50 us (N = 2) and 60-180 us
-(N = 4 on 2 cores) on the shared development machine, 1-3 times a whole
-4 KB all-reduce. So the default mode "first" checks the first call of each
+Cost: one small Allgather, as long as a whole small all-reduce or longer
+(figures in scripts/bench_allreduce.py). So the default mode "first" checks the first call of each
 distinct signature per communicator (a training loop repeats the same
 buffers, so after the first step the check is free), "always" checks every
 call (debugging), "never" skips it. Set by the communicator's `check`

@@ -30,8 +30,7 @@ import functools
 import os
 
 import numpy as np
-
-from dtlab.collective.link import Workspace
+from dtlab.collective.scratch import Workspace
 from dtlab.models import backend
 
 AWARE_ENV = "DTLAB_GPU_AWARE_MPI"

@@ -42,31 +42,33 @@ the lower bound for all-reduce, approached as 2L for large N (a
 reduce-to-root + broadcast moves (N - 1) L through the root). That factor is
 why nccl-tests reports busbw = algbw * 2(N - 1)/N: it is the bandwidth each
 link actually carried. The price is latency: 2(N - 1) messages in sequence,
-which is why small buffers go to recursive doubling (collective/doubling.py).
+which is why smaller buffers go to other algorithms (collective/choose.py).
+
+In code (ring() below): `sent_segment(p, t)` and `received_segment(p, t)`
+are the two formulas above, the loop runs `for t in steps: for j in
+chunks:`, and `t < N - 1` chooses between adding and overwriting, row for
+row as in the table.
 
 Pipelining. Each segment is cut into C sub-chunks of about `chunk_bytes`, and
-the 2(N - 1) * C messages flow as one stream: as soon as chunk j of step t has
-arrived and been added, chunk j of step t + 1 (the same memory) is sent on,
-while chunks j + 1.. of step t are still arriving. Receives are posted a
-window of C + 1 messages ahead (receive before send; C at N = 2), into as
-many scratch slots of the communicator's pool (reduce steps) or straight into
-the buffer (all-gather steps; such a receive waits until our earlier send of
-the same memory has completed, see ring()). A chunk received and added at
-once is still in cache. The requests are persistent (MPI_Recv_init / MPI_Send_init), bound
-once to a buffer and restarted on every later call with the same memory
-(`_Bound`), because per-message Python overhead, not bandwidth, is what
-separates a Python ring from MPI's C one at a few hundred KB per message.
+chunk j of step t + 1 (the same memory as chunk j of step t, just completed)
+is sent on as soon as chunk j of step t has arrived and been added, while
+chunks j + 1.. of step t are still arriving. Receives are posted a window of
+C + 1 messages ahead (receive before send), into as many scratch slots of
+the communicator's pool (reduce steps) or straight into the buffer
+(all-gather steps; such a receive waits until our earlier send of the same
+memory has completed). A chunk received and added at once is still in
+cache. The requests are persistent (collective/bindings.py), so a message
+costs one Start and one Wait from Python.
 
 How small a chunk pays off depends on who copies the bytes. Over a network
 the NIC moves chunk j + 1 while the CPU adds chunk j, so 256 KB - 1 MB chunks
 hide most of the additions. Within one host MPICH moves large messages by
 CMA (process_vm_readv), a copy the receiving rank performs itself inside its
 wait, so nothing is in flight while it adds and sub-chunks only add messages:
-on the 2-core development machine 128 KB chunks were 10-35% slower at 1 MB
-and 1-4 MB chunks within noise of one chunk per segment at 16-64 MB. Hence
-the 4 MiB default `chunk_bytes` (collective/comm.py); lower it on a cluster.
+hence the 4 MiB default `chunk_bytes` (collective/comm.py; measurements in
+scripts/bench_allreduce.py); lower it on a cluster.
 
-Sums use `xp.add(x, y, out=x)`: 1.7-2x faster here than MPI.SUM.Reduce_local.
+Sums use `xp.add(x, y, out=x)`, into the buffer without a temporary.
 
 Measure: mpiexec -n 4 python scripts/bench_allreduce.py
 """
@@ -75,7 +77,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dtlab.collective.link import PAGE, TAG_RING, Link, address, byte_view, mirror
+from dtlab.collective.bindings import free_requests
+from dtlab.collective.link import TAG_RING, Link, byte_view
+from dtlab.collective.pages import PAGE, address, mirror
 
 
 def segment_bounds(length: int, parts: int) -> list[int]:
@@ -89,6 +93,16 @@ def segment_bounds(length: int, parts: int) -> list[int]:
     for s in range(parts):
         bounds.append(bounds[-1] + base + (s < extra))
     return bounds
+
+
+def sent_segment(p: int, t: int, n: int) -> int:
+    """The segment the rank at ring position p sends to its right at step t."""
+    return (p - t - 1) % n
+
+
+def received_segment(p: int, t: int, n: int) -> int:
+    """The segment it receives from its left at step t (its left's sent_segment)."""
+    return (p - t - 2) % n
 
 
 class _Plan:
@@ -117,16 +131,15 @@ class _Plan:
         self.window = window = min(total, c + 1, (n - 1) * c)
         self.n_chunks = c
         self.n_reduce = max(0, n - 1 - first) * c  # messages [0, n_reduce) are added
-        self.last_reduce = (n - 2 - first) * c  # [last_reduce, n_reduce) finish a segment
         self.recv, self.after_send, self.send = [], [], []
-        for m in range(total):
-            t, j = first + m // c, m % c
-            s = order[(p - t - 2) % n]
-            reduce = m < self.n_reduce
-            self.recv.append((cuts[s][j], cuts[s][j + 1], m % window if reduce else -1))
-            self.after_send.append(-1 if reduce else m - (n - 1) * c)
-            s = order[(p - t - 1) % n]
-            self.send.append((cuts[s][j], cuts[s][j + 1]))
+        for t in range(first, last):
+            got, sent = order[received_segment(p, t, n)], order[sent_segment(p, t, n)]
+            for j in range(c):
+                m = (t - first) * c + j
+                reduce = t < n - 1
+                self.recv.append((cuts[got][j], cuts[got][j + 1], m % window if reduce else -1))
+                self.after_send.append(-1 if reduce else m - (n - 1) * c)
+                self.send.append((cuts[sent][j], cuts[sent][j + 1]))
 
 
 class _Bound:
@@ -135,15 +148,7 @@ class _Bound:
 
     Each scratch slot is a page-aligned region with a page of slack, and the
     view a reduce step receives into starts at the page offset of the chunk
-    of buf it is added to (link.mirror: CMA copies run 5-8x slower for some
-    relative offsets, which heap-allocated scratch hit in about half of the
-    bench launches at 4 ranks).
-
-    A training loop all-reduces the same memory every step (the gradient
-    buckets), so each message then costs one Start and one Wait instead of
-    building a request, a message spec and two views: on this machine that
-    is 0.6 us instead of 2-3 us per message, which adds up over 2(N - 1) C
-    messages and N ranks sharing 2 cores.
+    of buf it is added to (collective/pages.py).
     """
 
     def __init__(self, link: Link, plan: _Plan, buf, xp):
@@ -164,33 +169,16 @@ class _Bound:
             self.send.append(comm.Send_init(byte_view(buf[lo:hi]), right, TAG_RING))
 
     def free(self) -> None:
-        for req in self.recv + self.send:
-            req.Free()
+        free_requests(self.recv + self.send)
 
 
 def _bind(link: Link, buf, bounds: list[int], first: int, last: int, chunk_bytes: int, xp):
-    """The plan for this shape and its binding to `buf`, from the caches.
-
-    Bindings are keyed by the buffer's address; a cached binding keeps its
-    buffer alive, so the address cannot be reused by other memory meanwhile.
-    At most `link.bound_limit` bindings are kept per communicator (least
-    recently used are freed), which bounds the memory they pin.
-    """
-    key = (tuple(bounds), first, last, buf.dtype.char, chunk_bytes)
-    plan = link.plans.get(key)
-    if plan is None:
-        if len(link.plans) >= 64:
-            link.plans.clear()
-        order, position = link.ring()
-        plan = link.plans[key] = _Plan(order, position, bounds, first, last,
-                                       buf.itemsize, chunk_bytes)
-    bkey = (key, address(buf))
-    bound = link.bound.pop(bkey, None)
-    if bound is None:
-        if len(link.bound) >= link.bound_limit:
-            link.bound.pop(next(iter(link.bound))).free()
-        bound = _Bound(link, plan, buf, xp)
-    link.bound[bkey] = bound  # most recently used last
+    """The plan for this shape and its binding to `buf`, from the link's caches."""
+    key = ("ring", tuple(bounds), first, last, buf.dtype.char, chunk_bytes)
+    order, position = link.ring()
+    plan = link.cache.plan(key, lambda: _Plan(order, position, bounds, first, last,
+                                              buf.itemsize, chunk_bytes))
+    bound = link.cache.bound(key, buf, lambda: _Bound(link, plan, buf, xp))
     return plan, bound
 
 
@@ -217,7 +205,7 @@ def ring(
     """
     plan, bound = _bind(link, buf, bounds, first, last, chunk_bytes, xp)
     left, right = link.left(), link.right()
-    total, window, c, n_reduce = plan.total, plan.window, plan.n_chunks, plan.n_reduce
+    total, window, c = plan.total, plan.window, plan.n_chunks
     recvs, sends, adds, after_send = bound.recv, bound.send, bound.adds, plan.after_send
 
     posted = 0  # receives [0, posted) are started, always in message order
@@ -242,21 +230,24 @@ def ring(
     post(window, False)
     if sync is not None:
         sync()
-    for m in range(min(c, total)):
+    for m in range(min(c, total)):  # step `first`: every chunk of the segment we send
         sends[m].Start()
-    for m in range(total):
-        post(m + 1, True)
-        link.wait(recvs[m], operation, left)
-        if m < n_reduce:
-            dst, got = adds[m]  # (chunk,), (chunk,)
-            xp.add(dst, got, out=dst)
-            if divide is not None and m >= plan.last_reduce:
-                xp.true_divide(dst, divide, out=dst)
-            if sync is not None:
-                sync()
-        post(min(m + 1 + window, total), False)
-        if m + c < total:
-            sends[m + c].Start()
+    n = link.size
+    for t in range(first, last):  # a row of the walk-through's table
+        for j in range(c):  # chunk j of received_segment(t)
+            m = (t - first) * c + j
+            post(m + 1, True)
+            link.wait(recvs[m], operation, left)
+            if t < n - 1:  # reduce-scatter: add what arrived into our own
+                dst, got = adds[m]  # (chunk,), (chunk,)
+                xp.add(dst, got, out=dst)
+                if divide is not None and t == n - 2:  # the segment is final
+                    xp.true_divide(dst, divide, out=dst)
+                if sync is not None:
+                    sync()
+            post(min(m + 1 + window, total), False)
+            if t + 1 < last:  # chunk j of step t + 1 is this chunk: pass it on
+                sends[m + c].Start()
     link.waitall(sends, operation, right)
 
 

@@ -2,7 +2,7 @@
 
     from dtlab.collective import world
     comm = world()                      # COMM_WORLD; installs the abort handler
-    comm.allreduce(grad, average=True)  # in place, ring by default
+    comm.allreduce(grad, average=True)  # in place, our algorithms by default
 
 Semantics, for every method:
   * arrays are C-contiguous NumPy or CuPy arrays of any dtype; the reduction
@@ -10,46 +10,57 @@ Semantics, for every method:
     and every method returns its result array;
   * a world of size 1 is a real communicator: the operations are identities
     (or a local copy);
-  * collectives run our own point-to-point algorithms (ring, recursive
-    doubling, binomial tree, pairwise exchange: see each module's docstring)
-    with MPI buffer calls (Isend/Irecv of raw bytes) and scratch memory
-    pooled per communicator; `allreduce(algo="mpi")` is MPI's own Allreduce,
-    kept as the baseline;
+  * collectives run our own algorithms (ring, halving-doubling, recursive
+    doubling, shared-memory one-/two-shot, binomial tree, pairwise exchange:
+    see each module's docstring) on MPI point-to-point messages of raw bytes
+    (persistent requests where a buffer comes back) or MPI-3 shared memory
+    within a node, with scratch memory pooled per communicator;
+    `allreduce(algo="mpi")` is MPI's own Allreduce, kept as the baseline;
   * before a collective, ranks check once per distinct buffer signature that
     they agree on it (collective/agree.py), and every blocking wait is under
     the stall watchdog (collective/failure.py).
 
 allreduce algorithms (`algo`, default "ring"):
-  ring   ring reduce-scatter + all-gather, pipelined in `chunk_bytes`
-         sub-chunks (default 4 MiB, see collective/ring.py); buffers of at
-         most `small_bytes` (default 256 KiB) use recursive doubling: log2 N
-         messages instead of 2(N - 1), measured as fast as or faster than the
-         ring up to 256 KB at 2 and 4 ranks on the development machine.
+  ring   ours: by buffer size, world size and node (collective/choose.py),
+         recursive doubling, shared-memory one-shot or two-shot, halving-
+         doubling, or the ring reduce-scatter + all-gather, pipelined in
+         `chunk_bytes` sub-chunks (default 4 MiB, see collective/ring.py);
+         `ours` forces one of them.
   naive  reduce to rank 0, broadcast from it (the textbook baseline).
   mpi    MPI_Allreduce of the MPI library.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
-from mpi4py import MPI
-
 from dtlab.collective import gpu
 from dtlab.collective.agree import ALGOS, Agreement, MismatchError, resolve_mode
 from dtlab.collective.alltoall import pairwise_alltoallv
-from dtlab.collective.doubling import doubling_allreduce
+from dtlab.collective.choose import OURS, allreduce_algorithm
+from dtlab.collective.doubling import bind_doubling
 from dtlab.collective.failure import install_abort_handler, resolve_timeout
-from dtlab.collective.link import Link, byte_view, resolve_yield
+from dtlab.collective.halving import bind_halving
+from dtlab.collective.link import Link, byte_view
 from dtlab.collective.naive import naive_allreduce
-from dtlab.collective.ring import ring_allgather, ring_allreduce, ring_reduce_scatter, segment_bounds
+from dtlab.collective.ring import (
+    ring_allgather,
+    ring_allreduce,
+    ring_reduce_scatter,
+    segment_bounds,
+)
+from dtlab.collective.shm import SharedArena, shm_one_shot, shm_two_shot
 from dtlab.collective.tree import tree_broadcast
+from dtlab.collective.waits import resolve_yield
 from dtlab.models import backend
+from mpi4py import MPI
 
 DEFAULT_CHUNK_BYTES = 4 << 20
-DEFAULT_SMALL_BYTES = 256 << 10
 _ALGO_CODE = {a: i for i, a in enumerate(ALGOS)}
+_BIND = {"doubling": bind_doubling, "halving": bind_halving}
+_SHM = {"shm-one-shot": shm_one_shot, "shm-two-shot": shm_two_shot}
 
 
 def _flat(x, what: str = "buffer"):
@@ -84,13 +95,13 @@ class Communicator:
     timeout: stall timeout in seconds (None: DTLAB_COLLECTIVE_TIMEOUT or 600;
         0 disables). check: "first" | "always" | "never" agreement check
         (None: DTLAB_COLLECTIVE_CHECK or "first").
-    chunk_bytes: ring pipelining sub-chunk; small_bytes: largest allreduce
-        done by recursive doubling (0: always the ring).
-    persistent_buffers: how many distinct buffers keep their ring requests
-        bound (least recently used first out); each pins its buffer. Raise it
-        for a fixed set of buffers reduced every step (the bucket reducer does).
+    chunk_bytes: ring pipelining sub-chunk. ours: one of choose.OURS for every
+        allreduce(algo="ring") (None: chosen by size, collective/choose.py).
+    persistent_buffers: how many distinct buffers keep their requests bound
+        (least recently used first out); each pins its buffer. Raise it for a
+        fixed set of buffers reduced every step (the bucket reducer does).
     yield_waits: poll-and-yield instead of blocking waits (None: automatic,
-        see collective/link.py).
+        see collective/waits.py).
     """
 
     def __init__(
@@ -102,22 +113,31 @@ class Communicator:
         timeout: float | None = None,
         check: str | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        small_bytes: int = DEFAULT_SMALL_BYTES,
+        ours: str | None = None,
         persistent_buffers: int = 4,
         yield_waits: bool | None = None,
     ):
         if algo not in ALGOS:
             raise ValueError(f"allreduce algorithm must be one of {ALGOS}, not {algo!r}")
+        if ours is not None and ours not in OURS:
+            raise ValueError(f"our all-reduce algorithm must be one of {OURS}, not {ours!r}")
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be positive, not {chunk_bytes}")
         self.mpi = comm if comm is not None else MPI.COMM_WORLD
         self.name, self.algo = name, algo
-        self.chunk_bytes, self.small_bytes = chunk_bytes, small_bytes
+        self.chunk_bytes = chunk_bytes
         self.timeout = resolve_timeout(timeout)
         self.check = resolve_mode(check)
         self.yield_waits = resolve_yield(yield_waits)
-        self._link = Link(self.mpi, name, self.timeout, self.yield_waits)
-        self._link.bound_limit = self.persistent_buffers = max(1, persistent_buffers)
+        self.persistent_buffers = max(1, persistent_buffers)
+        self._link = Link(self.mpi, name, self.timeout, self.yield_waits, self.persistent_buffers)
+        self.ours = ours
+        # (array, call, runner) of the last allreduce of a host array: the same call
+        # on the same array object again goes straight to the runner, past the
+        # argument checks, the agreement lookup and the dispatch (a good part of a
+        # few-KB call); it keeps that one array alive
+        self._last: tuple | None = None
+        self._arena: SharedArena | bool | None = None  # False: ranks on several nodes
         self._agree = Agreement(self._link, self.check)
         self.rank, self.size = self._link.rank, self._link.size
 
@@ -128,6 +148,12 @@ class Communicator:
 
     def allreduce(self, x, *, average: bool = False, algo: str | None = None):
         """Sum `x` over all ranks in place (divided by size if `average`); return x."""
+        call = (average, algo, self.algo, self.ours, self.chunk_bytes, x.nbytes,
+                self._link.cache.evictions)
+        last = self._last
+        if last is not None and last[0] is x and last[1] == call:
+            last[2]()  # the same call on the same array, its binding still cached
+            return x
         algo = algo or self.algo
         code = _ALGO_CODE.get(algo)
         if code is None:
@@ -139,19 +165,44 @@ class Communicator:
         if self.size == 1 or flat.size == 0:
             return x
         buf, xp, sync, device = self._place(flat, "stage")
-        divide = self.size if average else None
-        if algo == "mpi":
-            self._mpi_allreduce(buf, xp, sync, divide)
-        elif algo == "naive":
-            naive_allreduce(self._link, buf, xp=xp, sync=sync, divide=divide)
-        elif buf.nbytes <= self.small_bytes:
-            doubling_allreduce(self._link, buf, xp=xp, sync=sync, divide=divide)
-        else:
-            ring_allreduce(self._link, buf, xp=xp, sync=sync, divide=divide,
-                           chunk_bytes=self.chunk_bytes)
+        run = self._allreduce_runner(buf, xp, sync, self.size if average else None, algo)
+        run()
         if device is not None:
             gpu.unplace(buf, device)
+        elif self.check != "always":
+            self._last = (x, call[:-1] + (self._link.cache.evictions,), run)
         return x
+
+    def _allreduce_runner(self, buf, xp, sync, divide: int | None, algo: str):
+        """A call that all-reduces `buf` in place with `algo`, repeatable."""
+        link = self._link
+        if algo == "mpi":
+            return functools.partial(self._mpi_allreduce, buf, xp, sync, divide)
+        if algo == "naive":
+            return functools.partial(naive_allreduce, link, buf, xp=xp, sync=sync, divide=divide)
+        host = isinstance(buf, np.ndarray)
+        ours = self.ours or allreduce_algorithm(buf.nbytes, self.size,
+                                                lambda: host and self._shared())
+        if ours == "ring":
+            return functools.partial(ring_allreduce, link, buf, xp=xp, sync=sync, divide=divide,
+                                     chunk_bytes=self.chunk_bytes)
+        if ours in _SHM:
+            if not host or not self._shared():
+                raise ValueError(f"allreduce {ours!r} needs host arrays and all ranks of "
+                                 f"{self.name!r} on one node")
+            return functools.partial(_SHM[ours], self._arena, buf, divide=divide)
+        return functools.partial(_BIND[ours](link, buf, xp).run, xp, sync, divide)
+
+    def ours_for(self, nbytes: int) -> str:
+        """Which of our algorithms allreduce(algo="ring") runs on a host buffer of
+        `nbytes` (collective on first use, like allreduce)."""
+        return self.ours or allreduce_algorithm(nbytes, self.size, self._shared)
+
+    def _shared(self) -> bool:
+        """Whether all ranks share one node's memory (collective on first use)."""
+        if self._arena is None:
+            self._arena = SharedArena(self._link) if SharedArena.usable(self.mpi) else False
+        return bool(self._arena)
 
     def _mpi_allreduce(self, buf, xp, sync, divide: int | None) -> None:
         if sync is not None:
@@ -329,12 +380,15 @@ class Communicator:
     def free(self) -> None:
         """Release the MPI communicator of a dup/split (collective; not for COMM_WORLD)."""
         if self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF):
+            self._last = None
+            if self._arena:
+                self._arena.free()
             self._link.release()
             self.mpi.Free()
 
     def _settings(self) -> dict:
         return {"algo": self.algo, "timeout": self.timeout, "check": self.check,
-                "chunk_bytes": self.chunk_bytes, "small_bytes": self.small_bytes,
+                "chunk_bytes": self.chunk_bytes, "ours": self.ours,
                 "persistent_buffers": self.persistent_buffers, "yield_waits": self.yield_waits}
 
     def dup(self, name: str | None = None, **overrides) -> Communicator:

@@ -20,21 +20,26 @@ import sys
 import zlib
 
 import numpy as np
+from dtlab.collective import Communicator, gpu
+from dtlab.collective.ring import segment_bounds
 from fakecuda import FakeDeviceArray
 from mpi4py import MPI
 from rank_checks import RankChecks
 
-from dtlab.collective import Communicator, gpu
-from dtlab.collective.ring import segment_bounds
-
 DTYPES = (np.float32, np.float64, np.float16, np.int32, np.int64)
-# (name, small_bytes, chunk_bytes): the ring unchunked, the ring in many
-# sub-chunks (pipelining and window logic), recursive doubling
-PATHS = (("ring", 0, 1 << 20), ("ring-chunked", 0, 512), ("doubling", 1 << 30, 1 << 20))
+# (name, Communicator.ours, chunk_bytes): each of our all-reduce algorithms forced
+# for every size (the ring also in many sub-chunks: pipelining and window logic),
+# and the choice by size; shared memory only for host arrays
+P2P_PATHS = (("ring", "ring", 1 << 20), ("ring-chunked", "ring", 512),
+             ("halving", "halving", 1 << 20), ("doubling", "doubling", 1 << 20),
+             ("by size", None, 1 << 20))
+PATHS = P2P_PATHS + (("shm-one-shot", "shm-one-shot", 1 << 20),
+                     ("shm-two-shot", "shm-two-shot", 1 << 20))
 
 comm = Communicator(timeout=60, check="always")
 N, R = comm.size, comm.rank
 LENGTHS = sorted({0, 1, max(1, N - 1), N + 1, 7, 1001, 20011})
+LARGE = 300007  # 0.6-2.4 MB: the choice by size reaches two-shot, halving and the ring
 check = RankChecks(R, N)
 
 
@@ -64,10 +69,10 @@ def check_segments() -> None:
 
 
 def check_allreduce() -> None:
-    for name, small, chunk in PATHS:
-        comm.small_bytes, comm.chunk_bytes = small, chunk
+    for name, ours, chunk in PATHS:
+        comm.ours, comm.chunk_bytes = ours, chunk
         for dtype in DTYPES:
-            for length in LENGTHS:
+            for length in LENGTHS + [LARGE] * (ours is None):
                 x = rank_input(R, length, dtype)
                 y = comm.allreduce(x.copy())
                 what = f"allreduce {name} {np.dtype(dtype).name} L={length}"
@@ -93,11 +98,33 @@ def check_allreduce() -> None:
                       f"allreduce {algo} {np.dtype(dtype).name} L={length}")
         y = comm.allreduce(rank_input(R, 1001, np.float64), algo=algo, average=True)
         check(np.array_equal(y, direct_sum(1001, np.float64) / N), f"{algo} average")
-    comm.small_bytes, comm.chunk_bytes = 0, 512
+    comm.ours, comm.chunk_bytes = None, 512
+
+
+def check_repeated_calls() -> None:
+    """The same array object again (the fast path past the checks), with the
+    algorithm switched in between and its binding evicted by other buffers."""
+    twin = comm.dup(name="repeat", persistent_buffers=1)
+    x, other = np.empty(5003, np.float32), np.empty(4001, np.float64)
+    for ours in (None, "halving", "doubling", "shm-two-shot", "ring", None):
+        twin.ours = ours
+        for _ in range(3):
+            x[:] = rank_input(R, 5003, np.float32)
+            twin.allreduce(x)
+            check(np.array_equal(x, direct_sum(5003, np.float32)), f"repeated allreduce {ours}")
+        other[:] = rank_input(R, 4001, np.float64)  # evicts x's binding (1 kept)
+        twin.allreduce(other, average=True)
+        check(np.array_equal(other, direct_sum(4001, np.float64) / N), f"evicting call {ours}")
+        twin.reduce_scatter(rank_input(R, 4001, np.float64))
+        x[:] = rank_input(R, 5003, np.float32)
+        twin.allreduce(x, average=True)
+        check(np.array_equal(x, np.true_divide(direct_sum(5003, np.float32), N)),
+              f"allreduce after eviction {ours}")
+    twin.free()
 
 
 def check_reduce_scatter_allgather() -> None:
-    comm.small_bytes, comm.chunk_bytes = 0, 512
+    comm.ours, comm.chunk_bytes = None, 512
     for dtype in DTYPES:
         for length in LENGTHS:
             for rest in ((), (3,)):
@@ -229,8 +256,8 @@ def check_gpu() -> None:
         check(gpu.mpi_is_gpu_aware() == (aware == "1"), f"{gpu.AWARE_ENV}={aware} not honoured")
         FakeDeviceArray.gets = FakeDeviceArray.sets = 0
         results = {}
-        for name, small, chunk in PATHS:
-            comm.small_bytes, comm.chunk_bytes = small, chunk
+        for name, ours, chunk in P2P_PATHS:
+            comm.ours, comm.chunk_bytes = ours, chunk
             for length in LENGTHS:
                 d = FakeDeviceArray.of(rank_input(R, length, np.float32))
                 results[name, length] = comm.allreduce(d)
@@ -283,7 +310,8 @@ def raises(fn, exc) -> bool:
 
 
 SECTIONS = {
-    "ring": (check_segments, check_allreduce, check_reduce_scatter_allgather),
+    "ring": (check_segments, check_allreduce, check_repeated_calls,
+             check_reduce_scatter_allgather),
     "comm": (check_broadcast, check_alltoallv, check_point_to_point, check_new_communicators,
              check_errors),
     "gpu": (check_gpu,),

@@ -34,7 +34,14 @@ from dataclasses import asdict, dataclass
 
 import dtlab.models.optim as optim
 import numpy as np
-from dtlab.models.config import ConfigError, add_flags, build, from_namespace, positive_list
+from dtlab.models.config import (
+    ConfigError,
+    add_flags,
+    build,
+    described,
+    from_namespace,
+    positive_list,
+)
 from dtlab.models.optim import OptimConfig
 from dtlab.models.run.cli import run_cli
 from dtlab.pserver.blocked import BlockedOptimizer
@@ -47,12 +54,12 @@ SETTINGS = {"sgd": {"optimizer": "sgd"}, "momentum": {"optimizer": "sgd", "momen
 
 @dataclass
 class BenchConfig:
-    json: str = ""
-    tiny: bool = False
-    sizes_mb: str = "1,16,64"
-    optimizers: str = "sgd,momentum,adam"
-    threads: str = "1,2"
-    rounds: int = 11
+    json: str = described("", "write the rows here")
+    tiny: bool = described(False, "2 MB, 2 rounds: a smoke run (the test suite's)")
+    sizes_mb: str = described("1,16,64", "flat buffer sizes in MB")
+    optimizers: str = described("sgd,momentum,adam", "update rules to time")
+    threads: str = described("1,2", "optimizer threads (blocks split among them)")
+    rounds: int = described(11, "timed steps per row (the median is reported)")
 
     def validate(self):
         unknown = set(self.optimizers.split(",")) - set(TRAFFIC)

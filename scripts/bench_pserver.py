@@ -78,6 +78,7 @@ from dtlab.models.config import (
     add_flags,
     build,
     choice,
+    described,
     from_namespace,
     positive_list,
 )
@@ -101,17 +102,17 @@ MB = 1 << 20
 
 @dataclass
 class BenchConfig:
-    json: str = ""
-    tiny: bool = False
+    json: str = described("", "write the rows and the run's header here")
+    tiny: bool = described(False, "tiny sizes and few rounds: a smoke run (the test suite's)")
     mode: str = choice("sweep", "sweep", "rounds",
                        help="sweep: push/pull against plain gRPC; rounds: pull+push by data path")
-    round_sizes_kb: str = "64,1024,65536"
-    sizes_mb: str = "1,4,16,64"
-    workers: str = "1,2,4"
-    shards: str = "1,2"
-    optimizers: str = "sgd,adam"
-    rounds: int = 0  # 0: by size, 20 at 1 MB down to 11 at 64 MB
-    warmup: int = 1
+    round_sizes_kb: str = described("64,1024,65536", "rounds mode: tensor sizes in KiB")
+    sizes_mb: str = described("1,4,16,64", "sweep mode: tensor sizes in MiB")
+    workers: str = described("1,2,4", "sweep mode: worker counts")
+    shards: str = described("1,2", "sweep mode: shard counts")
+    optimizers: str = described("sgd,adam", "sweep mode: server optimizers (sgd, adam, adamw)")
+    rounds: int = described(0, "timed rounds per row (0: by size, 20 at 1 MB down to 11 at 64 MB)")
+    warmup: int = described(1, "untimed rounds first")
 
     def validate(self):
         for name in ("sizes_mb", "workers", "shards", "round_sizes_kb"):

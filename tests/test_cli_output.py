@@ -5,6 +5,7 @@ the same way on the console and in the metrics."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import signal
 import subprocess
 import sys
@@ -116,3 +117,13 @@ def test_resume_says_what_it_did(tmp_path):
     out = run(*train, "--steps", "8", "--resume", "--d-hidden", "32", "--lr", "0.5")
     assert out.returncode == 1
     assert "model.d_hidden: 16 -> 32" in out.stderr and "optim.lr: 0.01 -> 0.5" in out.stderr
+
+
+@pytest.mark.parametrize("script", ["bench_pserver.py", "bench_optim.py"])
+def test_every_benchmark_flag_has_a_help_line(script):
+    spec = importlib.util.spec_from_file_location(script[:-3], ROOT / "scripts" / script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    missing = [f.name for f in dataclasses.fields(module.BenchConfig) if not f.metadata.get("help")]
+    assert not missing, f"{script} flags without help: {missing}"

@@ -35,6 +35,12 @@ class ParamSpec:
     full_shape, index: for a shard of a larger logical tensor, the logical
         shape and the index (a tuple of slices) this shard takes from it, so
         the shard starts from the dense tensor's values.
+    view: the shape the logical tensor is viewed as before `index` applies,
+        when the shard is not one slice of it (a fused qkv shard is the q, k
+        and v columns of its heads: full (d, 3d), view (d, 3, heads, d_head),
+        index [:, :, h0:h1, :]); the indexed part is reshaped to `shape`.
+    split: the grid dimension the logical tensor is split over ("tp"), or ""
+        for a tensor every rank of that dimension holds whole (replicated).
     """
 
     name: str
@@ -44,10 +50,17 @@ class ParamSpec:
     decay: bool = True
     full_shape: tuple[int, ...] | None = None
     index: tuple[slice, ...] | None = None
+    view: tuple[int, ...] | None = None
+    split: str = ""
 
     @property
     def size(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def full_size(self) -> int:
+        """Elements of the logical (dense) tensor."""
+        return int(np.prod(self.full_shape or self.shape, dtype=np.int64))
 
 
 def initial_value(spec: ParamSpec, seed: int) -> np.ndarray:
@@ -62,7 +75,16 @@ def initial_value(spec: ParamSpec, seed: int) -> np.ndarray:
         full = rng.standard_normal(shape) * spec.std
     else:
         raise ValueError(f"parameter {spec.name}: unknown init {spec.init!r}")
-    value = full[spec.index] if spec.index is not None else full
+    if spec.index is None:
+        value = full
+    elif spec.view is None:
+        value = full[spec.index]
+    else:
+        part = full.reshape(spec.view)[spec.index]
+        if part.size != spec.size:
+            raise ValueError(f"parameter {spec.name}: index of view {spec.view} gives "
+                             f"{part.shape}, {part.size} elements, spec says {spec.shape}")
+        value = part.reshape(spec.shape)
     if value.shape != tuple(spec.shape):
         raise ValueError(
             f"parameter {spec.name}: index gives shape {value.shape}, spec says {spec.shape}"
@@ -123,6 +145,15 @@ class FlatParams:
     @property
     def nbytes(self) -> int:
         return self.size * self.dtype.itemsize
+
+    @property
+    def dense_size(self) -> int:
+        """Elements of the dense model these parameters are (a shard of)."""
+        return sum(s.full_size for s in self.specs)
+
+    def ranges(self, split: str) -> list[tuple[int, int]]:
+        """(lo, hi) buffer ranges of the parameters split over grid dimension `split`."""
+        return [self.offsets[s.name] for s in self.specs if s.split == split]
 
     def zero_grad(self) -> None:
         self.grad.fill(0)

@@ -13,6 +13,11 @@ Backward, per head, with S = Q K^T * scale, A = softmax(S), Y = A V:
     dA = dY V^T
     dS = A * (dA - rowsum(dA * A)),   rowsum(dA * A) = rowsum(dY * Y)
     dQ = dS K * scale,  dK = dS^T Q * scale
+Split over a tensor-parallel communicator (Shoeybi et al. 2019), a rank
+runs n_heads / tp heads: the q, k and v columns of its heads (a
+ColumnParallelLinear of 3 groups) and the matching rows of W_o (a
+RowParallelLinear, whose all-reduce sums the heads' contributions).
+
 The row sum is taken over (T, d_head) rather than (T, T) through the
 identity sum_j dA_ij A_ij = dY_i . sum_j A_ij V_j = dY_i . Y_i (as in
 FlashAttention, Dao et al. 2022). The per-head products are written straight
@@ -25,26 +30,41 @@ from __future__ import annotations
 import math
 
 from dtlab.models.backend import array_module
+from dtlab.models.comm import Comm
 from dtlab.models.layers import Linear, Module
+from dtlab.models.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 
 class CausalSelfAttention(Module):
+    """n_heads heads over d_model; with `tp`, this rank's n_heads / tp.size of them."""
+
     def __init__(self, name: str, d_model: int, n_heads: int, std: float = 0.02,
-                 out_std: float = 0.02):
+                 out_std: float = 0.02, tp: Comm | None = None):
         if d_model % n_heads:
             raise ValueError(f"d_model {d_model} is not divisible by n_heads {n_heads}")
-        self.name, self.d, self.h = name, d_model, n_heads
+        self.name, self.d = name, d_model
         self.hs = d_model // n_heads
-        self.qkv = Linear(f"{name}.qkv", d_model, 3 * d_model, std=std)
-        self.proj = Linear(f"{name}.proj", d_model, d_model, std=out_std)
+        if tp is None:
+            self.h = n_heads
+            self.qkv = Linear(f"{name}.qkv", d_model, 3 * d_model, std=std)
+            self.proj = Linear(f"{name}.proj", d_model, d_model, std=out_std)
+        else:
+            if n_heads % tp.size:
+                raise ValueError(f"{name}: {n_heads} heads are not divisible by the "
+                                 f"tensor-parallel size {tp.size}")
+            self.h = n_heads // tp.size
+            self.qkv = ColumnParallelLinear(f"{name}.qkv", d_model, 3 * d_model, tp, std=std,
+                                            groups=3)
+            self.proj = RowParallelLinear(f"{name}.proj", d_model, d_model, tp, std=out_std)
 
     def specs(self):
         return self.qkv.specs() + self.proj.specs()
 
     def forward(self, P, x):
         xp = array_module(x)
-        B, T, C = x.shape
-        nh, hs = self.h, self.hs
+        B, T, _ = x.shape
+        nh, hs = self.h, self.hs  # this rank's heads
+        C = nh * hs
         qkv, qkv_ctx = self.qkv.forward(P, x)  # (B, T, 3C)
         q, k, v = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)  # 3 x (B, nh, T, hs)
         a = (q * (1.0 / math.sqrt(hs))) @ k.swapaxes(-1, -2)  # (B, nh, T, T) scores S
@@ -73,7 +93,7 @@ class CausalSelfAttention(Module):
         xp.matmul(ds, k, out=dq)
         xp.matmul(ds.swapaxes(-1, -2), q, out=dk)
         dqkv[:, :, :2] *= 1.0 / math.sqrt(hs)
-        return self.qkv.backward(P, qkv_ctx, dqkv.reshape(B, T, 3 * self.d))
+        return self.qkv.backward(P, qkv_ctx, dqkv.reshape(B, T, 3 * nh * hs))
 
 
 _MASKS: dict = {}

@@ -3,6 +3,11 @@
     loss, ctx = model.forward(P, (inputs, targets), scale)
     model.backward(P, ctx, grad_ready)      # accumulates into P.grads
 
+The loss is the model's `loss` (softmax cross-entropy unless the model
+passes another, e.g. the vocabulary-parallel one of a tensor-split model);
+`tp` is the tensor-parallel communicator a split model was built over (None:
+dense), which the global gradient norm needs.
+
 A Replica is one copy of the model as this process sees it: its FlatParams
 and a `compute_grads(micro_batches)` step. The single-process trainer, the
 sync data-parallel trainer and the async parameter-server worker all drive a
@@ -14,18 +19,25 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from dtlab.models import backend
+from dtlab.models.comm import Comm
 from dtlab.models.layers import Sequential
 from dtlab.models.loss import softmax_cross_entropy
+from dtlab.models.optim import clip_grad_norm
 from dtlab.models.params import FlatParams
+from dtlab.models.tensor_parallel import SPLIT
+
+# (logits, targets, scale) -> (mean loss, dlogits times scale)
+Loss = Callable[..., tuple[float, object]]
 
 
 class Model:
-    """`body` maps inputs to logits; the loss is softmax cross-entropy."""
+    """`body` maps inputs to logits; `loss` scores them (default: softmax cross-entropy)."""
 
     name = "model"
 
-    def __init__(self, config, body: Sequential):
-        self.config, self.body = config, body
+    def __init__(self, config, body: Sequential, loss: Loss = softmax_cross_entropy,
+                 tp: Comm | None = None):
+        self.config, self.body, self.loss, self.tp = config, body, loss, tp
 
     def specs(self):
         return self.body.specs()
@@ -43,7 +55,7 @@ class Model:
     def forward(self, P: FlatParams, batch, scale: float = 1.0):
         inputs, targets = self.prepare(batch, P)
         logits, ctxs = self.body.forward(P, inputs)
-        loss, dlogits = softmax_cross_entropy(logits, targets, scale)
+        loss, dlogits = self.loss(logits, targets, scale)
         return loss, (ctxs, dlogits)
 
     def backward(self, P: FlatParams, ctx, grad_ready: Callable[[int], None] | None = None):
@@ -54,6 +66,13 @@ class Model:
         loss, ctx = self.forward(P, batch, scale)
         self.backward(P, ctx, grad_ready)
         return loss
+
+    def clip_grad_norm(self, P: FlatParams, max_norm: float) -> float:
+        """Clip P.grad to the global norm of the whole model's gradient (over its
+        tensor-parallel shards); return the norm before clipping."""
+        if self.tp is None:
+            return clip_grad_norm(P.grad, max_norm)
+        return clip_grad_norm(P.grad, max_norm, split=P.ranges(SPLIT), comm=self.tp)
 
     def init_params(self, seed: int, dtype="float32", xp=None) -> FlatParams:
         return FlatParams(self.specs(), seed=seed, dtype=dtype, xp=xp or backend.xp())

@@ -23,6 +23,7 @@ memory once instead of twice (Adam: once instead of ten times).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -203,13 +204,32 @@ def make_optimizer(cfg: OptimConfig, param_template, decay_mask=None, scratch=No
     return cls(param_template, cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, **kw)
 
 
-def clip_grad_norm(grad, max_norm: float) -> float:
+def clip_grad_norm(grad, max_norm: float, split: Sequence[tuple[int, int]] = (),
+                   comm=None) -> float:
     """Scale `grad` in place so its global L2 norm is at most `max_norm`.
 
     Returns the norm before clipping. max_norm <= 0 disables clipping.
+    With `comm` (a tensor-parallel group, models/comm.py) the norm is the
+    whole model's: the squares of the `split` ranges of `grad` (this rank's
+    shards of split tensors) are summed over the ranks, those of the rest
+    (replicated tensors, whose gradients are equal on every rank) counted once:
+
+        norm^2 = sum_ranks |g_split|^2 + |g_replicated|^2
     """
     xp = array_module(grad)
-    norm = float(xp.sqrt(xp.dot(grad, grad)))
+    if comm is None:
+        norm = float(xp.sqrt(xp.dot(grad, grad)))
+    else:
+        split_sq, replicated_sq = np.zeros(1), 0.0  # split squares: summed over comm
+        edges = [0, *(e for lo_hi in sorted(split) for e in lo_hi), grad.size]
+        for i in range(len(edges) - 1):  # odd intervals are the split ranges
+            g = grad[edges[i]:edges[i + 1]]
+            if i % 2:
+                split_sq[0] += float(xp.dot(g, g))
+            else:
+                replicated_sq += float(xp.dot(g, g))
+        comm.allreduce(split_sq)
+        norm = math.sqrt(float(split_sq[0]) + replicated_sq)
     if max_norm > 0 and norm > max_norm:
         grad *= max_norm / (norm + 1e-6)
     return norm

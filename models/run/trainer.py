@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from dtlab.models.optim import clip_grad_norm
 from dtlab.models.run import checkpoint
 from dtlab.models.run.checkpoint import CheckpointError
 from dtlab.models.run.metrics import MetricsLog
@@ -61,7 +60,7 @@ class Summary:
         if not self.steps:
             return ["no steps run: the run had already reached --steps"]
         seconds = max(self.seconds, 1e-9)
-        speed = f"steps {self.steps} in {seconds:.1f} s, {self.samples_per_s:,.0f} samples/s"
+        speed = f"steps {self.steps} in {seconds:.2f} s, {self.samples_per_s:,.0f} samples/s"
         if flops_per_step is not None:
             speed += f", {flops_per_step * self.steps / seconds / 1e9:.1f} GFLOP/s"
         last = "the last step" if self.tail == 1 else f"mean of the last {self.tail} steps"
@@ -93,7 +92,7 @@ class Trainer:
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or enable --clip")
         t2 = time.perf_counter()
-        grad_norm = clip_grad_norm(s.params.grad, s.setup.optim.clip)
+        grad_norm = s.model.clip_grad_norm(s.params, s.setup.optim.clip)
         lr = s.schedule(step)
         s.optimizer.step(s.params.data, s.params.grad, lr)
         t3 = time.perf_counter()

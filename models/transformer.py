@@ -9,7 +9,15 @@ output projections of each block start with std 0.02 / sqrt(2 n_layers), as
 in GPT-2. The head is not tied to the embedding, so parameters are laid out
 in the order backward finishes them (see Sequential.grad_ready).
 
+Split over a tensor-parallel communicator `tp` (Shoeybi et al. 2019), each
+rank holds the vocabulary slice of the embedding and of the head (whose
+logits go to the vocabulary-parallel cross-entropy), its heads of every
+attention layer and its columns / rows of every FFN (models/
+tensor_parallel.py); the norms are replicated. Parameter names and initial
+values are the dense model's, sliced.
+
     python -m dtlab.models.run.train --model transformer --d-model 128 --n-heads 4 --n-layers 2
+    mpiexec -n 4 python -m dtlab.collective.train --dp 2 --tp 2 --model transformer
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 from dtlab.models.attention import CausalSelfAttention
+from dtlab.models.comm import Comm
 from dtlab.models.config import ConfigError, choice, described, positive
 from dtlab.models.layers import (
     GELU,
@@ -32,6 +41,13 @@ from dtlab.models.layers import (
     SwiGLU,
 )
 from dtlab.models.model import Model
+from dtlab.models.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelSwiGLU,
+    RowParallelLinear,
+    VocabParallelCrossEntropy,
+    VocabParallelEmbedding,
+)
 
 
 @dataclass
@@ -57,28 +73,51 @@ def norm_layer(c: TransformerConfig, name: str) -> Module:
     return LayerNorm(name, c.d_model) if c.norm == "layernorm" else RMSNorm(name, c.d_model)
 
 
-def ffn_layer(c: TransformerConfig, name: str, out_std: float) -> Module:
+def ffn_layer(c: TransformerConfig, name: str, out_std: float, tp: Comm | None = None) -> Module:
+    if tp is not None:
+        if c.ffn == "swiglu":
+            return ParallelSwiGLU(name, c.d_model, c.d_ff, tp, out_std=out_std)
+        return Sequential([ColumnParallelLinear(f"{name}.fc", c.d_model, c.d_ff, tp), GELU(),
+                           RowParallelLinear(f"{name}.proj", c.d_ff, c.d_model, tp,
+                                             std=out_std)])
     if c.ffn == "swiglu":
         return SwiGLU(name, c.d_model, c.d_ff, out_std=out_std)
     return Sequential([Linear(f"{name}.fc", c.d_model, c.d_ff), GELU(),
                        Linear(f"{name}.proj", c.d_ff, c.d_model, std=out_std)])
 
 
-def block(c: TransformerConfig, i: int) -> Module:
+def block(c: TransformerConfig, i: int, tp: Comm | None = None) -> Module:
     out_std = 0.02 / math.sqrt(2 * c.n_layers)
     attn = Sequential([norm_layer(c, f"h{i}.ln1"),
-                       CausalSelfAttention(f"h{i}.attn", c.d_model, c.n_heads, out_std=out_std)])
-    ffn = Sequential([norm_layer(c, f"h{i}.ln2"), ffn_layer(c, f"h{i}.ffn", out_std)])
+                       CausalSelfAttention(f"h{i}.attn", c.d_model, c.n_heads, out_std=out_std,
+                                           tp=tp)])
+    ffn = Sequential([norm_layer(c, f"h{i}.ln2"), ffn_layer(c, f"h{i}.ffn", out_std, tp)])
     b = Sequential([Residual(attn), Residual(ffn)])
     return Recompute(b) if c.recompute else b
+
+
+def check_split(c: TransformerConfig, tp: Comm) -> None:
+    """ConfigError naming the flag whose size the tensor-parallel size does not divide."""
+    for flag, value in (("--n-heads", c.n_heads), ("--d-ff", c.d_ff), ("--vocab", c.vocab)):
+        if value % tp.size:
+            raise ConfigError(f"{flag} {value} is not divisible by --tp {tp.size}")
 
 
 class Transformer(Model):
     name = "transformer"
 
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig, tp: Comm | None = None):
         c = config
-        modules = [Embedding("wte", c.vocab, c.d_model, max_len=c.seq_len)]
-        modules += [block(c, i) for i in range(c.n_layers)]
-        modules += [norm_layer(c, "ln_f"), Linear("head", c.d_model, c.vocab, bias=False)]
-        super().__init__(config, Sequential(modules))
+        if tp is None:
+            modules = [Embedding("wte", c.vocab, c.d_model, max_len=c.seq_len)]
+            modules += [block(c, i) for i in range(c.n_layers)]
+            modules += [norm_layer(c, "ln_f"), Linear("head", c.d_model, c.vocab, bias=False)]
+            super().__init__(config, Sequential(modules))
+            return
+        check_split(c, tp)
+        modules = [VocabParallelEmbedding("wte", c.vocab, c.d_model, tp, max_len=c.seq_len)]
+        modules += [block(c, i, tp) for i in range(c.n_layers)]
+        modules += [norm_layer(c, "ln_f"),
+                    ColumnParallelLinear("head", c.d_model, c.vocab, tp, bias=False)]
+        super().__init__(config, Sequential(modules), VocabParallelCrossEntropy(tp, c.vocab),
+                         tp)

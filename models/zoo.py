@@ -2,6 +2,7 @@
 
     from dtlab.models.zoo import MODELS, build_model
     model = build_model("transformer", TransformerConfig(d_model=128))
+    model = build_model("transformer", config, tp=grid.tp_comm)     # tensor-split
 
 A new model kind registers here once; every trainer, the parameter server
 and the cost estimator (models/cost.py) find it by name.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from dtlab.models.comm import Comm
 from dtlab.models.mlp import MLP, MLPConfig
 from dtlab.models.model import Model
 from dtlab.models.parts import (
@@ -41,5 +43,6 @@ def config_class(name: str):
     return MODELS[name].config
 
 
-def build_model(name: str, config) -> Model:
-    return MODELS[name].build(config)
+def build_model(name: str, config, tp: Comm | None = None) -> Model:
+    """The dense model, or with `tp` this rank's tensor-split shard of it."""
+    return MODELS[name].build(config) if tp is None else MODELS[name].build(config, tp=tp)

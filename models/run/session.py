@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dtlab.models import backend
+from dtlab.models.comm import Comm
 from dtlab.models.config import (
     ConfigError,
     add_flags,
@@ -207,12 +208,14 @@ class Session:
     world: int
 
 
-def build_session(setup: Setup, rank: int = 0, world: int = 1) -> Session:
-    """Everything rank `rank` of `world` needs to train; the data fixes some model fields."""
+def build_session(setup: Setup, rank: int = 0, world: int = 1, tp: Comm | None = None) -> Session:
+    """Everything data-parallel rank `rank` of `world` needs to train; the data fixes some
+    model fields. With a `tp` communicator the model, its parameters and the optimizer
+    are this rank's tensor-split shard (starting from the dense model's values)."""
     backend.select()
     dataset, model_cfg = make_dataset(setup.data, setup.model_name, setup.model)
     setup.model = model_cfg
-    model = build_model(setup.model_name, model_cfg)
+    model = build_model(setup.model_name, model_cfg, tp=tp)
     params = model.init_params(seed=setup.run.seed, dtype=setup.run.dtype)
     optimizer = make_optimizer(setup.optim, params.data, decay_mask=params.decay_mask())
     loader = ShardedLoader(dataset, setup.run.batch_size, rank=rank, world=world,

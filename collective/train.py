@@ -1,9 +1,17 @@
-"""Synchronous data-parallel training over MPI.
+"""Synchronous data-parallel training over MPI, optionally tensor-split.
 
     mpiexec -n 4 python -m dtlab.collective.train --model transformer --steps 600 --seed 0 \
         --metrics runs/sync.jsonl [--allreduce ring|naive|mpi] [--bucket-mb 25] [--no-overlap]
+    mpiexec -n 4 python -m dtlab.collective.train --dp 2 --tp 2 --model transformer
 
-Every rank holds a full replica. Rank 0's initial parameters are broadcast
+The world is a dp x tp grid (collective/grid.py, tp fastest). With --tp 1
+every rank holds a full replica; with --tp b each group of b consecutive
+ranks holds one replica split Megatron-style (models/tensor_parallel.py:
+heads, FFN columns / rows, vocabulary), each rank only its shard, and all
+ranks of a tp group read the same data. Everything below happens within the
+dp communicator, among the ranks holding the same shard.
+
+Every data-parallel rank holds the same parameters. Rank 0's initial parameters are broadcast
 and every rank checks a checksum; each rank reads its own shard of every
 global batch; after backward the gradient buffer is averaged across ranks
 in buckets (our ring all-reduce by default, started for each bucket as soon
@@ -27,13 +35,13 @@ import numpy as np
 from dtlab.collective.buckets import BucketReducer
 from dtlab.collective.comm import ALGOS, Communicator
 from dtlab.collective.failure import FORWARD_S
-from dtlab.collective.grid import ProcessGrid
+from dtlab.collective.grid import GridError, ProcessGrid
 from dtlab.models.config import ConfigError
 from dtlab.models.data.dataset import in_words
 from dtlab.models.run.checkpoint import CheckpointError
 from dtlab.models.run.cli import command_name, run_cli
 from dtlab.models.run.metrics import MetricsLog, run_header
-from dtlab.models.run.session import build_session, parse, replica_cost
+from dtlab.models.run.session import Session, Setup, build_session, parse, replica_cost
 from dtlab.models.run.threads import share_cores
 from dtlab.models.run.trainer import Trainer
 from mpi4py import MPI
@@ -42,6 +50,12 @@ INTERRUPTED = 130
 
 
 def add_sync_flags(parser: argparse.ArgumentParser) -> None:
+    grid = parser.add_argument_group("process grid (dp x tp = the ranks of mpiexec -n)")
+    grid.add_argument("--dp", type=int, default=None,
+                      help="data-parallel replicas (default: the ranks --tp leaves)")
+    grid.add_argument("--tp", type=int, default=1,
+                      help="tensor-parallel ranks per replica (Megatron-LM split; must divide "
+                           "--n-heads, --d-ff and --vocab, or --d-hidden and --n-classes)")
     group = parser.add_argument_group("sync data parallelism")
     group.add_argument("--allreduce", choices=ALGOS, default="ring",
                        help="gradient all-reduce: ours (ring), reduce+bcast (naive), MPI's own")
@@ -85,33 +99,70 @@ def check_replicas_agree(comm: Communicator, params, when: str) -> None:
                            f"(checksums {[hex(s) for s in sums]})")
 
 
-def main(argv: list[str]) -> int:
+def memory_split(session: Session, tp: int) -> dict:
+    """This rank's parameter, gradient and optimizer bytes, and the dense model's."""
+    params = session.params
+    state = sum(v.nbytes for k, v in session.optimizer.state_dict().items() if k != "steps")
+    dense = params.dense_size / params.size
+    return {"tp": tp, "param_bytes": params.nbytes, "grad_bytes": params.grad.nbytes,
+            "optimizer_bytes": state, "dense_param_bytes": round(params.nbytes * dense),
+            "dense_grad_bytes": round(params.grad.nbytes * dense),
+            "dense_optimizer_bytes": round(state * dense)}
+
+
+def parse_args(argv: list[str]) -> Setup:
     setup = parse(argv, prog=command_name("dtlab.collective.train"),
                   description=__doc__.split("\n\n")[0], add_extra=add_sync_flags)
     opts = setup.extra
     if opts.bucket_mb <= 0:
         raise ConfigError(f"--bucket-mb must be positive (got {opts.bucket_mb})")
+    if opts.tp > 1 and (setup.run.checkpoint_every or setup.run.resume):
+        raise ConfigError("--checkpoint-every and --resume are not available with --tp > 1 "
+                          "yet: a checkpoint holds one rank's parameters")
+    return setup
+
+
+def make_grid(opts: argparse.Namespace) -> ProcessGrid:
+    """The dp x tp grid the flags ask for, or a ConfigError naming them."""
+    try:
+        return ProcessGrid(dp=opts.dp, tp=opts.tp, timeout=opts.collective_timeout)
+    except GridError as e:
+        raise ConfigError(f"--dp {opts.dp} --tp {opts.tp}: {e}") from None
+
+
+def main(argv: list[str]) -> int:
+    train(parse_args(argv))
+    return 0
+
+
+def train(setup: Setup) -> tuple[Session, ProcessGrid]:
+    """Run the training `setup` describes on this rank; return its session and grid."""
+    opts = setup.extra
     threads = share_cores()
-    grid = ProcessGrid(timeout=opts.collective_timeout)
+    grid = make_grid(opts)
     grid.select_device()
-    comm, rank = grid.dp_comm, grid.dp_rank
-    session = build_session(setup, rank=rank, world=grid.dp_size)
+    comm, rank = grid.dp_comm, grid.rank
+    session = build_session(setup, rank=grid.dp_rank, world=grid.dp_size,
+                            tp=grid.tp_comm if grid.tp_size > 1 else None)
     params = session.params
+    split = memory_split(session, grid.tp_size)
 
     flops_per_step = replica_cost(setup).flops_step * grid.dp_size
     reducer = DataParallelReducer(comm, params.grad, int(opts.bucket_mb * 1e6),
                                   opts.allreduce, opts.overlap)
     header = run_header(session, "sync", flops_per_step=flops_per_step,
                         allreduce=opts.allreduce, bucket_mb=opts.bucket_mb,
-                        overlap=reducer.buckets.overlap, threads=threads.as_dict())
+                        overlap=reducer.buckets.overlap, threads=threads.as_dict(),
+                        dp=grid.dp_size, **split)
     log = MetricsLog(setup.run.metrics if rank == 0 else "", header, append=setup.run.resume)
     trainer = Trainer(session, log, reducer, is_main=rank == 0)  # loads a checkpoint on --resume
     comm.broadcast(params.data, root=0)
     check_replicas_agree(comm, params, "after the initial broadcast")
     if rank == 0:
-        print(f"{setup.model_name}: {params.size:,} parameters on {grid.dp_size} ranks, "
-              f"allreduce {opts.allreduce}, {len(reducer.buckets.buckets)} bucket(s); data "
-              f"{in_words(header['dataset'])}; {threads.describe()} per rank", file=sys.stderr)
+        print(f"{setup.model_name}: {params.dense_size:,} parameters on dp {grid.dp_size} x tp "
+              f"{grid.tp_size} ranks, {shard_words(split)}; allreduce {opts.allreduce}, "
+              f"{len(reducer.buckets.buckets)} bucket(s); data {in_words(header['dataset'])}; "
+              f"{threads.describe()} per rank", file=sys.stderr)
     try:
         summary = trainer.run()
     finally:
@@ -121,7 +172,18 @@ def main(argv: list[str]) -> int:
     if rank == 0:
         for line in summary.lines(flops_per_step):
             print(line)
-    return 0
+    return session, grid
+
+
+def shard_words(split: dict) -> str:
+    """'per rank: params 1.2 MB of 2.4 MB dense, grads ..., optimizer ...'."""
+    def mb(n: int) -> str:
+        return f"{n / 1e6:.3g} MB"
+
+    parts = [f"{what} {mb(split[f'{key}_bytes'])} of {mb(split[f'dense_{key}_bytes'])} dense"
+             for what, key in (("params", "param"), ("grads", "grad"),
+                               ("optimizer", "optimizer")) if split[f"dense_{key}_bytes"]]
+    return "per rank: " + ", ".join(parts)
 
 
 def cli() -> int:

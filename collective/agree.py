@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+
 from dtlab.collective.link import Link
 
 CHECK_ENV = "DTLAB_COLLECTIVE_CHECK"

@@ -25,8 +25,9 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Protocol
 
-from dtlab.collective.pages import address
 from mpi4py import MPI
+
+from dtlab.collective.pages import address
 
 PLAN_LIMIT = 64
 

@@ -37,8 +37,9 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from dtlab.collective.comm import Communicator
 from mpi4py import MPI
+
+from dtlab.collective.comm import Communicator
 
 DEFAULT_BUCKET_BYTES = 25 << 20
 

@@ -36,6 +36,8 @@ import functools
 import math
 
 import numpy as np
+from mpi4py import MPI
+
 from dtlab.collective import gpu
 from dtlab.collective.agree import ALGOS, Agreement, MismatchError, resolve_mode
 from dtlab.collective.alltoall import pairwise_alltoallv
@@ -55,7 +57,6 @@ from dtlab.collective.shm import SharedArena, shm_one_shot, shm_two_shot
 from dtlab.collective.tree import tree_broadcast
 from dtlab.collective.waits import resolve_yield
 from dtlab.models import backend
-from mpi4py import MPI
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 _ALGO_CODE = {a: i for i, a in enumerate(ALGOS)}

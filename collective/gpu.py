@@ -30,6 +30,7 @@ import functools
 import os
 
 import numpy as np
+
 from dtlab.collective.scratch import Workspace
 from dtlab.models import backend
 

@@ -39,9 +39,10 @@ The node-local rank comes from `MPI_Comm_split_type(COMM_TYPE_SHARED)`, and
 
 from __future__ import annotations
 
+from mpi4py import MPI
+
 from dtlab.collective.comm import Communicator, world
 from dtlab.models import backend
-from mpi4py import MPI
 
 DIMS = ("dp", "pp", "ep", "tp")  # slowest to fastest
 

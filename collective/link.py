@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import weakref
 
+from mpi4py import MPI
+
 from dtlab.collective.bindings import RequestCache
 from dtlab.collective.failure import Watch
 from dtlab.collective.order import ring_order
 from dtlab.collective.scratch import Workspace
 from dtlab.collective.waits import Waiter
-from mpi4py import MPI
 
 TAG_RING = 32001
 TAG_NAIVE = 32002

@@ -12,6 +12,7 @@ a pool of its own.
 from __future__ import annotations
 
 import numpy as np
+
 from dtlab.collective.pages import PAGE, address, mirror
 
 

@@ -44,9 +44,10 @@ MPI_Finalize does.
 from __future__ import annotations
 
 import numpy as np
+from mpi4py import MPI
+
 from dtlab.collective.link import Link
 from dtlab.collective.ring import segment_bounds
-from mpi4py import MPI
 
 _OP = "allreduce(shared memory)"
 

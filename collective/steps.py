@@ -25,10 +25,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mpi4py import MPI
+
 from dtlab.collective.bindings import free_requests
 from dtlab.collective.link import TAG_STEPS, Link, byte_view
 from dtlab.collective.pages import PAGE, address, mirror
-from mpi4py import MPI
 
 BUF = -1  # slot number of the buffer itself
 

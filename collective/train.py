@@ -32,6 +32,8 @@ import sys
 import time
 
 import numpy as np
+from mpi4py import MPI
+
 from dtlab.collective.buckets import BucketReducer
 from dtlab.collective.comm import ALGOS, Communicator
 from dtlab.collective.failure import FORWARD_S
@@ -44,7 +46,6 @@ from dtlab.models.run.metrics import MetricsLog, run_header
 from dtlab.models.run.session import Session, Setup, build_session, parse, replica_cost
 from dtlab.models.run.threads import share_cores
 from dtlab.models.run.trainer import Trainer
-from mpi4py import MPI
 
 INTERRUPTED = 130
 

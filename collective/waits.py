@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import os
 
-from dtlab.collective.failure import Watch
 from mpi4py import MPI
+
+from dtlab.collective.failure import Watch
 
 YIELD_ENV = "DTLAB_YIELD_WAITS"
 _LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from dtlab.models.backend import array_module
 from dtlab.models.config import ConfigError, choice, described, non_negative, positive
 

@@ -38,6 +38,7 @@ rebuilds the dense tensors (tests, saving).
 from __future__ import annotations
 
 import numpy as np
+
 from dtlab.models.backend import array_module, to_host
 from dtlab.models.comm import Comm
 from dtlab.models.layers import Embedding, Linear, SwiGLU

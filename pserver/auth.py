@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 import grpc
+
 from dtlab.models.config import ConfigError
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)

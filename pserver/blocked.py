@@ -21,6 +21,7 @@ it were a single optimizer.
 from __future__ import annotations
 
 import numpy as np
+
 from dtlab.models.optim import OptimConfig, make_optimizer
 from dtlab.pserver.parallel import Parallel
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from dtlab.pserver.errors import FailedPrecondition
 from dtlab.pserver.wire import ChunkedArray
 

@@ -27,6 +27,9 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
 from dtlab.models.config import ConfigError
 from dtlab.models.data import DataConfig
 from dtlab.models.optim import OptimConfig, Schedule
@@ -42,8 +45,6 @@ from dtlab.pserver.metrics import MetricsServer
 from dtlab.pserver.servicer import ParameterServerServicer, handler
 from dtlab.pserver.store import ShardLayout, ShardStore
 from dtlab.pserver.wire import SERVICE
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger(__name__)
 

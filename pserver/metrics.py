@@ -19,7 +19,6 @@ import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from dtlab.protos import dtlab_ps_pb2 as pb
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -28,6 +27,8 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+
+from dtlab.protos import dtlab_ps_pb2 as pb
 
 log = logging.getLogger(__name__)
 

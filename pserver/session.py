@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterable, Iterator
 
 import grpc
+
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver import shm, wire
 

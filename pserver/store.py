@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
+
 from dtlab.models.optim import Optimizer, Schedule
 from dtlab.pserver.blocked import BlockedOptimizer
 from dtlab.pserver.consistency import Clocks, Consistency, Round, WorkerState

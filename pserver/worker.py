@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
+
 from dtlab.models import backend
 from dtlab.models.config import (
     ConfigError,

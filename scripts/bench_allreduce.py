@@ -81,6 +81,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from dtlab.collective.choose import OURS
 
 ALGOS = ("ring", "naive", "mpi")
@@ -263,8 +264,9 @@ def summary(rows: list[dict]) -> str:
 
 
 def one_launch(args) -> int:
-    from dtlab.collective.comm import world
     from mpi4py import MPI
+
+    from dtlab.collective.comm import world
 
     settings = {"ours": args.ours}
     if args.chunk_bytes is not None:

@@ -31,6 +31,7 @@ import sys
 import time
 
 import numpy as np
+
 from dtlab.models import backend
 from dtlab.models.cost import estimate
 from dtlab.models.memory import context_bytes

@@ -32,8 +32,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-import dtlab.models.optim as optim
 import numpy as np
+
+import dtlab.models.optim as optim
 from dtlab.models.config import (
     ConfigError,
     add_flags,

@@ -73,6 +73,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+
 from dtlab.models.config import (
     ConfigError,
     add_flags,

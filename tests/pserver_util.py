@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+
 from dtlab.models.config import build
 from dtlab.models.data import DataConfig
 from dtlab.models.optim import OptimConfig

@@ -4,6 +4,7 @@ import os
 
 import numpy as np
 import pytest
+
 from dtlab.models.run import checkpoint
 from dtlab.models.run.checkpoint import CheckpointError
 

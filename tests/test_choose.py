@@ -10,6 +10,7 @@ tests/test_ring.py.
 from __future__ import annotations
 
 import pytest
+
 from dtlab.collective.choose import (
     ONE_SHOT_ADDED_BYTES,
     OURS,

@@ -12,6 +12,8 @@ import sys
 import time
 
 import pytest
+from mpirun import ROOT, mpiexec_path, mpirun
+
 from dtlab.models.data.factory import DataConfig
 from dtlab.models.mlp import MLPConfig
 from dtlab.models.optim import OptimConfig
@@ -20,7 +22,6 @@ from dtlab.models.run.session import RunConfig
 from dtlab.models.transformer import TransformerConfig
 from dtlab.pserver.config import ClientConfig, ServerConfig
 from dtlab.pserver.worker import WorkerConfig
-from mpirun import ROOT, mpiexec_path, mpirun
 
 MLP = ["--model", "mlp", "--d-in", "8", "--d-hidden", "16", "--n-classes", "4",
        "--n-samples", "512", "--batch-size", "8"]

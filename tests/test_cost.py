@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from dtlab.models.config import ConfigError
 from dtlab.models.cost import estimate
 from dtlab.models.memory import context_bytes

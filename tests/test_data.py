@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from dtlab.models.config import ConfigError, add_flags, build, flag, from_namespace
 from dtlab.models.data import (
     ArrayDataset,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from dtlab.models import backend
 from dtlab.models.cost import estimate
 from dtlab.models.memory import context_bytes

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gradcheck import assert_grad_close, numeric_grad
+
 from dtlab.models.attention import CausalSelfAttention
 from dtlab.models.layers import (
     GELU,
@@ -25,7 +27,6 @@ from dtlab.models.layers import (
 )
 from dtlab.models.loss import softmax_cross_entropy
 from dtlab.models.params import FlatParams
-from gradcheck import assert_grad_close, numeric_grad
 
 D = 6
 SHAPES = [(2, 3, D), (5, D)]

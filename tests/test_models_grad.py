@@ -14,10 +14,11 @@ import itertools
 
 import numpy as np
 import pytest
+from gradcheck import assert_grad_close, numeric_grad, sample_offsets
+
 from dtlab.models.mlp import MLP, MLPConfig
 from dtlab.models.model import Replica
 from dtlab.models.transformer import Transformer, TransformerConfig
-from gradcheck import assert_grad_close, numeric_grad, sample_offsets
 
 TINY_T = dict(vocab=11, seq_len=5, d_model=8, n_heads=2, n_layers=2, d_ff=12)
 TINY_MLP = dict(d_in=5, d_hidden=7, n_layers=2, n_classes=4)

@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import pytest
+
 from dtlab.models.config import ConfigError, build
 from dtlab.models.optim import (
     SGD,

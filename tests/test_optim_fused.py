@@ -7,9 +7,10 @@ switched off (models.optim._fused = None), as on a machine without them.
 
 from __future__ import annotations
 
-import dtlab.models.optim as optim
 import numpy as np
 import pytest
+
+import dtlab.models.optim as optim
 from dtlab.models.config import build
 from dtlab.models.optim import OptimConfig, make_optimizer
 

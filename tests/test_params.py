@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from dtlab.models.params import FlatParams, ParamSpec, initial_value
 
 SPECS = [ParamSpec("a.W", (3, 4)), ParamSpec("a.b", (4,), init="zeros", decay=False),

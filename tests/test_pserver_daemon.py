@@ -14,14 +14,15 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from dtlab.protos import dtlab_ps_pb2 as pb
-from dtlab.pserver import wire
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 from prometheus_client.parser import text_string_to_metric_families
 from pserver_util import ROOT, TINY_MLP_FLAGS, DaemonProcess, connect, initial_params
+
+from dtlab.protos import dtlab_ps_pb2 as pb
+from dtlab.pserver import wire
 
 INIT = initial_params()
 N = INIT.size

@@ -12,10 +12,11 @@ import zlib
 import grpc
 import numpy as np
 import pytest
-from dtlab.protos import dtlab_ps_pb2 as pb
-from dtlab.pserver import wire
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pserver_util import ROOT, addresses, connect, initial_params, serve
+
+from dtlab.protos import dtlab_ps_pb2 as pb
+from dtlab.pserver import wire
 
 C = grpc.StatusCode
 INIT = initial_params()

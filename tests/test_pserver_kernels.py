@@ -10,10 +10,11 @@ import zlib
 
 import numpy as np
 import pytest
+from pserver_util import ROOT
+
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver import wire
 from dtlab.pserver.errors import InvalidArgument
-from pserver_util import ROOT
 
 LENGTHS = [0, 1, 5, 31, 32, 33, 63, 64, 100, 5551, 5552, 5553, 11104, 65536, (1 << 20) + 7]
 CHECK = '''

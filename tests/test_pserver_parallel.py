@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 import pytest
+
 from dtlab.pserver.allocator import HUGE_PAGE, huge_empty, keep_freed_memory
 from dtlab.pserver.parallel import Parallel
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pserver_util import OPENSSL, addresses, connect, initial_params, make_cert, serve
+
 from dtlab.models.config import ConfigError
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver import auth, wire
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pserver_util import OPENSSL, addresses, connect, initial_params, make_cert, serve
 
 INIT = initial_params()
 TOKEN = "s3cret-token"

@@ -16,9 +16,6 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from dtlab.protos import dtlab_ps_pb2 as pb
-from dtlab.protos import dtlab_ps_pb2_grpc as pb_grpc
-from dtlab.pserver import shm
 from pserver_util import (
     ROOT,
     TINY_MLP_FLAGS,
@@ -28,6 +25,10 @@ from pserver_util import (
     initial_params,
     serve,
 )
+
+from dtlab.protos import dtlab_ps_pb2 as pb
+from dtlab.protos import dtlab_ps_pb2_grpc as pb_grpc
+from dtlab.pserver import shm
 
 INIT = initial_params()
 N = INIT.size

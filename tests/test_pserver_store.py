@@ -6,6 +6,7 @@ import threading
 
 import numpy as np
 import pytest
+
 from dtlab.models.config import ConfigError, build
 from dtlab.models.optim import OptimConfig, Schedule, make_optimizer
 from dtlab.models.run.launcher import RANK_VARS, SIZE_VARS

@@ -13,10 +13,11 @@ import sys
 
 import numpy as np
 import pytest
-from dtlab.models.run import checkpoint
-from dtlab.models.run.metrics import read_metrics
 from mpirun import mpirun
 from pserver_util import ONE_BLAS_THREAD, ROOT, addresses, run_workers, serve
+
+from dtlab.models.run import checkpoint
+from dtlab.models.run.metrics import read_metrics
 
 MLP = {"d_in": 4, "d_hidden": 64, "n_layers": 1, "n_classes": 3}
 TRANSFORMER = {"vocab": 8, "seq_len": 16, "d_model": 32, "n_heads": 2, "n_layers": 1, "d_ff": 64}

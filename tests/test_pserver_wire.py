@@ -10,11 +10,12 @@ import zlib
 import grpc
 import numpy as np
 import pytest
+from pserver_util import ROOT, connect, initial_params, serve
+
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.protos import dtlab_ps_pb2_grpc as pb_grpc
 from dtlab.pserver import wire
 from dtlab.pserver.errors import DataLoss, InvalidArgument
-from pserver_util import ROOT, connect, initial_params, serve
 
 GENERATED = ("dtlab_ps_pb2.py", "dtlab_ps_pb2_grpc.py", "dtlab_ps_pb2.pyi")
 

@@ -20,8 +20,6 @@ import time
 
 import numpy as np
 import pytest
-from dtlab.models.run.metrics import read_metrics
-from dtlab.pserver.errors import AlreadyExists, FailedPrecondition
 from pserver_util import (
     ONE_BLAS_THREAD,
     ROOT,
@@ -33,6 +31,9 @@ from pserver_util import (
     serve,
 )
 from test_pserver_store import N, store
+
+from dtlab.models.run.metrics import read_metrics
+from dtlab.pserver.errors import AlreadyExists, FailedPrecondition
 
 ADAM = {"optimizer": "adam", "lr": 3e-3, "warmup": 0, "schedule": "constant", "clip": 0.0}
 WORKER = [*TINY_MLP_FLAGS, "--n-samples", "256", "--label-noise", "0.1", "--batch-size", "8",

@@ -9,11 +9,12 @@ import subprocess
 import sys
 
 import pytest
+from mpirun import ROOT
+from pserver_util import DaemonProcess
+
 from dtlab.models.config import ConfigError
 from dtlab.models.run.metrics import read_metrics
 from dtlab.models.run.session import parse
-from mpirun import ROOT
-from pserver_util import DaemonProcess
 
 RUN = {"model_name": "mlp", "model": {"d_hidden": 16},
        "data": {"data": "teacher", "n_samples": 512, "label_noise": 0.05},

@@ -6,9 +6,10 @@ K steps with the same parameters as one process with batch N*B.
 
 import numpy as np
 import pytest
+from mpirun import mpirun
+
 from dtlab.models.run import checkpoint
 from dtlab.models.run.metrics import read_metrics
-from mpirun import mpirun
 
 MLP = ["--model", "mlp", "--d-in", "12", "--d-hidden", "32", "--n-classes", "5",
        "--n-samples", "4096"]

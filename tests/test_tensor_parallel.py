@@ -10,12 +10,13 @@ import inspect
 
 import numpy as np
 import pytest
+from mpirun import mpirun
+
 from dtlab.collective.comm import Communicator
 from dtlab.models.comm import Comm
 from dtlab.models.params import ParamSpec, initial_value
 from dtlab.models.run import checkpoint
 from dtlab.models.run.metrics import read_metrics
-from mpirun import mpirun
 
 LM = ["--model", "transformer", "--vocab", "16", "--seq-len", "16", "--d-model", "32",
       "--n-heads", "4", "--n-layers", "2", "--d-ff", "64", "--n-tokens", "40000"]

@@ -8,8 +8,9 @@ import os
 import re
 
 import pytest
-from dtlab.models.run import threads
 from mpirun import mpirun
+
+from dtlab.models.run import threads
 
 THREAD_VARS = threads.USER_VARS + threads.LOCAL_SIZE_VARS
 CORES = len(os.sched_getaffinity(0))

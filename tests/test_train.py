@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from dtlab.models.run import checkpoint
 from dtlab.models.run.metrics import MetricsLog, read_metrics, run_header
 from dtlab.models.run.session import build_session, parse

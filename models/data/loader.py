@@ -21,6 +21,7 @@ ranks with batch B see, in the same epochs; and the state is global
 from __future__ import annotations
 
 import numpy as np
+
 from dtlab.models.config import ConfigError
 from dtlab.models.data.dataset import Dataset
 

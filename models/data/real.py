@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import numpy as np
+
 from dtlab.models.config import ConfigError
 from dtlab.models.data.dataset import ArrayDataset, TokenWindows
 

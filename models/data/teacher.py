@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
 from dtlab.models.data.dataset import ArrayDataset
 
 

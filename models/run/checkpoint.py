@@ -22,6 +22,7 @@ import shutil
 import tempfile
 
 import numpy as np
+
 from dtlab.models import backend
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")

@@ -20,12 +20,13 @@ import sys
 import warnings
 
 import numpy as np
+from mpi4py import MPI
+from rank_checks import RankChecks
+
 from dtlab.collective import BucketReducer, world
 from dtlab.collective.buckets import bucket_bounds
 from dtlab.models.mlp import MLP, MLPConfig
 from dtlab.models.model import Replica
-from mpi4py import MPI
-from rank_checks import RankChecks
 
 comm = world(timeout=60)
 N, R = comm.size, comm.rank

@@ -20,11 +20,12 @@ import sys
 import zlib
 
 import numpy as np
-from dtlab.collective import Communicator, gpu
-from dtlab.collective.ring import segment_bounds
 from fakecuda import FakeDeviceArray
 from mpi4py import MPI
 from rank_checks import RankChecks
+
+from dtlab.collective import Communicator, gpu
+from dtlab.collective.ring import segment_bounds
 
 DTYPES = (np.float32, np.float64, np.float16, np.int32, np.int64)
 # (name, Communicator.ours, chunk_bytes): each of our all-reduce algorithms forced

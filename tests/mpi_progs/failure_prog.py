@@ -18,6 +18,7 @@ import threading
 import time
 
 import numpy as np
+
 from dtlab.collective import Communicator, MismatchError, world
 
 

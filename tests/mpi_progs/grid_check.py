@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+
 from dtlab.collective import GridError, ProcessGrid, world
 
 SHAPES = [

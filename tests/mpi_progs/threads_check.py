@@ -6,8 +6,9 @@ prints one line per rank: "rank R threads CHOSEN blas IN_USE source SOURCE".
 
 import sys
 
-from dtlab.models.run.threads import share_cores, threads_in_use
 from mpi4py import MPI
+
+from dtlab.models.run.threads import share_cores, threads_in_use
 
 choice = share_cores()
 in_use = threads_in_use()

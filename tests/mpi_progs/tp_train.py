@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+
 from dtlab.collective.train import parse_args, train
 from dtlab.models.tensor_parallel import dense_values
 

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
 from dtlab.collective import world
 from dtlab.models.attention import CausalSelfAttention
 from dtlab.models.comm import Comm

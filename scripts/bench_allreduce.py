@@ -111,11 +111,16 @@ def parse_list(text: str, what: str, choices=None) -> list[str]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--min-bytes", type=parse_bytes, default=4 << 10)
-    p.add_argument("--max-bytes", type=parse_bytes, default=64 << 20)
-    p.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"))
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--min-bytes", type=parse_bytes, default=4 << 10,
+                   help="smallest buffer, e.g. 4K (default: 4K); sizes double up to --max-bytes")
+    p.add_argument("--max-bytes", type=parse_bytes, default=64 << 20,
+                   help="largest buffer, e.g. 1M (default: 64M)")
+    p.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"),
+                   help="element type, summed (default: float32)")
+    p.add_argument("--rounds", type=int, default=7,
+                   help="timed rounds per size, the algorithms in rotated order (default: 7)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed calls of each algorithm per size first (default: 3)")
     p.add_argument("--algos", default=",".join(ALGOS),
                    type=lambda t: parse_list(t, "--algos", ALGOS),
                    help="comma-separated subset of ring,naive,mpi (ring and mpi always run)")
@@ -223,7 +228,12 @@ def table(rows: list[dict], n: int, algos: list[str]) -> str:
     group = "{:>9} {:>7} {:>7} {:>6} {:>6}"
     width = {a: 43 if a == "ring" else 36 for a in algos}
     ratios = "   ring/mpi" + ("  ring/naive" if "naive" in algos else "")
-    head1 = f"# n={n}  float SUM in place; time = best round's mean, slowest rank; GB = 1e9 B\n"
+    head1 = (f"# n={n}  float SUM in place; time = best round's mean, slowest rank; GB = 1e9 B\n"
+             "# legend: ring = our all-reduce, via = the algorithm it took (rd recursive "
+             "doubling, shm1/shm2 shared-memory one-/two-shot, hd halving-doubling, ring); "
+             "naive = reduce to rank 0 + broadcast; mpi = MPI_Allreduce; algbw = bytes/time; "
+             "busbw = algbw * 2(n-1)/n; #wrong = elements unlike the exact sum; ring/mpi, "
+             "ring/naive = busbw ratios (> 1 favours ours)\n")
     head2 = (f"# {'':>10} {'':>10} {'':>7}  "
              + "  ".join(f"{a + ('(via)' if a == 'ring' else ''):^{width[a]}}" for a in algos)
              + ratios + "\n")

@@ -183,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{warmup} warm-up, {threads.describe()}; "
           "GFLOP = dtlab.models.cost matmul FLOPs per step; "
           "ratio = GFLOP/s / same-run float32 matmul GFLOP/s")
+    print("# legend: tokens = per step; GFLOP = matmul GFLOP per step; mm = the same-run "
+          "matmul's shape and rate; act MB = measured activation bytes kept for backward; est "
+          "MB = models/cost.py's figure; #wrong = mismatched bytes or a non-finite loss")
     print("#" + HEADER[1:])
     rows = []
     for name, size, cfg, batch in TINY if args.tiny else SIZES:

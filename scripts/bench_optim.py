@@ -134,6 +134,10 @@ def sweep(cfg: BenchConfig) -> list[dict]:
         print("# models/_fused.c is not built: numpy rows only", flush=True)
     paths = ["C", "numpy"] if optim._fused is not None else ["numpy"]
     rows = []
+    print("# legend: size = bytes of the flat buffer; thr = optimizer threads; path = C "
+          "(models/_fused.c) or numpy; traffic GB/s = bytes the update must read and write / "
+          "step time; p+=g GB/s = the same for one NumPy add on the same blocks and threads; "
+          "ratio = traffic / p+=g; #wrong = elements where C and numpy differ", flush=True)
     print(HEADER, flush=True)
     for nbytes in sizes:
         n = nbytes // 4

@@ -118,18 +118,20 @@ class DeregisterReply(_message.Message):
     def __init__(self) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "shard", "known_version", "wait_timeout_s", "registration")
+    __slots__ = ("worker_id", "shard", "known_version", "wait_timeout_s", "registration", "whole_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     shard: int
     known_version: int
     wait_timeout_s: float
     registration: int
-    def __init__(self, worker_id: _Optional[int] = ..., shard: _Optional[int] = ..., known_version: _Optional[int] = ..., wait_timeout_s: _Optional[float] = ..., registration: _Optional[int] = ...) -> None: ...
+    whole_bytes: int
+    def __init__(self, worker_id: _Optional[int] = ..., shard: _Optional[int] = ..., known_version: _Optional[int] = ..., wait_timeout_s: _Optional[float] = ..., registration: _Optional[int] = ..., whole_bytes: _Optional[int] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("meta", "not_modified")
@@ -187,8 +189,28 @@ class PushReply(_message.Message):
     lr: float
     def __init__(self, duplicate: _Optional[bool] = ..., staleness: _Optional[int] = ..., version: _Optional[int] = ..., pending: _Optional[bool] = ..., lr: _Optional[float] = ...) -> None: ...
 
+class WholePush(_message.Message):
+    __slots__ = ("header", "chunk", "trailer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunk: Chunk
+    trailer: Trailer
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ...) -> None: ...
+
+class WholePull(_message.Message):
+    __slots__ = ("header", "chunk", "trailer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    header: PullHeader
+    chunk: Chunk
+    trailer: Trailer
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ...) -> None: ...
+
 class SessionRequest(_message.Message):
-    __slots__ = ("header", "chunk", "trailer", "pull", "shm_request", "shm_attach", "shm_push", "shm_pull")
+    __slots__ = ("header", "chunk", "trailer", "pull", "shm_request", "shm_attach", "shm_push", "shm_pull", "push_whole")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +219,7 @@ class SessionRequest(_message.Message):
     SHM_ATTACH_FIELD_NUMBER: _ClassVar[int]
     SHM_PUSH_FIELD_NUMBER: _ClassVar[int]
     SHM_PULL_FIELD_NUMBER: _ClassVar[int]
+    PUSH_WHOLE_FIELD_NUMBER: _ClassVar[int]
     header: PushHeader
     chunk: Chunk
     trailer: Trailer
@@ -205,10 +228,11 @@ class SessionRequest(_message.Message):
     shm_attach: ShmAttach
     shm_push: ShmPush
     shm_pull: PullRequest
-    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., shm_request: _Optional[_Union[ShmRequest, _Mapping]] = ..., shm_attach: _Optional[_Union[ShmAttach, _Mapping]] = ..., shm_push: _Optional[_Union[ShmPush, _Mapping]] = ..., shm_pull: _Optional[_Union[PullRequest, _Mapping]] = ...) -> None: ...
+    push_whole: WholePush
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., shm_request: _Optional[_Union[ShmRequest, _Mapping]] = ..., shm_attach: _Optional[_Union[ShmAttach, _Mapping]] = ..., shm_push: _Optional[_Union[ShmPush, _Mapping]] = ..., shm_pull: _Optional[_Union[PullRequest, _Mapping]] = ..., push_whole: _Optional[_Union[WholePush, _Mapping]] = ...) -> None: ...
 
 class SessionReply(_message.Message):
-    __slots__ = ("header", "chunk", "trailer", "pushed", "shm_offer", "shm_ready", "shm_pulled")
+    __slots__ = ("header", "chunk", "trailer", "pushed", "shm_offer", "shm_ready", "shm_pulled", "pulled_whole")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +240,7 @@ class SessionReply(_message.Message):
     SHM_OFFER_FIELD_NUMBER: _ClassVar[int]
     SHM_READY_FIELD_NUMBER: _ClassVar[int]
     SHM_PULLED_FIELD_NUMBER: _ClassVar[int]
+    PULLED_WHOLE_FIELD_NUMBER: _ClassVar[int]
     header: PullHeader
     chunk: Chunk
     trailer: Trailer
@@ -223,7 +248,8 @@ class SessionReply(_message.Message):
     shm_offer: ShmOffer
     shm_ready: ShmReady
     shm_pulled: ShmPulled
-    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ..., pushed: _Optional[_Union[PushReply, _Mapping]] = ..., shm_offer: _Optional[_Union[ShmOffer, _Mapping]] = ..., shm_ready: _Optional[_Union[ShmReady, _Mapping]] = ..., shm_pulled: _Optional[_Union[ShmPulled, _Mapping]] = ...) -> None: ...
+    pulled_whole: WholePull
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ..., pushed: _Optional[_Union[PushReply, _Mapping]] = ..., shm_offer: _Optional[_Union[ShmOffer, _Mapping]] = ..., shm_ready: _Optional[_Union[ShmReady, _Mapping]] = ..., shm_pulled: _Optional[_Union[ShmPulled, _Mapping]] = ..., pulled_whole: _Optional[_Union[WholePull, _Mapping]] = ...) -> None: ...
 
 class ShmRequest(_message.Message):
     __slots__ = ("boot_id",)

@@ -115,6 +115,10 @@ class ParameterServerServicer:
         header, chunks, trailer answered by SessionReply.pushed. It saves every
         operation the set-up of a call. An operation that fails ends the stream
         with its status (as the call would have); the client opens a new one.
+        A tensor that fits in one message may travel as one: a push as
+        SessionRequest.push_whole, and a pull whose request sets whole_bytes as
+        SessionReply.pulled_whole (header, chunk and trailer in one message,
+        checked alike): two messages per operation instead of four or more.
         A worker on the server's host may move the tensor bytes through shared
         memory instead (shm_request, shm_attach, then shm_push and shm_pull).
         """

@@ -4,6 +4,10 @@ A tensor stream (PullReply or PushRequest; both number their oneof alike) is
 
     header (field 1), chunk (field 2) ... chunk, trailer (field 3)
 
+On a Session a tensor that fits in one chunk may also travel as one
+message (WholePush, WholePull: header, trailer, then the chunk, its data last
+and aligned as a chunk's), read into a `Whole` and checked alike.
+
 Headers and trailers are small and go through the generated protobuf
 classes. Chunks carry the bulk bytes and are encoded and decoded here by hand,
 in the same protobuf wire format: the sender writes a few prefix bytes and
@@ -218,38 +222,95 @@ _START_KEY, _DATA_KEY, _PAD_KEY = (_varint(f << 3 | t) for f, t in ((1, _VARINT)
                                                                        (3, _LEN)))
 
 
-def _chunk_prefix(start: int, nbytes: int, pad: int) -> bytes:
+def _len_field(field: int, body: bytes) -> bytes:
+    return _varint(field << 3 | _LEN) + _varint(len(body)) + body
+
+
+def _chunk_prefix(start: int, nbytes: int, pad: int, field: int, before: bytes) -> bytes:
     """Everything before a chunk's data; `pad` is the pad field's size in bytes, key and
-    length included (0: no pad field)."""
+    length included (0: no pad field). field CHUNK: the chunk is the stream message's oneof
+    field; another: the chunk is the last field of the message in oneof field `field`,
+    after the fields `before`."""
     inner = _START_KEY + _varint(start)
     if pad:
         inner += _PAD_KEY + _varint(pad - 2) + bytes(pad - 2)
     inner += _DATA_KEY + _varint(nbytes)
-    return _LEN_KEY[CHUNK] + _varint(len(inner) + nbytes) + inner
+    chunk = _LEN_KEY[CHUNK] + _varint(len(inner) + nbytes) + inner
+    if field == CHUNK:
+        return chunk
+    return _varint(field << 3 | _LEN) + _varint(len(before) + len(chunk) + nbytes) + before + chunk
 
 
-def chunk_message(start: int, data: memoryview, checksum: int = ADLER_START) -> tuple[bytes, int]:
-    """A serialized PullReply / PushRequest holding Chunk(start, data), and the running
-    Adler-32 `checksum` continued over data: one pass over data with the C kernels (the
-    copy and the checksum, without the GIL), a copy and a checksum of the copy without.
-
-    A Chunk.pad field before the data makes the data start ALIGN bytes into
-    the message times a whole number, so that a receiver whose message
-    buffers are ALIGN-aligned (Python bytes are, at 32 bytes past a 16-byte
-    aligned block) can compute on it in place at full SIMD speed.
-    """
+def _aligned_prefix(start: int, nbytes: int, field: int = CHUNK, before: bytes = b"") -> bytes:
+    """_chunk_prefix with a Chunk.pad that makes the data start ALIGN bytes into the
+    message times a whole number, so that a receiver whose message buffers are
+    ALIGN-aligned (Python bytes are, at 32 bytes past a 16-byte aligned block) can
+    compute on it in place at full SIMD speed."""
     pad = 0
-    prefix = _chunk_prefix(start, len(data), pad)
+    prefix = _chunk_prefix(start, nbytes, pad, field, before)
     while len(prefix) % ALIGN:
         # a pad field takes at least 2 bytes (key, length); growing the message can also
         # widen its length varint by a byte, hence the loop
         short = -len(prefix) % ALIGN
         pad = pad + short if pad else short if short >= 2 else short + ALIGN
-        prefix = _chunk_prefix(start, len(data), pad)
+        prefix = _chunk_prefix(start, nbytes, pad, field, before)
+    return prefix
+
+
+def chunk_message(start: int, data: memoryview, checksum: int = ADLER_START) -> tuple[bytes, int]:
+    """A serialized PullReply / PushRequest holding Chunk(start, data), data aligned, and
+    the running Adler-32 `checksum` continued over data: one pass over data with the C
+    kernels (the copy and the checksum, without the GIL), a copy and a checksum of the copy
+    without."""
+    prefix = _aligned_prefix(start, len(data))
     if _kernels is not None:
         return _kernels.chunk_message(prefix, data, checksum)
     message = b"".join((prefix, data))
     return message, adler32(_data_of(message, len(data)), checksum)  # still in cache
+
+
+def whole_message(field: int, header, data: memoryview, checksum: int) -> bytes:
+    """A serialized stream message whose oneof field `field` holds a WholePush or WholePull:
+    `header`, the trailer (1 chunk, `checksum`: the Adler-32 of data), then the chunk of all
+    of `data`, data last and aligned as in chunk_message."""
+    before = (_len_field(HEADER, header.SerializeToString())
+              + _len_field(TRAILER, pb.Trailer(chunks=1, adler32=checksum).SerializeToString()))
+    prefix = _aligned_prefix(0, len(data), field, before)
+    if _kernels is not None:  # the copy without the GIL
+        return _kernels.chunk_message(prefix, data)[0]
+    return b"".join((prefix, data))
+
+
+@dataclass(frozen=True)
+class Whole:
+    """A WholePush or WholePull as received: data is a view into the received bytes."""
+
+    header: object
+    start: int
+    data: memoryview
+    trailer: pb.Trailer
+
+    def into(self, received: ChunkedArray) -> None:
+        """Check the chunk and the trailer as a stream's would be (ChunkedArray.add, finish)."""
+        received.add(self.start, self.data)
+        received.finish(self.trailer)
+
+
+def parse_whole(cls, body: memoryview) -> Whole:
+    """A WholePush / WholePull (`cls`) with its chunk's data a view into the received bytes;
+    an absent part reads as its empty default (and fails the checks)."""
+    header_cls = cls.DESCRIPTOR.fields_by_name["header"].message_type._concrete_class
+    header, (start, data), trailer = header_cls(), (0, memoryview(b"")), pb.Trailer()
+    for field, wtype, value in _fields(body):
+        if field in (HEADER, CHUNK, TRAILER) and wtype != _LEN:
+            raise InvalidArgument(f"malformed {cls.__name__}: field {field} has wire type {wtype}")
+        if field == HEADER:
+            header = parse(header_cls, value)
+        elif field == CHUNK:
+            start, data = parse_chunk(value)
+        elif field == TRAILER:
+            trailer = parse(pb.Trailer, value)
+    return Whole(header, start, data, trailer)
 
 
 def chunk_bounds(n: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -267,13 +328,21 @@ class HandCodec:
     def chunk_message(self, start: int, data: memoryview, checksum: int) -> tuple[bytes, int]:
         return chunk_message(start, data, checksum)
 
+    def whole_message(self, cls, name: str, header, data: memoryview, checksum: int) -> bytes:
+        """A `cls` message whose oneof field `name` (a WholePush / WholePull) holds `header`
+        and all of `data` (Adler-32 `checksum`)."""
+        return whole_message(_oneof(cls).numbers_by_name[name], header, data, checksum)
+
     def read(self, cls, raw: bytes) -> tuple[str, object]:
         """The set oneof field of a `cls` stream message: (its name, the sub-message;
-        (start, data) for a chunk, data a view into `raw`)."""
+        (start, data) for a chunk, a Whole for a WholePush / WholePull, data a view into
+        `raw`)."""
         oneof = _oneof(cls)
         number, body = split(raw, oneof.numbers)
         name, sub = oneof.fields[number]
-        return name, parse_chunk(body) if number == CHUNK else parse(sub, body)
+        if number == CHUNK:
+            return name, parse_chunk(body)
+        return name, parse_whole(sub, body) if sub in _WHOLE else parse(sub, body)
 
 
 class GeneratedCodec:
@@ -287,6 +356,12 @@ class GeneratedCodec:
         message = pb.PullReply(chunk=pb.Chunk(start=start, data=bytes(data)))
         return message.SerializeToString(), adler32(data, checksum)
 
+    def whole_message(self, cls, name: str, header, data: memoryview, checksum: int) -> bytes:
+        whole_cls = _oneof(cls).fields[_oneof(cls).numbers_by_name[name]][1]
+        whole = whole_cls(header=header, chunk=pb.Chunk(start=0, data=bytes(data)),
+                          trailer=pb.Trailer(chunks=1, adler32=checksum))
+        return cls(**{name: whole}).SerializeToString()
+
     def read(self, cls, raw: bytes) -> tuple[str, object]:
         try:
             message = cls.FromString(raw)
@@ -296,17 +371,26 @@ class GeneratedCodec:
         if name is None:
             raise InvalidArgument("malformed message: none of its oneof fields is set")
         value = getattr(message, name)
-        return name, (value.start, memoryview(value.data)) if name == "chunk" else value
+        if name == "chunk":
+            return name, (value.start, memoryview(value.data))
+        if type(value) in _WHOLE:
+            return name, Whole(value.header, value.chunk.start, memoryview(value.chunk.data),
+                               value.trailer)
+        return name, value
 
 
 CODECS = {c.name: c for c in (HandCodec(), GeneratedCodec())}
 HAND = CODECS["hand"]
 
 
+_WHOLE = (pb.WholePush, pb.WholePull)
+
+
 @dataclass(frozen=True)
 class _Oneof:
     numbers: frozenset[int]
     fields: dict[int, tuple[str, type]]  # number -> (name, message class)
+    numbers_by_name: dict[str, int]
 
 
 _ONEOFS: dict[type, _Oneof] = {}
@@ -317,7 +401,8 @@ def _oneof(cls) -> _Oneof:
     if cls not in _ONEOFS:
         fields = {f.number: (f.name, f.message_type._concrete_class)
                   for f in cls.DESCRIPTOR.oneofs_by_name["kind"].fields}
-        _ONEOFS[cls] = _Oneof(frozenset(fields), fields)
+        _ONEOFS[cls] = _Oneof(frozenset(fields), fields,
+                              {name: number for number, (name, _) in fields.items()})
     return _ONEOFS[cls]
 
 
@@ -334,6 +419,14 @@ def stream(header, values: np.ndarray, chunk_bytes: int = CHUNK_BYTES,
         count += 1
         yield message
     yield trailer_message(checksum, count)
+
+
+def whole(cls, name: str, header, values: np.ndarray,
+          codec: HandCodec | GeneratedCodec = HAND) -> bytes:
+    """A flat tensor's whole stream in one `cls` message (oneof field `name`: a WholePush or
+    WholePull): the header, all of the values as one chunk, and their Adler-32."""
+    raw = memoryview(little_endian(values)).cast("B")
+    return codec.whole_message(cls, name, header, raw, adler32(raw))
 
 
 def _data_of(message: bytes, nbytes: int) -> memoryview:
@@ -395,6 +488,17 @@ class Snapshot:
     def _record(self, i: int, checksum: int) -> None:
         if len(self._sums) == i:
             self._sums.append(checksum)
+
+    @property
+    def one_chunk(self) -> bool:
+        return len(self.bounds) == 1
+
+    def whole(self, cls, name: str, header, codec: HandCodec | GeneratedCodec = HAND) -> bytes:
+        """The tensor (one_chunk) in one `cls` message, its oneof field `name` a WholePull."""
+        with self._lock:
+            if not self._sums:
+                self._record(0, adler32(self._piece(0)))
+            return codec.whole_message(cls, name, header, self._piece(0), self._sums[0])
 
     def stream(self, header, codec: HandCodec | GeneratedCodec = HAND) -> Iterator[bytes]:
         yield header_message(header)

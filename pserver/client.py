@@ -40,13 +40,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver import auth, wire
 from dtlab.pserver.config import ClientConfig
 from dtlab.pserver.errors import DataLoss, InvalidArgument
 from dtlab.pserver.session import PULL, SHM_PULL, SHM_PUSH, Session, StatusError, Watchdog
 from dtlab.pserver.wire import SERVICE
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,8 @@ class ShardClient:
         self._session: Session | None = None
         self._watchdog = watchdog
         self.shm_refused = "" if shm else "the worker runs with shm off"
+        # a pulled tensor up to this size may come in one message (room for its header)
+        self.whole_bytes = max_message_bytes - 1024
         self._metadata = auth.call_metadata(auth.read_token(cfg.token_file, cfg.token_env))
         # reconnect within ~0.1-2 s (gRPC's default backoff starts at 1 s, grows to 120 s),
         # so that retries find a restarted shard
@@ -213,6 +216,7 @@ class ShardClient:
             req.known_version = known_version
         if self.transport == "session":
             req.wait_timeout_s = self.cfg.rpc_timeout_s
+            req.whole_bytes = self.whole_bytes
             return self._retry(lambda: self._in_session(lambda s: self._pull_session(s, req, out)),
                                "Pull")
 
@@ -226,8 +230,14 @@ class ShardClient:
         return self._retry(attempt, "Pull")
 
     def _receive(self, messages, cls, out: np.ndarray) -> tuple[int, bool]:
-        """A pull's header, chunks and trailer from `messages` into `out`."""
+        """A pull's header, chunks and trailer (or all three in one pulled_whole) from
+        `messages` into `out`."""
         kind, header = self.codec.read(cls, next(messages))
+        if kind == "pulled_whole":
+            whole, header = header, header.header
+            self._check_meta(header.meta, out)
+            whole.into(wire.ChunkedArray(out.size, out.dtype, into=out))
+            return header.meta.version, True
         if kind != "header":
             raise InvalidArgument(f"{self.address}: pull stream did not start with a header")
         self._check_meta(header.meta, out)
@@ -279,7 +289,9 @@ class ShardClient:
 
     def _push_session(self, s: Session, header: pb.PushHeader, grad: np.ndarray,
                       chunk: int) -> pb.PushReply:
-        if s.segment is None:
+        if s.segment is None and grad.nbytes <= chunk:
+            s.send((wire.whole(pb.SessionRequest, "push_whole", header, grad, self.codec),))
+        elif s.segment is None:
             s.send(wire.stream(header, grad, chunk, self.codec))
         else:
             checksum = wire.copy_and_checksum(  # no view of the segment outlives the call

@@ -14,7 +14,9 @@ stream that breaks off, drops the chunks: nothing is applied.
 
 Pulls and pushes arrive on their own calls (Pull, Push) or, one after
 another, on a worker's long-lived Session stream, which saves each operation
-the set-up of a call: its thread hand-offs and HTTP/2 stream. An operation
+the set-up of a call: its thread hand-offs and HTTP/2 stream; there a
+tensor that fits in one message may come and go as one (WholePush,
+WholePull), checked by the same ChunkedArray add and finish. An operation
 that fails on a session ends the stream with the status its own call would
 have ended with. A session whose worker is on this host may agree on a
 shared-memory segment (pserver.shm): then a push's gradient and a pull's
@@ -36,9 +38,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import grpc
 import numpy as np
+
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver import runconfig, shm, wire
 from dtlab.pserver.errors import DataLoss, FailedPrecondition, InvalidArgument, PSError, Unavailable
@@ -172,12 +176,17 @@ class ParameterServerServicer:
     def _header(self, read: Read) -> pb.PullHeader:
         return pb.PullHeader(meta=self._meta(read.version), not_modified=read.tensor is None)
 
-    def _pull_stream(self, read: Read) -> Iterator[bytes]:
+    def _pull_stream(self, read: Read, whole_bytes: int = 0) -> Iterator[bytes]:
+        """Header, chunks, trailer; or the header alone (not modified); or, on a session
+        that allows `whole_bytes`, a tensor of one chunk in one SessionReply.pulled_whole."""
         try:
-            if read.tensor is None:
+            tensor = read.tensor
+            if tensor is None:
                 yield wire.header_message(self._header(read))
+            elif tensor.one_chunk and tensor.nbytes <= whole_bytes:
+                yield tensor.whole(pb.SessionReply, "pulled_whole", self._header(read), self.codec)
             else:
-                yield from read.tensor.stream(self._header(read), self.codec)
+                yield from tensor.stream(self._header(read), self.codec)
         finally:
             self.store.release(read)
 
@@ -209,11 +218,14 @@ class ParameterServerServicer:
             raise InvalidArgument(f"meta.offset {h.meta.offset}: shard {lay.shard} starts at "
                                   f"{want.offset}", reason="offset")
 
+    def _gradient(self) -> wire.ChunkedArray:
+        params = self.store.params
+        return wire.ChunkedArray(params.size, params.dtype, finite=True, name="gradient")
+
     def _receive(self, requests: Iterator[bytes], cls, session: bool) -> wire.ChunkedArray:
         """The pushed gradient, checked in full; raises on any fault. On a call the
         trailer must be the last message; on a session the next operation follows it."""
-        params = self.store.params
-        grad = wire.ChunkedArray(params.size, params.dtype, finite=True, name="gradient")
+        grad = self._gradient()
         for raw in requests:
             kind, value = self.codec.read(cls, raw)
             if kind == "chunk":
@@ -238,26 +250,28 @@ class ParameterServerServicer:
                 raise InvalidArgument(f"{kind} inside a push stream", reason="order")
         raise DataLoss("push stream ended without a trailer", reason="incomplete")
 
-    def _push(self, h: pb.PushHeader, requests: Iterator[bytes], cls,
-              session: bool) -> PushResult:
-        self._check_header(h)
-        if not session:
-            with self.store.holding(h.worker_id, h.registration):
-                return self._push_held(h, requests, cls, session)
-        return self._push_held(h, requests, cls, session)
+    def _whole_gradient(self, whole: wire.Whole) -> wire.ChunkedArray:
+        grad = self._gradient()
+        whole.into(grad)
+        return grad
 
-    def _push_held(self, h: pb.PushHeader, requests: Iterator[bytes], cls,
-                   session: bool) -> PushResult:
-        result = self.store.admit(h.worker_id, h.step, h.meta.version)
-        if result is not None:
-            if session:
-                self._skip(requests, cls)
-            return result
-        with self.store.receiving():
-            t0 = time.perf_counter()
-            grad = self._receive(requests, cls, session)
-            self.store.received(time.perf_counter() - t0, grad.check_seconds)
-            return self.store.push(h.worker_id, h.step, h.meta.version, grad)
+    def _push(self, h: pb.PushHeader, receive: Callable[[], wire.ChunkedArray],
+              skip: Callable[[], None] = lambda: None, hold: bool = False) -> PushResult:
+        """A push whose header is `h`: `receive()` gets the gradient and checks it in full,
+        `skip()` passes over what a duplicate still sends; `hold`: the push's own call
+        holds its worker's registration (a session holds it throughout)."""
+        self._check_header(h)
+        with (self.store.holding(h.worker_id, h.registration) if hold
+              else contextlib.nullcontext()):
+            result = self.store.admit(h.worker_id, h.step, h.meta.version)
+            if result is not None:
+                skip()
+                return result
+            with self.store.receiving():
+                t0 = time.perf_counter()
+                grad = receive()
+                self.store.received(time.perf_counter() - t0, grad.check_seconds)
+                return self.store.push(h.worker_id, h.step, h.meta.version, grad)
 
     def Push(self, requests: Iterator[bytes], context) -> pb.PushReply:
         requests = iter(requests)
@@ -270,7 +284,8 @@ class ParameterServerServicer:
                 kind, h = self.codec.read(pb.PushRequest, first)
                 if kind != "header":
                     raise InvalidArgument("push stream must start with a header", reason="order")
-                result = self._push(h, requests, pb.PushRequest, session=False)
+                result = self._push(h, lambda: self._receive(requests, pb.PushRequest, False),
+                                    hold=True)
             except PSError as e:
                 self._fail(context, e)
             except grpc.RpcError:  # the client went away mid-stream: nothing was applied
@@ -295,9 +310,14 @@ class ParameterServerServicer:
                     held.check(kind, value)
                     if kind == "pull":
                         read = self._read(value, context, value.wait_timeout_s or None)
-                        yield from self._pull_stream(read)
+                        yield from self._pull_stream(read, value.whole_bytes)
+                    elif kind == "push_whole":
+                        result = self._push(value.header, partial(self._whole_gradient, value))
+                        yield wire.wrap(PUSHED, _reply(result))
                     elif kind == "header":
-                        result = self._push(value, requests, pb.SessionRequest, session=True)
+                        result = self._push(
+                            value, lambda: self._receive(requests, pb.SessionRequest, True),
+                            lambda: self._skip(requests, pb.SessionRequest))
                         yield wire.wrap(PUSHED, _reply(result))
                     elif kind == "shm_request":
                         segment = self._offer(value, segment)
@@ -398,7 +418,7 @@ class SessionHolder:
     def check(self, kind: str, value) -> None:
         if kind in ("pull", "shm_pull"):
             who = (value.worker_id, value.registration)
-        elif kind in ("header", "shm_push"):
+        elif kind in ("header", "shm_push", "push_whole"):
             h = value if kind == "header" else value.header
             who = (h.worker_id, h.registration)
         else:

@@ -2,10 +2,16 @@
 
 A pull or push on its own call pays for the call: an HTTP/2 stream, and in
 grpcio a thread for a streamed request and several thread hand-offs. A
-session pays that once; each operation then costs its messages. Requests
-are handed to gRPC through a queue of message iterators: an operation puts
-its messages (a push's chunks are made as gRPC asks for them, as on a
-call), then reads its replies from the call.
+session pays that once; each operation then costs its messages, and each
+message in grpcio's stream_stream costs thread hand-offs on both ends (the
+client's request-iterator thread, the channel's and the server's polling
+threads, the server's handler). So a tensor that fits in one message
+travels as one: a push as a WholePush (header, chunk, trailer fused), and a
+pull asks (PullRequest.whole_bytes) for a WholePull answer: two messages
+per operation instead of four. Bigger tensors stream as on a call.
+Requests are handed to gRPC through a queue of message iterators: an
+operation puts its messages (a streamed push's chunks are made as gRPC asks
+for them, as on a call), then reads its replies from the call.
 
 A stream has no deadline of its own, so every operation gets one: the
 Watchdog cancels the call of an operation that outlives it, and the

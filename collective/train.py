@@ -117,9 +117,6 @@ def parse_args(argv: list[str]) -> Setup:
     opts = setup.extra
     if opts.bucket_mb <= 0:
         raise ConfigError(f"--bucket-mb must be positive (got {opts.bucket_mb})")
-    if opts.tp > 1 and (setup.run.checkpoint_every or setup.run.resume):
-        raise ConfigError("--checkpoint-every and --resume are not available with --tp > 1 "
-                          "yet: a checkpoint holds one rank's parameters")
     return setup
 
 
@@ -156,7 +153,8 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid]:
                         overlap=reducer.buckets.overlap, threads=threads.as_dict(),
                         dp=grid.dp_size, **split)
     log = MetricsLog(setup.run.metrics if rank == 0 else "", header, append=setup.run.resume)
-    trainer = Trainer(session, log, reducer, is_main=rank == 0)  # loads a checkpoint on --resume
+    # loads a checkpoint on --resume; dp rank 0 of every tp rank saves that rank's shard
+    trainer = Trainer(session, log, reducer, is_main=rank == 0, saves=grid.dp_rank == 0)
     comm.broadcast(params.data, root=0)
     check_replicas_agree(comm, params, "after the initial broadcast")
     if rank == 0:

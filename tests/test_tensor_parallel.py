@@ -88,13 +88,43 @@ def test_dp_tp_training_equals_one_process_on_the_global_batch(tmp_path, argv, B
      "--n-heads 3 is not divisible by --tp 2"),
     (2, ["--tp", "2", *LM, "--vocab", "15"], "--vocab 15 is not divisible by --tp 2"),
     (2, ["--tp", "2", *MLP, "--d-hidden", "33"], "--d-hidden 33 is not divisible by --tp 2"),
-    (2, ["--tp", "2", *MLP, "--checkpoint-dir", "ck", "--checkpoint-every", "1"],
-     "--checkpoint-every and --resume are not available with --tp > 1"),
 ])
 def test_bad_grids_and_splits_end_every_rank_with_a_named_error(n, flags, message):
     r = mpirun(n, "-m", "dtlab.collective.train", *flags, "--steps", "2", timeout=60)
     assert r.rc != 0 and not r.timed_out, r
     assert message in r.stderr and "Traceback" not in r.stderr, r
+
+
+def test_a_split_run_resumes_exactly_from_its_per_rank_checkpoints(tmp_path):
+    """Each tp rank saves its own shard (<dir>/tp<r>of<n>/); a resumed run ends with the
+    parameters of an uninterrupted one, bit for bit; another split is refused by name."""
+    argv = [*LM, "--batch-size", "4"]
+    whole = tmp_path / "whole.npy"
+    r = mpirun(2, "tests/mpi_progs/tp_train.py", whole, "--tp", "2", *argv, *RUN, timeout=120)
+    assert r.rc == 0, r
+    ck = ["--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", "2"]
+    first = [*argv, "--seed", "3", "--warmup", "2", "--lr", "3e-3"]
+    r = mpirun(4, "-m", "dtlab.collective.train", "--dp", "2", "--tp", "2", *first,
+               "--batch-size", "2", "--steps", "2", *ck, timeout=120)
+    assert r.rc == 0, r
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["tp0of2", "tp1of2"]
+    resumed = tmp_path / "resumed.npy"
+    r = mpirun(2, "tests/mpi_progs/tp_train.py", resumed, "--tp", "2", *first, "--steps", "5",
+               *ck, "--resume", timeout=120)
+    assert r.rc != 0 and "config" in r.stderr, r  # dp 2 x batch 2 is not dp 1 x batch 4
+    r = mpirun(2, "tests/mpi_progs/tp_train.py", resumed, "--tp", "2", *argv, *RUN,
+               "--checkpoint-dir", tmp_path / "ck2", "--checkpoint-every", "2", "--steps", "2",
+               timeout=120)
+    assert r.rc == 0, r
+    r = mpirun(2, "tests/mpi_progs/tp_train.py", resumed, "--tp", "2", *argv, *RUN,
+               "--checkpoint-dir", tmp_path / "ck2", "--checkpoint-every", "2", "--resume",
+               timeout=120)
+    assert r.rc == 0 and "resumed from step 2" in r.stderr, r
+    np.testing.assert_array_equal(np.load(resumed), np.load(whole))
+    r = mpirun(2, "-m", "dtlab.collective.train", "--tp", "1", *argv, *RUN,
+               "--checkpoint-dir", tmp_path / "ck2", "--resume", timeout=60)
+    assert r.rc != 0 and "holds checkpoints of a run with --tp 2; this run has --tp 1" \
+        in r.stderr, r
 
 
 def test_a_fused_qkv_shard_starts_from_its_heads_columns_of_the_dense_tensor():

@@ -43,7 +43,7 @@ def _digest(path: str) -> str:
 def save(root: str, step: int, arrays: dict, meta: dict) -> str:
     """Write arrays (name -> array) and meta (JSON-able) as <root>/step-NNNNNNNN."""
     os.makedirs(root, exist_ok=True)
-    final = os.path.join(root, f"step-{step:08d}")
+    final = os.path.join(root, step_dir(step))
     tmp = tempfile.mkdtemp(prefix=f".step-{step:08d}.", dir=root)
     try:
         digests = {}
@@ -63,6 +63,15 @@ def save(root: str, step: int, arrays: dict, meta: dict) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def step_of(path: str) -> int:
+    """The step of a checkpoint directory's path."""
+    return int(_STEP_DIR.match(os.path.basename(path)).group(1))
 
 
 def latest(root: str) -> str | None:

@@ -12,10 +12,13 @@ single-process training. Rank 0 (`is_main`) writes metrics and checkpoints.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
 
 from dtlab.models.run import checkpoint
 from dtlab.models.run.checkpoint import CheckpointError
@@ -71,10 +74,20 @@ class Summary:
 
 
 class Trainer:
+    """Runs the steps; `is_main` writes metrics and progress, `saves` this rank's checkpoints
+    (default: is_main). A tensor-split model's ranks each hold different bytes, so each
+    tp rank's checkpoints go to their own directory, <checkpoint_dir>/tp<r>of<n>/."""
+
     def __init__(self, session: Session, log: MetricsLog, reducer: GradReducer | None = None,
-                 is_main: bool = True):
+                 is_main: bool = True, saves: bool | None = None):
         self.s, self.log, self.reducer, self.is_main = session, log, reducer, is_main
+        self.saves = is_main if saves is None else saves
         run = session.setup.run
+        tp = session.model.tp
+        self.tp_size = tp.size if tp is not None else 1
+        self.shard = f"tp{tp.rank}of{tp.size}" if self.tp_size > 1 else ""
+        self.root = os.path.join(run.checkpoint_dir, self.shard) if self.shard else \
+            run.checkpoint_dir
         self.progress = Progress(run.steps, run.log_every, enabled=is_main)
         self.start_step = self._resume() if run.resume else 0
         self.samples_per_step = run.batch_size * run.grad_accum * session.world
@@ -110,8 +123,8 @@ class Trainer:
                 self.log.write(record)
                 speed = f"lr {record['lr']:.2e}  {record['step_s'] * 1e3:6.1f} ms/step"
                 self.progress.update(step, record["loss"], speed)
-                if run.checkpoint_every and (step + 1) % run.checkpoint_every == 0:
-                    self.save(step + 1)
+            if self.saves and run.checkpoint_every and (step + 1) % run.checkpoint_every == 0:
+                self.save(step + 1)
         return Summary.of(self.losses, time.perf_counter() - start, self.s.dataset.floor,
                           self.samples_per_step)
 
@@ -119,20 +132,23 @@ class Trainer:
         s = self.s
         arrays = {"params": s.params.data}
         arrays.update({f"opt.{k}": v for k, v in s.optimizer.state_dict().items() if k != "steps"})
-        meta = {"config": s.setup.as_dict(), "n_params": s.params.size,
+        meta = {"config": s.setup.as_dict(), "n_params": s.params.size, "tp": self.tp_size,
                 "optimizer_steps": s.optimizer.steps, "loader": s.loader.state_dict()}
-        return checkpoint.save(s.setup.run.checkpoint_dir, next_step, arrays, meta)
+        return checkpoint.save(self.root, next_step, arrays, meta)
 
     def _resume(self) -> int:
         s = self.s
         run = s.setup.run
-        path = checkpoint.latest(run.checkpoint_dir)
+        self._check_grid(run.checkpoint_dir)
+        path = self._common_latest()
         if path is None:
             self._say(f"no checkpoint in {run.checkpoint_dir} yet: starting at step 0")
             return 0
         arrays, meta = checkpoint.load(path)
         saved = meta["config"]
         differ = config_differences(saved, s.setup.as_dict())
+        if meta.get("tp", 1) != self.tp_size:
+            differ.append(f"tp: {meta.get('tp', 1)} -> {self.tp_size}")
         if differ or meta.get("n_params") != s.params.size:
             raise CheckpointError(f"{path} was written by a run with another config: "
                                   + "; ".join(differ or ["a different parameter count"]))
@@ -148,6 +164,36 @@ class Trainer:
         if step >= run.steps:
             self._say(f"the run already reached step {step} of --steps {run.steps}: nothing to do")
         return step
+
+    def _check_grid(self, root: str) -> None:
+        """A checkpoint directory of another tensor-split size is refused, naming both."""
+        if not os.path.isdir(root):
+            return
+        shards = sorted(d for d in os.listdir(root) if d.startswith("tp") and "of" in d)
+        sizes = {d.split("of", 1)[1] for d in shards}
+        if self.shard and checkpoint.latest(root) is not None:
+            raise CheckpointError(f"{root} holds checkpoints of an unsplit run (tp 1); this "
+                                  f"run has --tp {self.tp_size}")
+        if sizes and sizes != {str(self.tp_size)}:
+            raise CheckpointError(f"{root} holds checkpoints of a run with --tp "
+                                  f"{', '.join(sorted(sizes))}; this run has --tp {self.tp_size}")
+
+    def _common_latest(self) -> str | None:
+        """The newest checkpoint every tp rank holds (a crash may have stopped some ranks
+        one save short), or None."""
+        path = checkpoint.latest(self.root)
+        if self.tp_size == 1:
+            return path
+        mine = np.array([float(checkpoint.step_of(path)) if path else -1.0])
+        steps = self.s.model.tp.allgather(mine)  # (tp, 1)
+        step = int(steps.min())
+        if step < 0:
+            return None
+        common = os.path.join(self.root, checkpoint.step_dir(step))
+        if not os.path.isdir(common):
+            raise CheckpointError(f"{common} is missing: tp ranks hold steps "
+                                  f"{sorted({int(x) for x in steps.ravel()})}")
+        return common
 
     def _say(self, line: str) -> None:
         if self.is_main:

@@ -1,0 +1,280 @@
+"""Sync vs async training of one model on one budget, side by side.
+
+    python scripts/compare.py                                  # the default comparison
+    python scripts/compare.py --runs sync-ring,async-bsp,async-asp --steps 300 --out runs/c
+    python scripts/compare.py --config run.json --ranks 4 --shards 2 --target-loss 1.3
+
+Every run trains the same model on the same data with the same seed (so the
+same initial weights), the same global batch (sync: N ranks of per-rank
+batch B; async: N workers of batch B), the same optimizer and the same
+number of steps per rank or worker. The config is the defaults, then
+--config FILE (default scripts/configs/transformer.json unless --model is
+given), then the model, data, optimizer and run flags given; it is written
+to OUT/config.json and every process of every run reads it. Runs (--runs):
+
+    sync-ring, sync-naive, sync-mpi   mpiexec -n N dtlab-sync --allreduce ring|naive|mpi
+    async-bsp, async-sspS, async-asp  S fresh dtlab-pserver shards on free loopback ports
+                                      (--consistency bsp, ssp --staleness S, asp) and
+                                      mpiexec -n N dtlab-worker
+    ... -div                          the same with --staleness-lr divide (Zhang et al. 2016)
+
+Each run is started, waited for and cleaned up here (every process it
+started is gone when it ends, also on Ctrl-C, a failure or --timeout); a
+failed run is marked failed in the report with the end of its log and the
+others go on. OUT (--out, default runs/compare-DATE-TIME) gets each run's
+metrics and logs, summary.json, report.md and PNG plots (compare_lib/report.py):
+hardware efficiency (s/step) and statistical efficiency (steps to the target
+loss) multiplied into time to target (Hadjis et al. 2016, Omnivore). The
+target is the data's loss floor + 0.1 nats, or --target-loss. The exit
+status is 0 when every run finished, 1 when one failed, 2 for a bad config
+(named before anything starts), 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+
+from compare_lib import analysis, launch, report
+from compare_lib.launch import Bench, Outcome, Processes, RunSpec
+
+from dtlab.models.config import ConfigError
+from dtlab.models.data.dataset import in_words
+from dtlab.models.run.cli import run_cli
+from dtlab.models.run.metrics import hardware, read_metrics, versions
+from dtlab.models.run.session import Setup, build_session, parse
+
+ROOT = Path(__file__).resolve().parent.parent
+PROG = "python scripts/compare.py"
+DEFAULT_CONFIG = ROOT / "scripts" / "configs" / "transformer.json"
+# BSP applies no stale gradient, so async-bsp-div would repeat async-bsp
+DEFAULT_RUNS = ("sync-ring,sync-naive,sync-mpi,async-bsp,async-ssp2,async-asp,"
+                "async-ssp2-div,async-asp-div")
+RUN_FLAGS = ("steps", "batch_size", "grad_accum", "seed", "dtype", "log_every")
+TARGET_GAP = 0.1  # nats above the floor
+
+
+def add_compare_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("comparison")
+    g.add_argument("--runs", default=DEFAULT_RUNS,
+                   help=f"comma-separated runs, in order; the first is the baseline of the "
+                        f"ratios (default {DEFAULT_RUNS}; async-bsp-div is left out: BSP "
+                        "applies no stale gradient)")
+    g.add_argument("--ranks", type=int, default=2,
+                   help="sync ranks = async workers, N (default 2)")
+    g.add_argument("--shards", type=int, default=2,
+                   help="parameter-server shards of every async run (default 2)")
+    g.add_argument("--target-loss", type=float, default=None,
+                   help=f"the loss every run is timed to (default: the data's floor + "
+                        f"{TARGET_GAP} nats; needed when the data has no known floor)")
+    g.add_argument("--out", metavar="DIR", default="",
+                   help="a new or empty folder for everything written "
+                        "(default runs/compare-DATE-TIME)")
+    g.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a run may take before it is stopped and marked failed "
+                        "(default 600)")
+
+
+def parse_args(argv: list[str]) -> tuple[Setup, list[RunSpec]]:
+    named = any(a.split("=", 1)[0] in ("--config", "--model") for a in argv)
+    setup = parse(argv if named else ["--config", str(DEFAULT_CONFIG), *argv], prog=PROG,
+                  description=__doc__.split("\n\n")[0], add_extra=add_compare_flags,
+                  flags={"data": None, "optim": None, "run": RUN_FLAGS},
+                  why="every run's metrics, logs and processes are the comparison's own "
+                      "(see --out)")
+    opts = setup.extra
+    for flag, value in (("--ranks", opts.ranks), ("--shards", opts.shards)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1 (got {value})")
+    if not opts.timeout > 0:
+        raise ConfigError(f"--timeout must be positive (got {opts.timeout})")
+    names = [n.strip() for n in opts.runs.split(",") if n.strip()]
+    if not names:
+        raise ConfigError("--runs names no run")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"--runs names {', '.join(twice)} twice")
+    return setup, [RunSpec.parse(n) for n in names]
+
+
+def target_loss(given: float | None, floor: float | None) -> tuple[float, str]:
+    if given is None:
+        if floor is None:
+            raise ConfigError("the data has no known loss floor: give --target-loss")
+        return floor + TARGET_GAP, f"the floor + {TARGET_GAP} nats"
+    if not math.isfinite(given):
+        raise ConfigError(f"--target-loss must be a finite number (got {given})")
+    if floor is not None and given <= floor:
+        raise ConfigError(f"--target-loss {given} is at or below the data's floor {floor:.4f}: "
+                          "no run can reach it")
+    return given, "--target-loss"
+
+
+def out_dir(given: str) -> Path:
+    if given:
+        out = Path(given)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ConfigError(f"--out {given}: exists and is not an empty folder; nothing "
+                              "there is touched: give a new one")
+        out.mkdir(parents=True, exist_ok=True)
+        return out
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for n in range(100):
+        out = Path("runs") / (f"compare-{stamp}" + (f"-{n}" if n else ""))
+        try:
+            out.mkdir(parents=True)
+            return out
+        except FileExistsError:
+            continue
+    raise ConfigError(f"runs/compare-{stamp}: 100 folders of that second exist; give --out")
+
+
+class Board:
+    """One line per run: redrawn as it goes on a terminal, printed when it ends elsewhere."""
+
+    def __init__(self, specs: list[RunSpec], steps: int, stream=sys.stderr):
+        self.width = max(len(s.name) for s in specs)
+        self.n, self.steps, self.stream = len(specs), steps, stream
+        self.tty = stream.isatty()
+        self.drawn = False  # a line is on the terminal without its newline
+
+    def end_line(self) -> None:
+        if self.drawn:
+            self.stream.write("\n")
+            self.drawn = False
+
+    def _line(self, i: int, name: str, text: str) -> str:
+        return f"[{i + 1}/{self.n}] {name:<{self.width}}  {text}"
+
+    def watch(self, i: int, name: str) -> launch.Watch:
+        start = time.monotonic()
+
+        def show(step: int, loss: float | None) -> None:
+            if self.tty:
+                text = (f"step {step}/{self.steps}  loss {loss:.4f}" if step else "starting")
+                text += f"  {time.monotonic() - start:.0f} s"
+                self.stream.write("\r" + self._line(i, name, text) + "\033[K")
+                self.stream.flush()
+                self.drawn = True
+        return show
+
+    def done(self, i: int, result: report.Result) -> None:
+        s = result.stats
+        if s is None:
+            text = f"FAILED: {result.outcome.error}"
+        else:
+            reached = (f"target at step {s['steps_to_target']}" if s["steps_to_target"]
+                       else "target not reached")
+            text = (f"{s['steps']} steps in {s['time_s']:.1f} s  final loss "
+                    f"{s['final_loss']:.4f}  {reached}")
+        self.stream.write(("\r" if self.tty else "") + self._line(i, result.name, text)
+                          + ("\033[K" if self.tty else "") + "\n")
+        self.stream.flush()
+        self.drawn = False
+
+
+def analyse(outcome: Outcome, bench: Bench, global_batch: int, floor: float | None,
+            target: float) -> report.Result:
+    if outcome.error:
+        return report.Result(outcome)
+    records = [read_metrics(str(p))[1] for p in outcome.metrics]
+    spec = outcome.spec
+    curve, stats = analysis.measure(spec.topology, records, global_batch, bench.ranks,
+                                    spec.consistency, floor, target)
+    return report.Result(outcome, curve, stats)
+
+
+def describe(setup: Setup, data: dict) -> list[str]:
+    """The setup in words: the first lines of report.md."""
+    hw, v, run, opt = data["hardware"], data["versions"], setup.run, setup.optim
+    lines = [
+        f"{data['started']} on {hw['host']} ({hw['cpu']}, {hw['cpu_count']} cores); "
+        + ", ".join(f"{k} {v[k]}" for k in ("dtlab", "numpy", "mpich", "grpcio") if k in v),
+        f"model {data['model']}, {data['n_params']:,} parameters; data {in_words(data['dataset'])}",
+        f"every run: {run.steps} steps of global batch {data['global_batch']} = "
+        f"{data['ranks']} ranks or workers x {run.batch_size * run.grad_accum}; seed {run.seed}, "
+        f"{run.dtype}; {opt.optimizer} lr {opt.lr:g}, {opt.warmup} warm-up steps, "
+        f"{opt.schedule}, clip {opt.clip:g}; async: {data['shards']} shards, fresh servers "
+        "for every run",
+        f"target loss {data['target_loss']:.4f} ({data['target_rule']})",
+        f"command: `{data['command']}`",
+    ]
+    if opt.clip:
+        lines.append("clip > 0: sync clips the averaged gradient, each async worker its own, "
+                     "so async-bsp is not the sync computation")
+    return ["- " + line for line in lines]
+
+
+def shared_config(setup: Setup) -> dict:
+    """The run config every process of every run reads (--config OUT/config.json)."""
+    shared = setup.as_dict()
+    shared["run"] = {k: v for k, v in shared["run"].items() if k in RUN_FLAGS}
+    return shared
+
+
+def setup_record(setup: Setup, argv: list[str], session, target: float, rule: str) -> dict:
+    """What every run shares, for summary.json (and, in words, report.md)."""
+    opts, run, floor = setup.extra, setup.run, session.dataset.floor
+    return {"command": f"{PROG} {shlex.join(argv)}".strip(), "config": shared_config(setup),
+            "model": setup.model_name, "n_params": session.params.size,
+            "dataset": session.dataset.describe(), "floor": floor, "target_loss": target,
+            "target_rule": rule, "smooth_window": analysis.window_for(run.steps),
+            "ranks": opts.ranks, "shards": opts.shards, "batch_size": run.batch_size,
+            "global_batch": opts.ranks * run.batch_size * run.grad_accum, "steps": run.steps,
+            "hardware": hardware(), "versions": versions(),
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def main(argv: list[str]) -> int:
+    setup, specs = parse_args(argv)
+    opts = setup.extra
+    session = build_session(setup)  # the model and data exist and fit: else a ConfigError
+    floor = session.dataset.floor
+    target, rule = target_loss(opts.target_loss, floor)
+    mpiexec = launch.find_mpiexec()
+    out = out_dir(opts.out)
+    data = setup_record(setup, argv, session, target, rule)
+    config = out / "config.json"
+    config.write_text(json.dumps(data["config"], indent=1) + "\n")
+    bench = Bench(out, config.resolve(), opts.ranks, opts.shards, setup.run.steps, opts.timeout,
+                  mpiexec)
+    board = Board(specs, setup.run.steps)
+    print(f"{len(specs)} runs of {setup.model_name} into {out}", file=sys.stderr)
+    procs = Processes()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # cleaned up as Ctrl-C is
+    results = []
+    try:
+        for i, spec in enumerate(specs):
+            outcome = launch.run(spec, bench, procs, board.watch(i, spec.name))
+            results.append(analyse(outcome, bench, data["global_batch"], floor, target))
+            board.done(i, results[-1])
+    finally:
+        board.end_line()
+        kept = {sig: signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C does not cut it short
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+        procs.stop_all()
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
+    plots, note = report.plot(out, results, floor, target)
+    if note:
+        print(note, file=sys.stderr)
+    summary = report.summary(data, results, plots, note)
+    report.write_summary(out, summary)
+    report.write_report(out, summary, results, describe(setup, data))
+    print(f"report: {out / 'report.md'}")
+    failed = [r.name for r in results if not r.ok]
+    if failed:
+        print(f"{PROG}: {len(failed)} of {len(results)} runs failed ({', '.join(failed)}); "
+              "see the report", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, PROG))

@@ -1,0 +1,110 @@
+"""From a run's metrics files to the numbers the comparison reports.
+
+Hadjis et al. (2016), "Omnivore: An Optimizer for Multi-device Deep Learning
+on CPUs and GPUs", split the time a run takes to reach a loss into two
+factors that its topology trades against each other:
+
+    hardware efficiency     HE = seconds per step (training time / steps)
+    statistical efficiency  SE = steps until the loss first reaches the target
+    time to target          HE x SE
+
+Step k of a run is the k-th step of every rank (sync) or worker (async). Its
+loss is the mean of their step-k losses (what the sync trainer logs; a BSP
+run logs the same numbers), its time the slowest one's `elapsed_s` at step k
+(each process's clock starts when its training loop does), its samples seen
+k x global batch. One step's loss is one mini-batch's, so the target counts
+as reached at the first step whose trailing mean over `window` steps (the
+steps / 20, at least 1) is at or below it. The final loss is the mean of the
+last 10% of the steps, as the trainers' own summaries take it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# The additive parts of a step, in ms: sync step_s = compute_s + wait_s + the loss
+# average; async step_s = pull_s + compute_s + push_s.
+SPLIT = ("compute", "comm", "pull", "other")
+
+
+@dataclass
+class Curve:
+    loss: np.ndarray  # [K] mean over ranks/workers of step k's training loss
+    smooth: np.ndarray  # [K] trailing mean of `loss` over `window` steps
+    elapsed_s: np.ndarray  # [K] seconds since training started, slowest process
+    samples: np.ndarray  # [K] samples seen after step k, all processes
+
+
+def window_for(steps: int) -> int:
+    return max(1, steps // 20)
+
+
+def curve(records: list[list[dict]], global_batch: int, window: int) -> Curve:
+    """records: one list of step records per rank (sync: rank 0's only) or worker."""
+    k = min(len(r) for r in records)
+    loss = np.array([[r[i]["loss"] for i in range(k)] for r in records]).mean(axis=0)  # [K]
+    elapsed = np.array([[r[i]["elapsed_s"] for i in range(k)] for r in records]).max(axis=0)
+    sums = np.concatenate([[0.0], np.cumsum(loss)])  # [K+1]
+    ends = np.arange(1, k + 1)
+    starts = np.maximum(0, ends - window)
+    smooth = (sums[ends] - sums[starts]) / (ends - starts)  # [K]
+    return Curve(loss, smooth, elapsed, ends * global_batch)
+
+
+def measure(topology: str, records: list[list[dict]], global_batch: int, workers: int,
+            consistency: str, floor: float | None, target: float) -> tuple[Curve, dict]:
+    """The curve of one finished run and its numbers (see the module docstring)."""
+    steps = min(len(r) for r in records)
+    c = curve(records, global_batch, window_for(steps))
+    time_s = float(c.elapsed_s[-1])
+    tail = c.loss[-max(1, steps // 10):]
+    final = float(tail.mean())
+    reached = np.flatnonzero(c.smooth <= target)
+    to_target = int(reached[0]) + 1 if reached.size else None
+    per_step = time_s / steps
+    # every async push is one update of every shard, except under BSP: one per round
+    updates = steps * (workers if topology == "async" and consistency != "bsp" else 1)
+    return c, {
+        "steps": steps,
+        "time_s": time_s,
+        "s_per_step": per_step,
+        "steps_to_target": to_target,
+        "time_to_target_s": per_step * to_target if to_target else None,
+        "measured_time_to_target_s": float(c.elapsed_s[to_target - 1]) if to_target else None,
+        "samples_to_target": int(c.samples[to_target - 1]) if to_target else None,
+        "final_loss": final,
+        "gap": None if floor is None else final - floor,
+        "samples_per_s": steps * global_batch / time_s,
+        "updates_per_s": updates / time_s,
+        "split_ms": split_ms(topology, records),
+        "allreduce_ms": (mean_ms(records, "comm_s") if topology == "sync" else None),
+        "staleness": staleness(records) if topology == "async" else None,
+    }
+
+
+def mean_ms(records: list[list[dict]], key: str) -> float:
+    return 1e3 * float(np.mean([r[key] for rs in records for r in rs]))
+
+
+def split_ms(topology: str, records: list[list[dict]]) -> dict:
+    """Mean ms per step of compute, comm (sync: the wait on the all-reduce after backward,
+    what overlap did not hide; async: push), pull (async, with the time the servers hold
+    it under SSP/BSP) and the rest of the step."""
+    step, compute = mean_ms(records, "step_s"), mean_ms(records, "compute_s")
+    if topology == "sync":
+        comm, pull = mean_ms(records, "wait_s"), 0.0
+    else:
+        comm, pull = mean_ms(records, "push_s"), mean_ms(records, "pull_s")
+    return {"compute": compute, "comm": comm, "pull": pull,
+            "other": max(0.0, step - compute - comm - pull)}
+
+
+def staleness(records: list[list[dict]]) -> dict:
+    """Over every push of every worker to every shard: versions applied since it read."""
+    values = np.array([s for rs in records for r in rs for s in r["staleness"]])
+    return {"mean": float(values.mean()),
+            "p50": float(np.percentile(values, 50, method="inverted_cdf")),
+            "p95": float(np.percentile(values, 95, method="inverted_cdf")),
+            "max": int(values.max()), "pushes": int(values.size)}

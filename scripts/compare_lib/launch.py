@@ -1,0 +1,251 @@
+"""Run names, the processes of one run, and how they are started, watched and stopped.
+
+    sync-ring | sync-naive | sync-mpi
+        mpiexec -n N dtlab-sync --config CFG --allreduce ALGO --metrics OUT/NAME.jsonl
+    async-bsp | async-sspS | async-asp, each optionally with -div
+        S x dtlab-pserver serve --config CFG --shard k --num-shards S --port 0 --num-workers N
+              --consistency C [--staleness S] --staleness-lr none|divide --ready-file ...
+        mpiexec -n N dtlab-worker --config CFG --servers ... --metrics OUT/NAME.w{worker}.jsonl
+
+The processes are started, tracked and stopped by processes.Processes.
+The servers of an async run are fresh for every run (port 0: each picks a
+free loopback port and writes it to its ready file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from compare_lib.processes import Processes
+from dtlab.models.config import ConfigError
+from dtlab.models.run.metrics import read_metrics
+
+BIN = Path(sys.executable).parent
+RUN_NAME = re.compile(r"sync-(?P<allreduce>ring|naive|mpi)"
+                      r"|async-(?P<consistency>bsp|asp|ssp(?P<bound>\d+))(?P<div>-div)?")
+KNOWN = "sync-ring, sync-naive, sync-mpi, async-bsp, async-sspS (S: the bound), async-asp, " \
+        "each async one optionally with -div"
+POLL_S = 0.2
+SERVER_START_S = 60.0
+TAIL_LINES = 20
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of the comparison, as its name says."""
+
+    name: str
+    topology: str  # "sync" or "async"
+    allreduce: str = ""
+    consistency: str = ""
+    staleness: int = 0  # the SSP bound
+    staleness_lr: str = "none"
+
+    @classmethod
+    def parse(cls, name: str) -> RunSpec:
+        m = RUN_NAME.fullmatch(name)
+        if m is None:
+            raise ConfigError(f"--runs: unknown run {name!r} (known: {KNOWN})")
+        if m["allreduce"]:
+            return cls(name, "sync", allreduce=m["allreduce"])
+        consistency = "ssp" if m["bound"] is not None else m["consistency"]
+        return cls(name, "async", consistency=consistency, staleness=int(m["bound"] or 0),
+                   staleness_lr="divide" if m["div"] else "none")
+
+    def describe(self) -> str:
+        if self.topology == "sync":
+            return {"ring": "sync, ours (ring family, by size)", "naive": "sync, reduce + "
+                    "broadcast", "mpi": "sync, MPI_Allreduce"}[self.allreduce]
+        rule = f"SSP s={self.staleness}" if self.consistency == "ssp" else self.consistency.upper()
+        return f"async, {rule}" + (", lr / staleness" if self.staleness_lr == "divide" else "")
+
+
+@dataclass
+class Bench:
+    """What every run shares: where things go, the shared config, the sizes, the limits."""
+
+    out: Path
+    config: Path
+    ranks: int
+    shards: int
+    steps: int
+    timeout_s: float
+    mpiexec: str
+
+
+@dataclass
+class Outcome:
+    spec: RunSpec
+    metrics: list[Path]
+    commands: list[list[str]] = field(default_factory=list)
+    error: str = ""  # empty: the run finished with every step in its metrics
+    tail: str = ""  # the end of the failed run's log(s)
+    wall_s: float = 0.0
+
+
+def find_mpiexec() -> str:
+    """The mpiexec beside this interpreter (the `mpich` wheel's), else the one on PATH."""
+    local = BIN / "mpiexec"
+    found = str(local) if local.exists() else shutil.which("mpiexec")
+    if found is None:
+        raise ConfigError("no mpiexec beside the interpreter or on PATH: pip install mpich")
+    return found
+
+
+def tail(*logs: Path) -> str:
+    out = []
+    for log in logs:
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        out.append(f"--- {log.name} ---\n" + "\n".join(lines[-TAIL_LINES:]))
+    return "\n".join(out)
+
+
+def last_record(path: Path) -> dict:
+    """The last step record of a metrics file being written ({} before the first)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return {}
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut by the seek, or one being written
+        if "step" in record:
+            return record
+    return {}
+
+
+def progress_of(paths: list[Path]) -> tuple[int, float | None]:
+    """(steps every file has reached, the mean of their latest losses)."""
+    last = [last_record(p) for p in paths]
+    if not all(last):
+        return 0, None
+    return min(r["step"] for r in last), sum(r["loss"] for r in last) / len(last)
+
+
+Watch = Callable[[int, float | None], None]
+
+
+def run(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch) -> Outcome:
+    """Run `spec` to its end (or failure, or timeout); its processes are gone afterwards."""
+    start = time.monotonic()
+    launch = run_sync if spec.topology == "sync" else run_async
+    outcome = launch(spec, bench, procs, watch, start + bench.timeout_s)
+    outcome.wall_s = time.monotonic() - start
+    if not outcome.error:
+        done = min((count_steps(p) for p in outcome.metrics), default=0)
+        if done != bench.steps:
+            outcome.error = f"the metrics hold {done} of {bench.steps} steps"
+    return outcome
+
+
+def count_steps(path: Path) -> int:
+    try:
+        return len(read_metrics(str(path))[1])
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def run_sync(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
+             deadline: float) -> Outcome:
+    metrics = bench.out / f"{spec.name}.jsonl"
+    log = bench.out / f"{spec.name}.log"
+    cmd = [bench.mpiexec, "-n", str(bench.ranks), str(BIN / "dtlab-sync"),
+           "--config", str(bench.config), "--allreduce", spec.allreduce,
+           "--metrics", str(metrics)]
+    outcome = Outcome(spec, [metrics], [cmd])
+    main = procs.start(cmd, log)
+    try:
+        outcome.error = _wait(procs, main, [], deadline, bench.timeout_s, [metrics], watch)
+    finally:
+        procs.stop([main])
+    if outcome.error:
+        outcome.tail = tail(log)
+    return outcome
+
+
+def run_async(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
+              deadline: float) -> Outcome:
+    name, out = spec.name, bench.out
+    metrics = [out / f"{name}.w{w}.jsonl" for w in range(bench.ranks)]
+    outcome = Outcome(spec, metrics)
+    servers, logs, ready = [], [], []
+    main = None
+    try:
+        for k in range(bench.shards):
+            ready.append(out / f"{name}.shard{k}.ready")
+            logs.append(out / f"{name}.shard{k}.log")
+            cmd = [str(BIN / "dtlab-pserver"), "serve", "--config", str(bench.config),
+                   "--shard", str(k), "--num-shards", str(bench.shards), "--port", "0",
+                   "--consistency", spec.consistency, "--num-workers", str(bench.ranks),
+                   "--staleness-lr", spec.staleness_lr, "--ready-file", str(ready[k])]
+            if spec.consistency == "ssp":
+                cmd += ["--staleness", str(spec.staleness)]
+            outcome.commands.append(cmd)
+            servers.append(procs.start(cmd, logs[k]))
+        ports = _wait_ready(servers, ready, min(SERVER_START_S, deadline - time.monotonic()))
+        if isinstance(ports, str):
+            outcome.error, outcome.tail = ports, tail(*logs)
+            return outcome
+        log = out / f"{name}.log"
+        cmd = [bench.mpiexec, "-n", str(bench.ranks), str(BIN / "dtlab-worker"),
+               "--config", str(bench.config),
+               "--servers", ",".join(f"127.0.0.1:{p}" for p in ports),
+               "--metrics", str(out / f"{name}.w{{worker}}.jsonl")]
+        outcome.commands.append(cmd)
+        main = procs.start(cmd, log)
+        outcome.error = _wait(procs, main, servers, deadline, bench.timeout_s, metrics, watch)
+        if outcome.error:
+            outcome.tail = tail(log, *logs)
+        return outcome
+    finally:
+        procs.stop([p for p in (main, *servers) if p is not None])
+        for r in ready:
+            r.unlink(missing_ok=True)
+
+
+def _wait_ready(servers: list[subprocess.Popen], ready: list[Path],
+                seconds: float) -> list[int] | str:
+    """Every server's port once all wrote their ready files, or why not."""
+    deadline = time.monotonic() + seconds
+    while not all(r.exists() for r in ready):
+        dead = [k for k, s in enumerate(servers) if s.poll() is not None]
+        if dead:
+            return f"server shard {dead[0]} exited with {servers[dead[0]].returncode} at start"
+        if time.monotonic() > deadline:
+            return f"the servers were not serving after {seconds:.1f} s"
+        time.sleep(0.05)
+    return [json.loads(r.read_text())["port"] for r in ready]
+
+
+def _wait(procs: Processes, main: subprocess.Popen, servers: list[subprocess.Popen],
+          deadline: float, timeout_s: float, metrics: list[Path], watch: Watch) -> str:
+    """Wait for `main` to exit while the servers live; '' or what went wrong."""
+    while main.poll() is None:
+        procs.track()
+        dead = [k for k, s in enumerate(servers) if s.poll() is not None]
+        if dead:
+            return f"server shard {dead[0]} exited with {servers[dead[0]].returncode} mid-run"
+        if time.monotonic() > deadline:
+            return f"timed out after {timeout_s:g} s (--timeout)"
+        watch(*progress_of(metrics))
+        time.sleep(POLL_S)
+    watch(*progress_of(metrics))
+    rc = main.returncode
+    if rc < 0:
+        return f"killed by {signal.Signals(-rc).name}"
+    return "" if rc == 0 else f"exited with {rc}"

@@ -1,0 +1,170 @@
+"""What a comparison writes: summary.json, report.md and PNG plots.
+
+    summary.json       the setup and, per run, its status, commands, metrics files and numbers
+    report.md          the setup, time to target = HE x SE (Hadjis et al. 2016), per-run
+                       detail, failed runs with the end of their logs, the plots
+    loss_vs_time.png   smoothed training loss against seconds of training
+    loss_vs_samples.png   ... against samples seen
+    time_split.png     ms per step: compute, comm, pull, other, per run
+
+The plots need matplotlib (the `plot` extra); without it the report says so.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from compare_lib.analysis import SPLIT, Curve
+from compare_lib.launch import Outcome
+
+PLOTS = {"loss_vs_time.png": "loss against wall time",
+         "loss_vs_samples.png": "loss against samples seen",
+         "time_split.png": "where a step's time goes"}
+NO_MATPLOTLIB = "no plots: matplotlib is missing (install the plot extra: pip install -e '.[plot]')"
+
+
+@dataclass
+class Result:
+    outcome: Outcome
+    curve: Curve | None = None
+    stats: dict | None = None
+
+    @property
+    def name(self) -> str:
+        return self.outcome.spec.name
+
+    @property
+    def ok(self) -> bool:
+        return not self.outcome.error
+
+
+def summary(setup: dict, results: list[Result], plots: list[str], plots_note: str) -> dict:
+    runs = []
+    for r in results:
+        o = r.outcome
+        runs.append({"name": r.name, "topology": o.spec.topology, "what": o.spec.describe(),
+                     "status": "ok" if r.ok else "failed", "error": o.error, "log_tail": o.tail,
+                     "wall_s": o.wall_s, "metrics": [p.name for p in o.metrics],
+                     "commands": o.commands, "stats": r.stats})
+    return {**setup, "runs": runs, "plots": plots, "plots_note": plots_note}
+
+
+def write_summary(out: Path, data: dict) -> None:
+    (out / "summary.json").write_text(json.dumps(data, indent=1) + "\n")
+
+
+def _f(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def efficiency_table(results: list[Result]) -> list[str]:
+    base = results[0]
+    base_t = base.stats["time_to_target_s"] if base.stats else None
+    rows = ["| run | what | ms/step (HE) | steps to target (SE) | time to target (s) "
+            f"| vs {base.name} | samples to target | wall (s) | status |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        s = r.stats or {}
+        t = s.get("time_to_target_s")
+        ratio = t / base_t if t and base_t else None
+        per_step = s["s_per_step"] * 1e3 if s else None
+        rows.append(f"| {r.name} | {r.outcome.spec.describe()} | {_f(per_step, '.2f')} "
+                    f"| {_f(s.get('steps_to_target'), 'd')} | {_f(t, '.2f')} "
+                    f"| {_f(ratio, '.2f')} | {_f(s.get('samples_to_target'), ',d')} "
+                    f"| {r.outcome.wall_s:.1f} | {'ok' if r.ok else 'FAILED'} |")
+    return rows
+
+
+def detail_table(results: list[Result]) -> list[str]:
+    rows = ["| run | final loss | gap | samples/s | updates/s | compute ms | comm ms | pull ms "
+            "| other ms | staleness mean | p50 | p95 | max |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r.stats is None:
+            rows.append(f"| {r.name} |" + " - |" * 12)
+            continue
+        s, split, st = r.stats, r.stats["split_ms"], r.stats["staleness"] or {}
+        rows.append(f"| {r.name} | {s['final_loss']:.4f} | {_f(s['gap'], '+.4f')} "
+                    f"| {s['samples_per_s']:,.0f} | {s['updates_per_s']:.1f} "
+                    + "".join(f"| {split[k]:.2f} " for k in SPLIT)
+                    + f"| {_f(st.get('mean'), '.2f')} | {_f(st.get('p50'), '.0f')} "
+                    f"| {_f(st.get('p95'), '.0f')} | {_f(st.get('max'), 'd')} |")
+    return rows
+
+
+def write_report(out: Path, data: dict, results: list[Result], lines: list[str]) -> None:
+    """report.md: `lines` (the setup in words), then the tables, failures and plots."""
+    base = results[0].name
+    text = ["# Sync vs async training, one model, one budget", "", *lines, "",
+            "## Time to target = hardware efficiency x statistical efficiency", "",
+            *efficiency_table(results), "",
+            "ms/step (HE): ms of training / steps; steps to target (SE): first step whose "
+            f"trailing mean loss over {data['smooth_window']} step(s) is <= the target; time to "
+            f"target: HE x SE (Hadjis et al. 2016, Omnivore); vs {base}: time to target / "
+            f"{base}'s; samples to target: SE x global batch; wall: seconds from launch to "
+            "exit, start-up and servers included; -: not reached or failed.", "",
+            "## Per run", "", *detail_table(results), "",
+            "final loss: mean training loss of the last 10% of the steps (mean over ranks or "
+            "workers); gap: final loss - floor; samples/s: global samples per second of "
+            "training; updates/s: parameter updates per second (sync and BSP: one per step; "
+            "SSP and ASP: one per push); compute/comm/pull/other: mean ms per step of "
+            "forward + backward (+ optimizer on sync), communication left exposed (sync: the "
+            "wait on the all-reduce after backward; async: push), pull (async: transfer plus "
+            "the time servers hold it under SSP/BSP), the rest; staleness: over every push to "
+            "every shard, versions applied between its read and its apply (sync: none).", ""]
+    failed = [r for r in results if not r.ok]
+    if failed:
+        text += ["## Failed runs", ""]
+        for r in failed:
+            text += [f"### {r.name}", "", r.outcome.error, "", "```", r.outcome.tail, "```", ""]
+    text += ["## Plots", ""]
+    text += ([f"![{PLOTS[p]}]({p})" for p in data["plots"]] if data["plots"]
+             else [data["plots_note"]])
+    text += ["", "## Files", "", "Each run's metrics (JSON lines: header, then one record "
+             "per step) and log are beside this report, named after the run "
+             "(NAME.jsonl for sync; NAME.wK.jsonl per worker, NAME.shardK.log per server for "
+             "async); summary.json holds every number above and each run's commands.", ""]
+    (out / "report.md").write_text("\n".join(text) + "\n")
+
+
+def plot(out: Path, results: list[Result], floor: float | None,
+         target: float) -> tuple[list[str], str]:
+    """The PNG plots written, or none and why."""
+    done = [r for r in results if r.curve is not None]
+    if not done:
+        return [], "no plots: no run finished"
+    try:
+        import matplotlib
+    except ImportError:
+        return [], NO_MATPLOTLIB
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for name, x, label in (("loss_vs_time.png", "elapsed_s", "seconds of training"),
+                           ("loss_vs_samples.png", "samples", "samples seen")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for r in done:  # async dashed: async-bsp lies on the sync runs where they agree
+            ax.plot(getattr(r.curve, x), r.curve.smooth, label=r.name, linewidth=1.2,
+                    linestyle="-" if r.outcome.spec.topology == "sync" else "--")
+        if floor is not None:
+            ax.axhline(floor, color="black", linestyle=":", linewidth=1, label="floor")
+        ax.axhline(target, color="black", linestyle="--", linewidth=1, label="target")
+        ax.set(xlabel=label, ylabel="training loss (trailing mean, nats)", title=PLOTS[name])
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 0.5 * len(done) + 1.5))
+    left = [0.0] * len(done)
+    for part in SPLIT:
+        widths = [r.stats["split_ms"][part] for r in done]
+        ax.barh([r.name for r in done], widths, left=left, label=part)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.invert_yaxis()
+    ax.set(xlabel="ms per step", title=PLOTS["time_split.png"])
+    ax.legend(fontsize=8, ncol=len(SPLIT), loc="upper center", bbox_to_anchor=(0.5, -0.12))
+    fig.savefig(out / "time_split.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return list(PLOTS), ""

@@ -1,0 +1,194 @@
+"""scripts/compare.py at a tiny size: every file it writes, async BSP equal to sync step by
+step, its numbers against the metrics, failed and interrupted runs cleaned up, bad configs
+named before anything starts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dtlab.models.run.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--model", "mlp", "--d-in", "4", "--d-hidden", "8", "--n-layers", "1",
+        "--n-classes", "3", "--n-samples", "512", "--batch-size", "8", "--clip", "0"]
+FAST = ["--lr", "0.1", "--warmup", "0"]  # reaches the floor + 0.1 in a few dozen steps
+SUMMARY_KEYS = {"command", "config", "model", "n_params", "dataset", "floor", "target_loss",
+                "target_rule", "smooth_window", "ranks", "shards", "batch_size", "global_batch",
+                "steps", "hardware", "versions", "started", "runs", "plots", "plots_note"}
+STATS_KEYS = {"steps", "time_s", "s_per_step", "steps_to_target", "time_to_target_s",
+              "measured_time_to_target_s", "samples_to_target", "final_loss", "gap",
+              "samples_per_s", "updates_per_s", "split_ms", "allreduce_ms", "staleness"}
+
+
+def compare(*args: str, env: dict | None = None, timeout: float = 120):
+    return subprocess.run([sys.executable, "scripts/compare.py", *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def left_behind(path: Path) -> list[str]:
+    """Command lines of live processes that name `path` (every process a run starts does)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(path) in cmd and proc.name != str(os.getpid()):
+            found.append(f"{proc.name}: {cmd}")
+    return found
+
+
+def losses(path: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(str(path))[1]]
+
+
+def rows(report: str, name: str) -> list[str]:
+    return [line for line in report.splitlines() if line.startswith(f"| {name} |")]
+
+
+@pytest.mark.mpi
+def test_tiny_comparison_writes_everything_and_bsp_equals_sync(tmp_path):
+    out, steps = tmp_path / "out", 40
+    r = compare(*TINY, *FAST, "--steps", str(steps), "--runs", "sync-ring,async-bsp",
+                "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert f"report: {out / 'report.md'}" in r.stdout
+    assert not left_behind(tmp_path)
+
+    sync = losses(out / "sync-ring.jsonl")
+    workers = [losses(out / f"async-bsp.w{w}.jsonl") for w in (0, 1)]
+    assert len(sync) == steps and all(len(w) == steps for w in workers)
+    bsp = list(np.mean(workers, axis=0))
+    assert bsp == sync  # the README's claim, every step, to the last bit
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == SUMMARY_KEYS
+    assert summary["global_batch"] == 16 and summary["steps"] == steps
+    assert summary["target_loss"] == summary["floor"] + 0.1
+    assert json.loads((out / "config.json").read_text()) == summary["config"]
+    assert [run["name"] for run in summary["runs"]] == ["sync-ring", "async-bsp"]
+    window = summary["smooth_window"]
+    for run in summary["runs"]:
+        assert run["status"] == "ok" and not run["error"], run
+        s = run["stats"]
+        assert set(s) == STATS_KEYS
+        assert s["steps"] == steps
+        assert s["final_loss"] == pytest.approx(np.mean(sync[-steps // 10:]), rel=1e-12)
+        smooth = [np.mean(sync[max(0, k - window):k]) for k in range(1, steps + 1)]
+        first = next(k for k, v in enumerate(smooth, 1) if v <= summary["target_loss"])
+        assert s["steps_to_target"] == first
+        assert s["samples_to_target"] == first * 16
+        assert s["time_to_target_s"] == pytest.approx(s["s_per_step"] * first)
+        assert s["samples_per_s"] == pytest.approx(steps * 16 / s["time_s"])
+    sync_stats, bsp_stats = (run["stats"] for run in summary["runs"])
+    assert sync_stats["staleness"] is None
+    assert bsp_stats["staleness"] == {"mean": 0.0, "p50": 0.0, "p95": 0.0, "max": 0,
+                                      "pushes": 2 * 2 * steps}  # workers x shards x steps
+
+    report = (out / "report.md").read_text()
+    for name in ("sync-ring", "async-bsp"):
+        assert len(rows(report, name)) == 2  # one row in each table
+        assert rows(report, name)[0].endswith("| ok |")
+    if importlib.util.find_spec("matplotlib"):
+        assert summary["plots"] == ["loss_vs_time.png", "loss_vs_samples.png", "time_split.png"]
+        for png in summary["plots"]:
+            assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+            assert f"]({png})" in report
+    else:
+        assert "matplotlib is missing" in report and not summary["plots"]
+
+
+@pytest.mark.mpi
+def test_a_failed_run_is_reported_with_its_log_and_the_others_go_on(tmp_path):
+    out = tmp_path / "out"
+    # only the sync trainer reads this variable, and it refuses the value
+    r = compare(*TINY, "--steps", "5", "--runs", "sync-ring,async-asp", "--out", str(out),
+                env={"DTLAB_COLLECTIVE_CHECK": "bogus"})
+    assert r.returncode == 1, r.stderr
+    assert "1 of 2 runs failed (sync-ring)" in r.stderr
+    assert not left_behind(tmp_path)
+    failed, ok = json.loads((out / "summary.json").read_text())["runs"]
+    assert failed["status"] == "failed" and failed["error"].startswith("exited with")
+    assert "'bogus'" in failed["log_tail"] and failed["stats"] is None
+    assert ok["status"] == "ok" and ok["stats"]["steps"] == 5
+    report = (out / "report.md").read_text()
+    assert rows(report, "sync-ring")[0].endswith("| FAILED |")
+    assert "## Failed runs" in report and "### sync-ring" in report and "'bogus'" in report
+
+
+@pytest.mark.mpi
+def test_ctrl_c_stops_every_process_it_started(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "scripts/compare.py", *TINY, "--steps", "1000000",
+                             "--runs", "async-asp", "--shards", "2", "--out", str(out)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "async-asp.w1.jsonl").exists():  # servers and workers are up
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        assert left_behind(tmp_path)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert err.rstrip().endswith("python scripts/compare.py: interrupted")
+    assert not left_behind(tmp_path)
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--runs", "sync-ring,async-foo"], "unknown run 'async-foo'"),
+    (["--runs", "async-ssp"], "unknown run 'async-ssp'"),  # SSP needs its bound: async-ssp2
+    (["--runs", "sync-ring,sync-ring"], "names sync-ring twice"),
+    (["--ranks", "0"], "--ranks must be at least 1"),
+    (["--shards", "-1"], "--shards must be at least 1"),
+    (["--steps", "0"], "--steps"),
+    (["--lr", "-1"], "--lr"),
+    (["--timeout", "0"], "--timeout must be positive"),
+    (["--target-loss", "0.01"], "below the data's floor"),
+    (["--config", "no/such.json"], "--config no/such.json"),
+    (["--metrics", "m.jsonl"], "--metrics has no effect"),
+])
+def test_a_bad_config_is_named_before_anything_starts(tmp_path, args, named):
+    out = tmp_path / "out"
+    r = compare(*TINY, *args, "--out", str(out), timeout=60)
+    assert r.returncode == 2, r
+    assert "error:" in r.stderr and named in r.stderr, r.stderr
+    assert not out.exists()
+
+
+def test_data_without_a_floor_needs_a_target(tmp_path):
+    r = compare("--model", "transformer", "--data", "text", "--path", "README.md",
+                "--out", str(tmp_path / "out"), timeout=60)
+    assert r.returncode == 2 and "no known loss floor: give --target-loss" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_out_must_be_new_or_empty(tmp_path):
+    kept = tmp_path / "kept.txt"
+    kept.write_text("mine")
+    r = compare(*TINY, "--out", str(tmp_path), timeout=60)
+    assert r.returncode == 2 and f"--out {tmp_path}: exists" in r.stderr, r.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["kept.txt"] and kept.read_text() == "mine"
+
+
+def test_an_unknown_model_is_named(tmp_path):
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"model_name": "nosuch"}))
+    for args, named in ((["--model", "nosuch"], "invalid choice: 'nosuch'"),
+                        (["--config", str(config)], "unknown model 'nosuch'")):
+        r = compare(*args, "--out", str(tmp_path / "out"), timeout=60)
+        assert r.returncode == 2 and named in r.stderr, r.stderr
+        assert not (tmp_path / "out").exists()

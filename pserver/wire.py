@@ -23,11 +23,11 @@ What the hand codec buys is measured end to end by `scripts/bench_pserver.py
 by a worker and a server that both use the generated classes instead). The
 generated classes copy each chunk twice more on the sender (bytes(), then
 serialization) and once more on the receiver (parsing). Measured
-2026-12-01 (median of 3 launches; hardware and table in README), the hand
-codec moved 64 MB pushes 1.7x and pulls 1.3x as fast and made 1 MB pull +
-push rounds 1.9x as fast; it is kept because that is well past the 10% its
-complexity has to earn. At 64 KB the two are within 10% either way
-(per-message costs dominate there).
+2026-12-01 (median of 5 launches; hardware and table in README, "Pull + push
+rounds"), the hand codec moved 64 MB pushes 1.9x and pulls 1.4x as fast and
+made 1 MB pull + push rounds 2.3x as fast; it is kept because that is well
+past the 10% its complexity has to earn. At 64 KB it is 1.09x (per-message
+costs dominate there).
 
 The trailer's Adler-32 (RFC 1950) covers all data bytes in order and is
 computed incrementally as chunks are made or arrive, by the sender of every

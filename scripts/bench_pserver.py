@@ -409,6 +409,11 @@ def sweep(cfg: BenchConfig) -> list[dict]:
     optimizers = [o.strip() for o in cfg.optimizers.split(",") if o.strip()]
     workers = Workers(widths)
     rows = []
+    print("# legend: W workers, S shards, opt the servers' optimizer; time = median of the "
+          "rounds; GB/s = bytes / time; ceil = a plain gRPC stream of the same tensor in the "
+          "same run (chunks made by tobytes); xport = the same stream of prebuilt messages "
+          "(gRPC's own limit); %ceil, %xport = GB/s over them; recv, check, apply = the "
+          "shards' own clocks for a push; upd/s = pushes applied per second", flush=True)
     print(HEADER, flush=True)
     try:
         with tempfile.TemporaryDirectory(prefix="bench-pserver-") as tmp:

@@ -18,9 +18,10 @@ def test_tiny_benchmark(tmp_path):
                        timeout=240, env=ONE_BLAS_THREAD)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].split()[:4] == ["#", "op", "size", "W"] and "ceil" in lines[0]
+    assert lines[0].startswith("# legend: ") and "xport" in lines[0]
+    assert lines[1].split()[:4] == ["#", "op", "size", "W"] and "ceil" in lines[1]
     rows = json.loads(out.read_text())["rows"]
-    assert len(lines) == 1 + len(rows)
+    assert len(lines) == 2 + len(rows)
     ops = {(row["op"], row["workers"], row["optimizer"]) for row in rows}
     assert ops == {("push", 1, "sgd"), ("push", 2, "sgd"), ("pull", 1, "sgd"), ("pull", 2, "sgd"),
                    ("push", 1, "adam"), ("push", 2, "adam")}

@@ -20,7 +20,9 @@ themselves (models/threads.py). Oversubscription (N above the core count) needs
 nothing with MPICH's Hydra: it does not bind ranks to cores by default.
 
 On timeout the whole process group (mpiexec, its proxy and every rank) is
-killed and the result has `timed_out` set and rc -9.
+killed and the result has `timed_out` set and rc -9. A job that failed
+leaves MPICH's shared-memory files in /dev/shm (they go in MPI_Finalize);
+the ones it made are removed.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def mpirun(
     full_env = dict(os.environ)
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env.update(env or {})
+    before = _mpich_segments()
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -94,4 +97,12 @@ def mpirun(
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         timed_out = True
+    if proc.returncode != 0:  # MPICH unlinks its node segments only in MPI_Finalize
+        for path in _mpich_segments() - before:
+            path.unlink(missing_ok=True)
     return MPIResult(cmd, proc.returncode, out, err, time.monotonic() - start, timed_out)
+
+
+def _mpich_segments() -> set[Path]:
+    """MPICH's shared-memory files of the jobs on this host (a failed job leaves its own)."""
+    return set(Path("/dev/shm").glob("mpich_shm_*"))

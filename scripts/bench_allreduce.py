@@ -78,11 +78,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
 from dtlab.collective.choose import OURS
+from dtlab.models.run.launcher import mpiexec_path
 
 ALGOS = ("ring", "naive", "mpi")
 VIA = {"doubling": "rd", "halving": "hd", "ring": "ring", "shm-one-shot": "shm1",
@@ -304,11 +304,6 @@ def one_launch(args) -> int:
 # ---- several launches, medians (no mpiexec around this process) --------------
 
 
-def mpiexec() -> str:
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else "mpiexec"
-
-
 def launch_args(argv: list[str]) -> list[str]:
     """argv without the options that only the launcher reads."""
     out, skip = [], False
@@ -385,7 +380,8 @@ def many_launches(args, argv: list[str]) -> int:
         for k in range(args.launches):
             for n in launches:
                 out = os.path.join(tmp, f"n{n}-{k}.json")
-                cmd = [mpiexec(), "-n", str(n), sys.executable, __file__, *passed, "--json", out]
+                cmd = [mpiexec_path(), "-n", str(n), sys.executable, __file__, *passed,
+                       "--json", out]
                 run = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 if run.returncode != 0:
                     sys.stderr.write(f"launch {k + 1} at n={n} failed ({run.returncode}): "

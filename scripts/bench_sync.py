@@ -29,6 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dtlab.models.run.launcher import mpiexec_path
 from dtlab.models.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,14 +40,9 @@ TINY = ["--model", "mlp", "--d-in", "8", "--d-hidden", "16", "--n-classes", "4",
         "--n-samples", "1024", "--batch-size", "8"]
 
 
-def mpiexec() -> str:
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else "mpiexec"
-
-
 def run(n: int, algo: str, steps: int, config: list[str], workdir: str, timeout: float) -> dict:
     metrics = os.path.join(workdir, f"sync-{n}-{algo}.jsonl")
-    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "dtlab.collective.train", *config,
+    cmd = [mpiexec_path(), "-n", str(n), sys.executable, "-m", "dtlab.collective.train", *config,
            "--steps", str(steps), "--allreduce", algo, "--metrics", metrics,
            "--log-every", str(steps), "--warmup", "0"]
     subprocess.run(cmd, cwd=ROOT, check=True, timeout=timeout,

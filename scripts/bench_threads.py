@@ -28,17 +28,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from dtlab.models.run.launcher import mpiexec_path
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 TINY_MODEL = ["--model", "mlp", "--d-in", "8", "--d-hidden", "16", "--n-classes", "4",
               "--n-samples", "512"]  # model and data flags: the servers take these too
 TINY_RUN = ["--batch-size", "8"]
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-
-
-def mpiexec() -> str:
-    local = BIN / "mpiexec"
-    return str(local) if local.exists() else "mpiexec"
 
 
 def environment(shared: bool) -> dict[str, str]:
@@ -57,7 +54,7 @@ def timed(cmd: list[str], env: dict[str, str], timeout: float) -> float:
 
 
 def sync(n: int, flags: list[str], env: dict[str, str], timeout: float) -> float:
-    return timed([mpiexec(), "-n", str(n), str(BIN / "dtlab-sync"), *flags], env, timeout)
+    return timed([mpiexec_path(), "-n", str(n), str(BIN / "dtlab-sync"), *flags], env, timeout)
 
 
 def serve(shard: int, flags: list[str], env: dict[str, str], ready: Path) -> subprocess.Popen:
@@ -81,7 +78,7 @@ def run_async(model: list[str], steps: list[str], env: dict[str, str], timeout: 
             time.sleep(0.05)
         ports = [json.loads(r.read_text())["port"] for r in ready]
         addresses = ",".join(f"127.0.0.1:{p}" for p in ports)
-        return timed([mpiexec(), "-n", "2", str(BIN / "dtlab-worker"), "--servers", addresses,
+        return timed([mpiexec_path(), "-n", "2", str(BIN / "dtlab-worker"), "--servers", addresses,
                       *model, *steps], env, timeout)
     finally:
         for s in servers:

@@ -28,7 +28,6 @@ the ones it made are removed.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,18 +35,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtlab.models.run.launcher import mpiexec_path
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def mpiexec_path() -> str:
-    """The mpiexec beside this interpreter (the `mpich` wheel's), else the one on PATH."""
-    local = Path(sys.executable).parent / "mpiexec"
-    if local.exists():
-        return str(local)
-    found = shutil.which("mpiexec")
-    if found is None:
-        raise FileNotFoundError("no mpiexec beside the interpreter or on PATH: pip install mpich")
-    return found
 
 
 @dataclass

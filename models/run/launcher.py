@@ -1,5 +1,6 @@
 """What the launcher (mpiexec of MPICH or Open MPI, srun) told this process, read
-from its environment without importing MPI: rank, size and ranks on this host.
+from its environment without importing MPI: rank, size and ranks on this host;
+and which mpiexec starts more of them.
 
     rank, size = launcher_rank(), launcher_size()   # None, None outside a launcher
     who()                                           # "rank 3: " under a launcher of 2+, else ""
@@ -8,6 +9,9 @@ from its environment without importing MPI: rank, size and ranks on this host.
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+from pathlib import Path
 
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
@@ -37,3 +41,14 @@ def who() -> str:
     """A prefix naming this process among its launcher's, for messages: "rank 3: " or ""."""
     size, rank = launcher_size(), launcher_rank()
     return f"rank {rank}: " if size and size > 1 and rank is not None else ""
+
+
+def mpiexec_path() -> str:
+    """The mpiexec beside this interpreter (the `mpich` wheel's), else the one on PATH."""
+    local = Path(sys.executable).parent / "mpiexec"
+    if local.exists():
+        return str(local)
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise FileNotFoundError("no mpiexec beside the interpreter or on PATH: pip install mpich")
+    return found

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from compare_lib.processes import Processes
 from dtlab.models.config import ConfigError
+from dtlab.models.run.launcher import mpiexec_path
 from dtlab.models.run.metrics import read_metrics
 
 BIN = Path(sys.executable).parent
@@ -94,12 +94,11 @@ class Outcome:
 
 
 def find_mpiexec() -> str:
-    """The mpiexec beside this interpreter (the `mpich` wheel's), else the one on PATH."""
-    local = BIN / "mpiexec"
-    found = str(local) if local.exists() else shutil.which("mpiexec")
-    if found is None:
-        raise ConfigError("no mpiexec beside the interpreter or on PATH: pip install mpich")
-    return found
+    """launcher.mpiexec_path(), its absence a ConfigError (named before anything starts)."""
+    try:
+        return mpiexec_path()
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
 
 
 def tail(*logs: Path) -> str:

@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from compare_lib.launch import wait_ready
+
 from dtlab.models.run.launcher import mpiexec_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,12 +73,9 @@ def run_async(model: list[str], steps: list[str], env: dict[str, str], timeout: 
     ready = [tmp / f"ready-{time.monotonic_ns()}-{k}.json" for k in (0, 1)]
     servers = [serve(k, model, env, ready[k]) for k in (0, 1)]
     try:
-        deadline = time.monotonic() + 60
-        while not all(r.exists() for r in ready):
-            if time.monotonic() > deadline or any(s.poll() is not None for s in servers):
-                raise RuntimeError("the parameter servers did not start")
-            time.sleep(0.05)
-        ports = [json.loads(r.read_text())["port"] for r in ready]
+        ports = wait_ready(servers, ready, 60.0)
+        if isinstance(ports, str):
+            raise RuntimeError(ports)
         addresses = ",".join(f"127.0.0.1:{p}" for p in ports)
         return timed([mpiexec_path(), "-n", "2", str(BIN / "dtlab-worker"), "--servers", addresses,
                       *model, *steps], env, timeout)

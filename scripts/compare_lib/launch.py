@@ -196,7 +196,7 @@ def run_async(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
                 cmd += ["--staleness", str(spec.staleness)]
             outcome.commands.append(cmd)
             servers.append(procs.start(cmd, logs[k]))
-        ports = _wait_ready(servers, ready, min(SERVER_START_S, deadline - time.monotonic()))
+        ports = wait_ready(servers, ready, min(SERVER_START_S, deadline - time.monotonic()))
         if isinstance(ports, str):
             outcome.error, outcome.tail = ports, tail(*logs)
             return outcome
@@ -217,7 +217,7 @@ def run_async(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
             r.unlink(missing_ok=True)
 
 
-def _wait_ready(servers: list[subprocess.Popen], ready: list[Path],
+def wait_ready(servers: list[subprocess.Popen], ready: list[Path],
                 seconds: float) -> list[int] | str:
     """Every server's port once all wrote their ready files, or why not."""
     deadline = time.monotonic() + seconds

@@ -1,15 +1,29 @@
 """Checkpoints: one directory per step, written whole or not at all.
 
     <root>/step-00000120/
-        meta.json        step, config, data position, file digests
+        meta.json        the manifest: format, step, config, data position,
+                         every file's size and SHA-256
         params.npy       the flat parameter buffer
         opt.<name>.npy   each optimizer state buffer
 
-The directory is written under a temporary name and renamed into place, so
-a crash while saving never leaves a half checkpoint under a real name, and
-the previous checkpoint is untouched. Every array file's SHA-256 is recorded
-in meta.json and verified on load; a mismatch or a missing file raises
-CheckpointError naming the file.
+The directory is written under a temporary name (.step-NNNNNNNN.*), synced,
+and renamed into place, so a crash while saving never leaves a half
+checkpoint under a real name, and the previous checkpoints are untouched.
+Every file's size and SHA-256 are recorded in the manifest and verified on
+load; `problem()` says what is wrong with a directory, naming the file:
+
+    meta.json: missing (not a dtlab checkpoint, or its manifest was lost)
+    meta.json: not a dtlab checkpoint manifest (no "files" and "step")
+    params.npy: truncated (4096 of 8320 bytes)
+    params.npy: checksum mismatch, the file is corrupt
+
+`latest_valid` verifies the step directories newest first and returns the
+first sound one together with every one it skipped and why (an unfinished
+save, a truncated or corrupt file, a foreign directory), so a resume never
+starts from a damaged state and never silently drops the newest good one.
+`save(..., keep=K)` keeps the K newest checkpoints that verify (the one just
+written among them) and removes older ones; a directory that is not a dtlab
+checkpoint is never removed or replaced.
 """
 
 from __future__ import annotations
@@ -25,11 +39,14 @@ import numpy as np
 
 from dtlab.models import backend
 
+FORMAT = "dtlab-checkpoint/1"
+MANIFEST = "meta.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+_UNFINISHED = re.compile(r"^\.step-(\d{8})\.")  # save()'s temporary directory
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupt."""
+    """A checkpoint is missing, incomplete, corrupt or not a dtlab checkpoint."""
 
 
 def _digest(path: str) -> str:
@@ -40,29 +57,82 @@ def _digest(path: str) -> str:
     return h.hexdigest()
 
 
-def save(root: str, step: int, arrays: dict, meta: dict) -> str:
-    """Write arrays (name -> array) and meta (JSON-able) as <root>/step-NNNNNNNN."""
+def _sync_dir(path: str) -> None:
+    """Make renames within `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(root: str, step: int, arrays: dict, meta: dict, keep: int | None = None) -> str:
+    """Write arrays (name -> array) and meta (JSON-able) as <root>/step-NNNNNNNN.
+
+    An older dtlab checkpoint of the same step is replaced; a directory of that
+    name that is not one is refused (CheckpointError) before anything is
+    written. keep: after the save, keep the `keep` newest checkpoints that
+    verify and remove the older ones (None: keep all).
+    """
+    if keep is not None and keep < 1:
+        raise ValueError(f"checkpoint keep must be at least 1 (got {keep}): the checkpoint "
+                         f"just written is always kept")
     os.makedirs(root, exist_ok=True)
     final = os.path.join(root, step_dir(step))
-    tmp = tempfile.mkdtemp(prefix=f".step-{step:08d}.", dir=root)
+    if os.path.lexists(final):
+        _, why = _manifest(final)
+        if why is not None:
+            raise CheckpointError(f"{final} exists and is not a dtlab checkpoint ({why}); "
+                                  f"not replacing it, nothing was written")
+    tmp = tempfile.mkdtemp(prefix=f".{step_dir(step)}.", dir=root)
     try:
-        digests = {}
+        digests, sizes = {}, {}
         for name, array in arrays.items():
             path = os.path.join(tmp, f"{name}.npy")
             np.save(path, backend.to_host(array), allow_pickle=False)
             digests[f"{name}.npy"] = _digest(path)
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump({**meta, "step": step, "files": digests}, f, indent=1)
+            sizes[f"{name}.npy"] = os.path.getsize(path)
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump({**meta, "format": FORMAT, "step": step, "files": digests,
+                       "sizes": sizes}, f, indent=1)
         for path in os.listdir(tmp):
             with open(os.path.join(tmp, path), "rb") as f:
                 os.fsync(f.fileno())
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        _replace(root, tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if keep is not None:
+        _prune(root, step, keep)
     return final
+
+
+def _replace(root: str, tmp: str, final: str) -> None:
+    """Rename `tmp` to `final`; an existing `final` is moved aside first and removed
+    after, so that the name always holds a whole checkpoint or none."""
+    aside = None
+    if os.path.lexists(final):
+        aside = tempfile.mkdtemp(prefix=f".replaced-{os.path.basename(final)}.", dir=root)
+        os.rename(final, os.path.join(aside, "old"))
+    os.rename(tmp, final)
+    _sync_dir(root)
+    if aside is not None:
+        shutil.rmtree(aside)
+
+
+def _prune(root: str, step: int, keep: int) -> None:
+    """Keep the checkpoint of `step` and the keep - 1 newest older ones that verify;
+    remove every dtlab checkpoint older than the oldest kept (a corrupt one between
+    kept ones stays, for latest_valid to name). Foreign directories stay."""
+    kept = 1
+    for older in reversed([s for s in _steps(root) if s < step]):
+        path = os.path.join(root, step_dir(older))
+        if kept < keep:
+            kept += int(problem(path) is None)
+        elif _manifest(path)[1] is None:
+            gone = tempfile.mkdtemp(prefix=f".pruned-{step_dir(older)}.", dir=root)
+            os.rename(path, os.path.join(gone, "old"))  # the name goes at once
+            shutil.rmtree(gone)
 
 
 def step_dir(step: int) -> str:
@@ -74,29 +144,100 @@ def step_of(path: str) -> int:
     return int(_STEP_DIR.match(os.path.basename(path)).group(1))
 
 
-def latest(root: str) -> str | None:
-    """The newest complete checkpoint directory under root, or None."""
+def _steps(root: str) -> list[int]:
+    """The steps of the step-NNNNNNNN entries under root, ascending."""
     if not os.path.isdir(root):
-        return None
-    steps = sorted(d for d in os.listdir(root) if _STEP_DIR.match(d))
-    return os.path.join(root, steps[-1]) if steps else None
+        return []
+    return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(root)) if m)
 
 
-def load(path: str) -> tuple[dict, dict]:
-    """(arrays, meta) of the checkpoint at `path`, every file verified."""
-    meta_path = os.path.join(path, "meta.json")
+def latest(root: str) -> str | None:
+    """The newest step directory under root by name (unverified), or None."""
+    steps = _steps(root)
+    return os.path.join(root, step_dir(steps[-1])) if steps else None
+
+
+def latest_valid(root: str, at_most: int | None = None) -> tuple[str | None, list]:
+    """(path, skipped): the newest checkpoint under root (of a step <= at_most) that
+    verifies, or None; skipped: (path, reason) for each newer entry passed over,
+    newest first: unfinished saves, damaged or foreign step directories."""
+    if not os.path.isdir(root):
+        return None, []
+    entries = []  # (step, is a step directory, path)
+    for name in os.listdir(root):
+        done, unfinished = _STEP_DIR.match(name), _UNFINISHED.match(name)
+        if done or unfinished:
+            entries.append((int((done or unfinished).group(1)), bool(done),
+                            os.path.join(root, name)))
+    skipped = []
+    for step, done, path in sorted(entries, reverse=True):
+        if at_most is not None and step > at_most:
+            continue
+        if not done:
+            skipped.append((path, "an unfinished save (the writer stopped before renaming it "
+                                  "into place)"))
+            continue
+        why = problem(path)
+        if why is None:
+            return path, skipped
+        skipped.append((path, why))
+    return None, skipped
+
+
+def _manifest(path: str) -> tuple[dict | None, str | None]:
+    """(manifest, None) of a dtlab checkpoint directory, or (None, why it is not one)."""
+    if not os.path.isdir(path):
+        return None, "not a directory, so not a dtlab checkpoint"
+    meta_path = os.path.join(path, MANIFEST)
+    if not os.path.exists(meta_path):
+        return None, f"{MANIFEST}: missing (not a dtlab checkpoint, or its manifest was lost)"
     try:
         with open(meta_path) as f:
             meta = json.load(f)
-        files = meta["files"]
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{meta_path}: unreadable checkpoint metadata ({e})") from e
-    arrays = {}
-    for fname, digest in files.items():
+    except (OSError, ValueError) as e:
+        return None, f"{MANIFEST}: unreadable ({e})"
+    if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict) \
+            or not isinstance(meta.get("step"), int):
+        return None, f'{MANIFEST}: not a dtlab checkpoint manifest (no "files" and "step")'
+    if meta.get("format", FORMAT) != FORMAT:
+        return None, f"{MANIFEST}: format {meta['format']!r}, this dtlab reads {FORMAT!r}"
+    for fname in meta["files"]:
+        if os.path.basename(fname) != fname or fname.startswith("."):
+            return None, f"{MANIFEST}: names {fname!r}, which is not a file of the checkpoint"
+    named = _STEP_DIR.match(os.path.basename(path))
+    if named and int(named.group(1)) != meta["step"]:
+        return None, f"{MANIFEST}: says step {meta['step']}, the directory is step {named[1]}"
+    return meta, None
+
+
+def problem(path: str) -> str | None:
+    """What is wrong with the checkpoint at `path`, naming the file, or None if it
+    verifies (every file present, of its recorded size and SHA-256)."""
+    meta, why = _manifest(path)
+    if why is not None:
+        return why
+    sizes = meta.get("sizes", {})  # absent in checkpoints written before sizes were kept
+    for fname, digest in meta["files"].items():
         fpath = os.path.join(path, fname)
-        if not os.path.exists(fpath):
-            raise CheckpointError(f"{fpath}: missing from checkpoint")
+        if not os.path.isfile(fpath):
+            return f"{fname}: missing from checkpoint"
+        have, want = os.path.getsize(fpath), sizes.get(fname)
+        if want is not None and have < want:
+            return f"{fname}: truncated ({have} of {want} bytes)"
+        if want is not None and have != want:
+            return f"{fname}: {have} bytes, {want} were written"
         if _digest(fpath) != digest:
-            raise CheckpointError(f"{fpath}: checksum mismatch, the file is corrupt")
-        arrays[fname[: -len(".npy")]] = np.load(fpath, allow_pickle=False)
+            return f"{fname}: checksum mismatch, the file is corrupt"
+    return None
+
+
+def load(path: str) -> tuple[dict, dict]:
+    """(arrays, meta) of the checkpoint at `path`, every file verified; CheckpointError
+    naming the file otherwise."""
+    why = problem(path)
+    if why is not None:
+        raise CheckpointError(f"{path}: {why}")
+    meta = _manifest(path)[0]
+    arrays = {fname[: -len(".npy")]: np.load(os.path.join(path, fname), allow_pickle=False)
+              for fname in meta["files"]}
     return arrays, meta

@@ -8,6 +8,10 @@ Semantics, for every method:
   * arrays are C-contiguous NumPy or CuPy arrays of any dtype; the reduction
     is a sum; results land in place (allreduce, broadcast, recv) or in `out`,
     and every method returns its result array;
+  * float16 and bfloat16 (ml_dtypes) are summed as floats on every path,
+    MPI's included: each addition in float32, rounded to the buffer's dtype
+    once per hop, partial sums moving in the buffer's dtype (the rule and
+    its error bound: collective/link.py);
   * a world of size 1 is a real communicator: the operations are identities
     (or a local copy);
   * collectives run our own algorithms (ring, halving-doubling, recursive
@@ -35,6 +39,7 @@ from __future__ import annotations
 import functools
 import math
 
+import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
@@ -45,7 +50,7 @@ from dtlab.collective.choose import OURS, allreduce_algorithm
 from dtlab.collective.doubling import bind_doubling
 from dtlab.collective.failure import install_abort_handler, resolve_timeout
 from dtlab.collective.halving import bind_halving
-from dtlab.collective.link import Link, byte_view
+from dtlab.collective.link import Link, byte_view, mpi_sum
 from dtlab.collective.naive import naive_allreduce
 from dtlab.collective.ring import (
     ring_allgather,
@@ -84,8 +89,33 @@ def _output(x, out, rows: int, operation: str):
     return out
 
 
+def _floating(dtype) -> bool:
+    """Whether `dtype` can be averaged: NumPy's floats and complex (kinds f, c) and
+    ml_dtypes' floats (bfloat16, float8_*), whose kind is V."""
+    if dtype.kind in "fc":
+        return True
+    try:
+        ml_dtypes.finfo(dtype)
+    except ValueError:
+        return False
+    return True
+
+
 def _row_elems(x) -> int:
     return math.prod(x.shape[1:])
+
+
+class SendRequest:
+    """A send in flight (Communicator.isend): holds its buffer; wait() completes it
+    under the stall watchdog, once."""
+
+    def __init__(self, link: Link, req, buf, what: str, dest: int):
+        self._link, self._req, self._buf, self._what, self._dest = link, req, buf, what, dest
+
+    def wait(self) -> None:
+        if self._req is not None:
+            self._link.wait(self._req, self._what, self._dest)
+            self._req = self._buf = None
 
 
 class Communicator:
@@ -160,7 +190,7 @@ class Communicator:
         if code is None:
             raise ValueError(f"allreduce algorithm must be one of {ALGOS}, not {algo!r}")
         flat = _flat(x)
-        if average and flat.dtype.kind not in "fc":
+        if average and not _floating(flat.dtype):
             raise TypeError(f"average=True needs a floating-point buffer, not {flat.dtype}")
         self._agree.check("allreduce", flat.size, flat.dtype, code + 8 * average)
         if self.size == 1 or flat.size == 0:
@@ -178,7 +208,8 @@ class Communicator:
         """A call that all-reduces `buf` in place with `algo`, repeatable."""
         link = self._link
         if algo == "mpi":
-            return functools.partial(self._mpi_allreduce, buf, xp, sync, divide)
+            msg, op = mpi_sum(buf)
+            return functools.partial(self._mpi_allreduce, buf, msg, op, xp, sync, divide)
         if algo == "naive":
             return functools.partial(naive_allreduce, link, buf, xp=xp, sync=sync, divide=divide)
         host = isinstance(buf, np.ndarray)
@@ -205,11 +236,11 @@ class Communicator:
             self._arena = SharedArena(self._link) if SharedArena.usable(self.mpi) else False
         return bool(self._arena)
 
-    def _mpi_allreduce(self, buf, xp, sync, divide: int | None) -> None:
+    def _mpi_allreduce(self, buf, msg, op: MPI.Op, xp, sync, divide: int | None) -> None:
         if sync is not None:
             sync()
         self._link.watch.waiting("allreduce(mpi)", None)
-        self.mpi.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        self.mpi.Allreduce(MPI.IN_PLACE, msg, op=op)
         self._link.watch.idle()
         if divide is not None:
             xp.true_divide(buf, divide, out=buf)
@@ -228,7 +259,7 @@ class Communicator:
         as scratch and hold unspecified values afterwards.
         """
         flat = _flat(x)
-        if average and flat.dtype.kind not in "fc":
+        if average and not _floating(flat.dtype):
             raise TypeError(f"average=True needs a floating-point buffer, not {flat.dtype}")
         self._agree.check("reduce_scatter", flat.size, flat.dtype, int(average))
         rows = segment_bounds(x.shape[0], self.size)
@@ -356,6 +387,18 @@ class Communicator:
         self._link.wait(req, f"sendrecv(tag {tag})", dest)
         gpu.unplace(buf, device)
         return out
+
+    def isend(self, x, dest: int, tag: int = 0) -> SendRequest:
+        """Start sending `x` to `dest`; the returned request's wait() returns once `x`
+        may be reused. A device array without GPU-aware MPI is sent from its own host
+        copy, so several sends can be in flight."""
+        flat = _flat(x)
+        if gpu.is_device_array(flat) and not gpu.mpi_is_gpu_aware():
+            flat = flat.get()  # (L,) this send's host copy
+        elif gpu.is_device_array(flat):
+            backend.synchronize()
+        req = self.mpi.Isend(byte_view(flat), dest, tag)
+        return SendRequest(self._link, req, flat, f"isend(tag {tag})", dest)
 
     def _recv_checked(self, buf, source: int, tag: int) -> None:
         status = MPI.Status()

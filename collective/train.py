@@ -1,15 +1,20 @@
-"""Synchronous data-parallel training over MPI, optionally tensor-split.
+"""Synchronous data-parallel training over MPI, optionally tensor-split and pipelined.
 
     mpiexec -n 4 python -m dtlab.collective.train --model transformer --steps 600 --seed 0 \
         --metrics runs/sync.jsonl [--allreduce ring|naive|mpi] [--bucket-mb 25] [--no-overlap]
     mpiexec -n 4 python -m dtlab.collective.train --dp 2 --tp 2 --model transformer
+    mpiexec -n 8 python -m dtlab.collective.train --dp 2 --pp 2 --tp 2 --grad-accum 4 \
+        --pp-schedule zb-h1 --model transformer
 
-The world is a dp x tp grid (collective/grid.py, tp fastest). With --tp 1
+The world is a dp x pp x tp grid (collective/grid.py, tp fastest). With --tp 1
 every rank holds a full replica; with --tp b each group of b consecutive
 ranks holds one replica split Megatron-style (models/tensor_parallel.py:
-heads, FFN columns / rows, vocabulary), each rank only its shard, and all
-ranks of a tp group read the same data. Everything below happens within the
-dp communicator, among the ranks holding the same shard.
+heads, FFN columns / rows, vocabulary), each rank only its shard. With --pp c
+the model's layers are cut into c stages (models/pipeline.py; balanced by
+FLOPs or --stages), the --grad-accum micro-batches of a step run through them
+by --pp-schedule. All ranks of one replica (its tp x pp ranks) read the same
+data. Everything below happens within the dp communicator, among the ranks
+holding the same shard.
 
 Every data-parallel rank holds the same parameters. Rank 0's initial parameters are broadcast
 and every rank checks a checksum; each rank reads its own shard of every
@@ -43,20 +48,37 @@ from dtlab.models.data.dataset import in_words
 from dtlab.models.run.checkpoint import CheckpointError
 from dtlab.models.run.cli import command_name, run_cli
 from dtlab.models.run.metrics import MetricsLog, run_header
-from dtlab.models.run.session import Session, Setup, build_session, parse, replica_cost
+from dtlab.models.run.session import (
+    PipelineSpec,
+    Session,
+    Setup,
+    build_session,
+    dense_param_count,
+    parse,
+    replica_cost,
+)
 from dtlab.models.run.threads import share_cores
 from dtlab.models.run.trainer import Trainer
+from dtlab.models.schedule import SCHEDULES
 
 INTERRUPTED = 130
 
 
 def add_sync_flags(parser: argparse.ArgumentParser) -> None:
-    grid = parser.add_argument_group("process grid (dp x tp = the ranks of mpiexec -n)")
+    grid = parser.add_argument_group("process grid (dp x pp x tp = the ranks of mpiexec -n)")
     grid.add_argument("--dp", type=int, default=None,
-                      help="data-parallel replicas (default: the ranks --tp leaves)")
+                      help="data-parallel replicas (default: the ranks --pp and --tp leave)")
     grid.add_argument("--tp", type=int, default=1,
                       help="tensor-parallel ranks per replica (Megatron-LM split; must divide "
                            "--n-heads, --d-ff and --vocab, or --d-hidden and --n-classes)")
+    grid.add_argument("--pp", type=int, default=1,
+                      help="pipeline stages per replica (at most the model's layers: embedding, "
+                           "blocks, final norm, head); a step's micro-batches are --grad-accum")
+    grid.add_argument("--pp-schedule", choices=sorted(SCHEDULES), default="1f1b",
+                      help="pipeline schedule: GPipe, 1F1B (PipeDream-Flush) or zero-bubble ZB-H1")
+    grid.add_argument("--stages", default="",
+                      help="modules per stage, e.g. 3,2 (default: balanced by the cost model's "
+                           "FLOPs)")
     group = parser.add_argument_group("sync data parallelism")
     group.add_argument("--allreduce", choices=ALGOS, default="ring",
                        help="gradient all-reduce: ours (ring), reduce+bcast (naive), MPI's own")
@@ -100,15 +122,15 @@ def check_replicas_agree(comm: Communicator, params, when: str) -> None:
                            f"(checksums {[hex(s) for s in sums]})")
 
 
-def memory_split(session: Session, tp: int) -> dict:
-    """This rank's parameter, gradient and optimizer bytes, and the dense model's."""
+def memory_split(session: Session, grid: ProcessGrid) -> dict:
+    """This rank's parameter, gradient and optimizer bytes, and the whole dense model's."""
     params = session.params
-    state = sum(v.nbytes for k, v in session.optimizer.state_dict().items() if k != "steps")
-    dense = params.dense_size / params.size
-    return {"tp": tp, "param_bytes": params.nbytes, "grad_bytes": params.grad.nbytes,
-            "optimizer_bytes": state, "dense_param_bytes": round(params.nbytes * dense),
-            "dense_grad_bytes": round(params.grad.nbytes * dense),
-            "dense_optimizer_bytes": round(state * dense)}
+    slots = [v for k, v in session.optimizer.state_dict().items() if k != "steps"]
+    dense = dense_param_count(session.setup) * params.dtype.itemsize  # bytes of one copy
+    return {"tp": grid.tp_size, "pp": grid.pp_size, "param_bytes": params.nbytes,
+            "grad_bytes": params.grad.nbytes,
+            "optimizer_bytes": sum(v.nbytes for v in slots), "dense_param_bytes": dense,
+            "dense_grad_bytes": dense, "dense_optimizer_bytes": len(slots) * dense}
 
 
 def parse_args(argv: list[str]) -> Setup:
@@ -117,15 +139,17 @@ def parse_args(argv: list[str]) -> Setup:
     opts = setup.extra
     if opts.bucket_mb <= 0:
         raise ConfigError(f"--bucket-mb must be positive (got {opts.bucket_mb})")
+    if opts.stages and opts.pp == 1:
+        raise ConfigError(f"--stages {opts.stages} has no effect without --pp")
     return setup
 
 
 def make_grid(opts: argparse.Namespace) -> ProcessGrid:
-    """The dp x tp grid the flags ask for, or a ConfigError naming them."""
+    """The dp x pp x tp grid the flags ask for, or a ConfigError naming them."""
     try:
-        return ProcessGrid(dp=opts.dp, tp=opts.tp, timeout=opts.collective_timeout)
+        return ProcessGrid(dp=opts.dp, pp=opts.pp, tp=opts.tp, timeout=opts.collective_timeout)
     except GridError as e:
-        raise ConfigError(f"--dp {opts.dp} --tp {opts.tp}: {e}") from None
+        raise ConfigError(f"--dp {opts.dp} --pp {opts.pp} --tp {opts.tp}: {e}") from None
 
 
 def main(argv: list[str]) -> int:
@@ -140,10 +164,12 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid]:
     grid = make_grid(opts)
     grid.select_device()
     comm, rank = grid.dp_comm, grid.rank
+    pipeline = PipelineSpec(grid.pp_comm, opts.pp_schedule, opts.stages) if grid.pp_size > 1 \
+        else None
     session = build_session(setup, rank=grid.dp_rank, world=grid.dp_size,
-                            tp=grid.tp_comm if grid.tp_size > 1 else None)
+                            tp=grid.tp_comm if grid.tp_size > 1 else None, pipeline=pipeline)
     params = session.params
-    split = memory_split(session, grid.tp_size)
+    split = memory_split(session, grid)
 
     flops_per_step = replica_cost(setup).flops_step * grid.dp_size
     reducer = DataParallelReducer(comm, params.grad, int(opts.bucket_mb * 1e6),
@@ -158,8 +184,9 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid]:
     comm.broadcast(params.data, root=0)
     check_replicas_agree(comm, params, "after the initial broadcast")
     if rank == 0:
-        print(f"{setup.model_name}: {params.dense_size:,} parameters on dp {grid.dp_size} x tp "
-              f"{grid.tp_size} ranks, {shard_words(split)}; allreduce {opts.allreduce}, "
+        print(f"{setup.model_name}: {dense_param_count(setup):,} parameters on dp "
+              f"{grid.dp_size} x {pipe_words(session, opts)}tp {grid.tp_size} ranks, "
+              f"{shard_words(split)}; allreduce {opts.allreduce}, "
               f"{len(reducer.buckets.buckets)} bucket(s); data {in_words(header['dataset'])}; "
               f"{threads.describe()} per rank", file=sys.stderr)
     try:
@@ -172,6 +199,14 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid]:
         for line in summary.lines(flops_per_step):
             print(line)
     return session, grid
+
+
+def pipe_words(session: Session, opts: argparse.Namespace) -> str:
+    """'pp 2 (1f1b, 4 micro-batches, modules [0, 3, 6]) x ', or '' without a pipeline."""
+    if opts.pp == 1:
+        return ""
+    return (f"pp {opts.pp} ({opts.pp_schedule}, {session.setup.run.grad_accum} micro-batches, "
+            f"modules {session.model.bounds}) x ")
 
 
 def shard_words(split: dict) -> str:

@@ -53,6 +53,11 @@ class Comm(Protocol):
         """Send `x` to rank `dest`."""
         ...
 
+    def isend(self, x, dest: int, tag: int = 0):
+        """Start sending `x` to rank `dest`; return a request whose wait() returns once
+        `x` may be reused (pipeline stages keep several sends in flight)."""
+        ...
+
     def recv(self, x, source: int, tag: int = 0):
         """Receive into `x` from rank `source`; return x."""
         ...

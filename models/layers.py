@@ -64,7 +64,7 @@ class Linear(Module):
     def backward(self, P, x, dy):
         x2 = x.reshape(-1, self.d_in)  # (N, d_in)
         dy2 = dy.reshape(-1, self.d_out)  # (N, d_out)
-        P.grads[f"{self.name}.W"] += x2.T @ dy2  # (d_in, d_out)
+        P.add_weight_grad(f"{self.name}.W", x2, dy2)  # += x2^T dy2, (d_in, d_out)
         if self.bias:
             P.grads[f"{self.name}.b"] += dy2.sum(axis=0)
         return (dy2 @ P[f"{self.name}.W"].T).reshape(x.shape)  # (..., d_in)
@@ -279,8 +279,7 @@ class SwiGLU(Module):
         dh = self.w2.backward(P, h, dy)  # (..., d_ff)
         db = sa
         db *= dh
-        da = h
-        xp.subtract(1.0, s, out=da)
+        da = xp.subtract(1.0, s)  # not into h: w2's weight gradient may be deferred
         da *= a
         da += 1.0
         da *= s  # silu'(a)

@@ -34,6 +34,7 @@ class Model:
     """`body` maps inputs to logits; `loss` scores them (default: softmax cross-entropy)."""
 
     name = "model"
+    pp: Comm | None = None  # a pipeline stage's communicator (models/pipeline.py)
 
     def __init__(self, config, body: Sequential, loss: Loss = softmax_cross_entropy,
                  tp: Comm | None = None):
@@ -83,6 +84,7 @@ class Replica:
 
     def __init__(self, model: Model, params: FlatParams):
         self.model, self.params = model, params
+        self.timing: dict = {}  # the last step's figures a subclass measures (a pipeline's bubble)
 
     def compute_grads(self, micro_batches: Sequence, grad_ready=None) -> float:
         """Zero the gradients, accumulate the mean gradient over the micro-batches.

@@ -18,7 +18,8 @@ the slice of its dense twin, whatever the topology.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,7 +99,14 @@ class FlatParams:
 
     params[name] / grads[name] are views into `data` / `grad`; writing to a
     view writes the buffer. Backward passes accumulate (+=) into grads.
+
+    Weight gradients of matmuls go through `add_weight_grad`, so that a
+    zero-bubble pipeline schedule (Qi et al. 2024) can split a backward pass
+    in two: inside `deferring()` they are queued (the B pass: input gradients
+    only) and `run_weight_grads` computes them later (the W pass).
     """
+
+    deferred: list | None = None  # the queue while deferring, else None
 
     def __init__(
         self,
@@ -177,6 +185,31 @@ class FlatParams:
     def checksum(self) -> int:
         """CRC32 of the parameter bytes, to check that replicas agree."""
         return zlib.crc32(backend.to_host(self.data).tobytes())
+
+    def add_weight_grad(self, name: str, x, dy) -> None:
+        """grads[name] += x^T dy, x (N, d_in), dy (N, d_out): now, or queued while
+        deferring. Queued arrays must not be written until the queue runs."""
+        if self.deferred is None:
+            self.grads[name] += x.T @ dy  # (d_in, d_out)
+        else:
+            self.deferred.append((name, x, dy))
+
+    @contextmanager
+    def deferring(self) -> Iterator[list]:
+        """Queue every add_weight_grad made inside the block; yields the queue."""
+        if self.deferred is not None:
+            raise RuntimeError("weight gradients are already being deferred")
+        self.deferred = queue = []
+        try:
+            yield queue
+        finally:
+            self.deferred = None
+
+    def run_weight_grads(self, queue: list) -> None:
+        """The W pass: the queued weight gradients, in the order they were made."""
+        for name, x, dy in queue:
+            self.grads[name] += x.T @ dy  # (d_in, d_out)
+        queue.clear()
 
     def first_offset(self, names: Sequence[str]) -> int:
         """The lowest buffer offset among `names` (for bucket readiness)."""

@@ -56,7 +56,7 @@ def single_params(tmp_path, name, argv):
 
 def split_params(tmp_path, name, argv, dp, tp):
     out = tmp_path / f"{name}.npy"
-    r = mpirun(dp * tp, "tests/mpi_progs/tp_train.py", out, "--dp", dp, "--tp", tp, *argv,
+    r = mpirun(dp * tp, "tests/mpi_progs/grid_train.py", out, "--dp", dp, "--tp", tp, *argv,
                *RUN, "--metrics", tmp_path / f"{name}.jsonl", timeout=120)
     assert r.rc == 0, r
     header, _ = read_metrics(str(tmp_path / f"{name}.jsonl"))
@@ -82,7 +82,7 @@ def test_dp_tp_training_equals_one_process_on_the_global_batch(tmp_path, argv, B
 
 
 @pytest.mark.parametrize("n,flags,message", [
-    (4, ["--dp", "3", "--tp", "2"], "--dp 3 --tp 2: grid dp=3"),
+    (4, ["--dp", "3", "--tp", "2"], "--dp 3 --pp 1 --tp 2: grid dp=3"),
     (4, ["--tp", "3"], "--tp 3: pp=1 x ep=1 x tp=3 = 3 does not divide"),
     (2, ["--tp", "2", *LM, "--d-model", "24", "--n-heads", "3"],
      "--n-heads 3 is not divisible by --tp 2"),
@@ -100,7 +100,7 @@ def test_a_split_run_resumes_exactly_from_its_per_rank_checkpoints(tmp_path):
     parameters of an uninterrupted one, bit for bit; another split is refused by name."""
     argv = [*LM, "--batch-size", "4"]
     whole = tmp_path / "whole.npy"
-    r = mpirun(2, "tests/mpi_progs/tp_train.py", whole, "--tp", "2", *argv, *RUN, timeout=120)
+    r = mpirun(2, "tests/mpi_progs/grid_train.py", whole, "--tp", "2", *argv, *RUN, timeout=120)
     assert r.rc == 0, r
     ck = ["--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", "2"]
     first = [*argv, "--seed", "3", "--warmup", "2", "--lr", "3e-3"]
@@ -109,21 +109,21 @@ def test_a_split_run_resumes_exactly_from_its_per_rank_checkpoints(tmp_path):
     assert r.rc == 0, r
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["tp0of2", "tp1of2"]
     resumed = tmp_path / "resumed.npy"
-    r = mpirun(2, "tests/mpi_progs/tp_train.py", resumed, "--tp", "2", *first, "--steps", "5",
+    r = mpirun(2, "tests/mpi_progs/grid_train.py", resumed, "--tp", "2", *first, "--steps", "5",
                *ck, "--resume", timeout=120)
     assert r.rc != 0 and "config" in r.stderr, r  # dp 2 x batch 2 is not dp 1 x batch 4
-    r = mpirun(2, "tests/mpi_progs/tp_train.py", resumed, "--tp", "2", *argv, *RUN,
+    r = mpirun(2, "tests/mpi_progs/grid_train.py", resumed, "--tp", "2", *argv, *RUN,
                "--checkpoint-dir", tmp_path / "ck2", "--checkpoint-every", "2", "--steps", "2",
                timeout=120)
     assert r.rc == 0, r
-    r = mpirun(2, "tests/mpi_progs/tp_train.py", resumed, "--tp", "2", *argv, *RUN,
+    r = mpirun(2, "tests/mpi_progs/grid_train.py", resumed, "--tp", "2", *argv, *RUN,
                "--checkpoint-dir", tmp_path / "ck2", "--checkpoint-every", "2", "--resume",
                timeout=120)
     assert r.rc == 0 and "resumed from step 2" in r.stderr, r
     np.testing.assert_array_equal(np.load(resumed), np.load(whole))
     r = mpirun(2, "-m", "dtlab.collective.train", "--tp", "1", *argv, *RUN,
                "--checkpoint-dir", tmp_path / "ck2", "--resume", timeout=60)
-    assert r.rc != 0 and "holds checkpoints of a run with --tp 2; this run has --tp 1" \
+    assert r.rc != 0 and "holds checkpoints of a run with --tp 2; this run has --pp 1 --tp 1" \
         in r.stderr, r
 
 

@@ -43,6 +43,8 @@ from dtlab.models.data import DataConfig, ShardedLoader, make_dataset
 from dtlab.models.model import Model, Replica
 from dtlab.models.optim import OptimConfig, Optimizer, Schedule, make_optimizer
 from dtlab.models.params import FlatParams
+from dtlab.models.partition import balance, explicit, module_costs
+from dtlab.models.pipeline import PipelineReplica, PipelineStage
 from dtlab.models.zoo import MODELS, build_model
 
 
@@ -208,20 +210,52 @@ class Session:
     world: int
 
 
-def build_session(setup: Setup, rank: int = 0, world: int = 1, tp: Comm | None = None) -> Session:
+@dataclass(frozen=True)
+class PipelineSpec:
+    """How a pipeline-parallel rank runs: its communicator, the schedule, the split."""
+
+    pp: Comm
+    schedule: str = "1f1b"
+    stages: str = ""  # --stages "a,b,...": modules per stage; "" balances by FLOPs
+
+
+def build_session(setup: Setup, rank: int = 0, world: int = 1, tp: Comm | None = None,
+                  pipeline: PipelineSpec | None = None) -> Session:
     """Everything data-parallel rank `rank` of `world` needs to train; the data fixes some
     model fields. With a `tp` communicator the model, its parameters and the optimizer
-    are this rank's tensor-split shard (starting from the dense model's values)."""
+    are this rank's tensor-split shard (starting from the dense model's values); with a
+    `pipeline` they are this rank's stage (models/pipeline.py), with its micro-batches
+    (--grad-accum) run by the pipeline schedule."""
     backend.select()
     dataset, model_cfg = make_dataset(setup.data, setup.model_name, setup.model)
     setup.model = model_cfg
     model = build_model(setup.model_name, model_cfg, tp=tp)
+    if pipeline is not None:
+        model = PipelineStage(model, stage_bounds(setup, pipeline, len(model.body.modules)),
+                              pipeline.pp)
     params = model.init_params(seed=setup.run.seed, dtype=setup.run.dtype)
+    replica = Replica(model, params) if pipeline is None else \
+        PipelineReplica(model, params, pipeline.schedule)
     optimizer = make_optimizer(setup.optim, params.data, decay_mask=params.decay_mask())
     loader = ShardedLoader(dataset, setup.run.batch_size, rank=rank, world=world,
                            seed=setup.run.seed, micro_batches=setup.run.grad_accum)
-    return Session(setup, dataset, model, params, Replica(model, params), optimizer,
+    return Session(setup, dataset, model, params, replica, optimizer,
                    Schedule(setup.optim, setup.run.steps), loader, rank, world)
+
+
+def stage_bounds(setup: Setup, pipeline: PipelineSpec, n_modules: int) -> list[int]:
+    """The body modules of each stage: --stages as given, else balanced by the cost
+    model's FLOPs per module (models/partition.py)."""
+    p = pipeline.pp.size
+    if pipeline.stages:
+        return explicit(pipeline.stages, n_modules, p)
+    return balance(module_costs(setup.model_name, setup.model, setup.run.batch_size,
+                                n_modules), p)
+
+
+def dense_param_count(setup: Setup) -> int:
+    """Parameters of the whole unsplit model `setup` describes (no arrays made)."""
+    return sum(spec.size for spec in build_model(setup.model_name, setup.model).specs())
 
 
 def replica_cost(setup: Setup):

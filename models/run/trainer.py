@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -75,17 +76,19 @@ class Summary:
 
 class Trainer:
     """Runs the steps; `is_main` writes metrics and progress, `saves` this rank's checkpoints
-    (default: is_main). A tensor-split model's ranks each hold different bytes, so each
-    tp rank's checkpoints go to their own directory, <checkpoint_dir>/tp<r>of<n>/."""
+    (default: is_main). A model-parallel model's ranks each hold different bytes, so each
+    one's checkpoints go to their own directory, <checkpoint_dir>/<shard>/ with shard
+    "pp<r>of<n>-tp<r>of<n>" (the dimensions of size 1 left out)."""
 
     def __init__(self, session: Session, log: MetricsLog, reducer: GradReducer | None = None,
                  is_main: bool = True, saves: bool | None = None):
         self.s, self.log, self.reducer, self.is_main = session, log, reducer, is_main
         self.saves = is_main if saves is None else saves
         run = session.setup.run
-        tp = session.model.tp
-        self.tp_size = tp.size if tp is not None else 1
-        self.shard = f"tp{tp.rank}of{tp.size}" if self.tp_size > 1 else ""
+        self.groups = model_parallel_groups(session.model)
+        self.grid = {name: comm.size for name, comm in self.groups.items()}
+        self.shard = "-".join(f"{name}{comm.rank}of{comm.size}"
+                              for name, comm in self.groups.items())
         self.root = os.path.join(run.checkpoint_dir, self.shard) if self.shard else \
             run.checkpoint_dir
         self.progress = Progress(run.steps, run.log_every, enabled=is_main)
@@ -110,7 +113,8 @@ class Trainer:
         s.optimizer.step(s.params.data, s.params.grad, lr)
         t3 = time.perf_counter()
         return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                "step_s": t3 - t0, "compute_s": (t1 - t0) + (t3 - t2), **comm}
+                "step_s": t3 - t0, "compute_s": (t1 - t0) + (t3 - t2), **comm,
+                **s.replica.timing}
 
     def run(self) -> Summary:
         run = self.s.setup.run
@@ -132,7 +136,7 @@ class Trainer:
         s = self.s
         arrays = {"params": s.params.data}
         arrays.update({f"opt.{k}": v for k, v in s.optimizer.state_dict().items() if k != "steps"})
-        meta = {"config": s.setup.as_dict(), "n_params": s.params.size, "tp": self.tp_size,
+        meta = {"config": s.setup.as_dict(), "n_params": s.params.size, **self.grid,
                 "optimizer_steps": s.optimizer.steps, "loader": s.loader.state_dict()}
         return checkpoint.save(self.root, next_step, arrays, meta)
 
@@ -147,8 +151,9 @@ class Trainer:
         arrays, meta = checkpoint.load(path)
         saved = meta["config"]
         differ = config_differences(saved, s.setup.as_dict())
-        if meta.get("tp", 1) != self.tp_size:
-            differ.append(f"tp: {meta.get('tp', 1)} -> {self.tp_size}")
+        for name in ("pp", "tp"):
+            if meta.get(name, 1) != self.grid.get(name, 1):
+                differ.append(f"{name}: {meta.get(name, 1)} -> {self.grid.get(name, 1)}")
         if differ or meta.get("n_params") != s.params.size:
             raise CheckpointError(f"{path} was written by a run with another config: "
                                   + "; ".join(differ or ["a different parameter count"]))
@@ -166,38 +171,59 @@ class Trainer:
         return step
 
     def _check_grid(self, root: str) -> None:
-        """A checkpoint directory of another tensor-split size is refused, naming both."""
+        """A checkpoint directory of another model-parallel grid is refused, naming both."""
         if not os.path.isdir(root):
             return
-        shards = sorted(d for d in os.listdir(root) if d.startswith("tp") and "of" in d)
-        sizes = {d.split("of", 1)[1] for d in shards}
-        if self.shard and checkpoint.latest(root) is not None:
-            raise CheckpointError(f"{root} holds checkpoints of an unsplit run (tp 1); this "
-                                  f"run has --tp {self.tp_size}")
-        if sizes and sizes != {str(self.tp_size)}:
-            raise CheckpointError(f"{root} holds checkpoints of a run with --tp "
-                                  f"{', '.join(sorted(sizes))}; this run has --tp {self.tp_size}")
+        grids = {shard_grid(d) for d in os.listdir(root) if shard_grid(d)}
+        if checkpoint.latest(root) is not None:
+            grids.add(grid_words({}))
+        mine = grid_words(self.grid)
+        if grids and grids != {mine}:
+            raise CheckpointError(f"{root} holds checkpoints of a run with "
+                                  f"{' and '.join(sorted(grids))}; this run has {mine}")
 
     def _common_latest(self) -> str | None:
-        """The newest checkpoint every tp rank holds (a crash may have stopped some ranks
-        one save short), or None."""
+        """The newest checkpoint every model-parallel rank holds (a crash may have
+        stopped some ranks one save short), or None."""
         path = checkpoint.latest(self.root)
-        if self.tp_size == 1:
+        if not self.groups:
             return path
-        mine = np.array([float(checkpoint.step_of(path)) if path else -1.0])
-        steps = self.s.model.tp.allgather(mine)  # (tp, 1)
+        steps = np.array([float(checkpoint.step_of(path)) if path else -1.0])
+        for comm in self.groups.values():
+            steps = comm.allgather(steps)  # every step of this group, then of the next
         step = int(steps.min())
         if step < 0:
             return None
         common = os.path.join(self.root, checkpoint.step_dir(step))
         if not os.path.isdir(common):
-            raise CheckpointError(f"{common} is missing: tp ranks hold steps "
+            raise CheckpointError(f"{common} is missing: model-parallel ranks hold steps "
                                   f"{sorted({int(x) for x in steps.ravel()})}")
         return common
 
     def _say(self, line: str) -> None:
         if self.is_main:
             print(line, file=sys.stderr)
+
+
+def model_parallel_groups(model) -> dict:
+    """{"pp": comm, "tp": comm} for the model-parallel dimensions a model is split over."""
+    groups = {"pp": model.pp, "tp": model.tp}
+    return {name: comm for name, comm in groups.items() if comm is not None and comm.size > 1}
+
+
+def grid_words(grid: dict) -> str:
+    """'--pp 2 --tp 2', '--tp 2'; an unsplit grid is '--pp 1 --tp 1'."""
+    return " ".join(f"--{name} {size}" for name, size in grid.items()) or "--pp 1 --tp 1"
+
+
+def shard_grid(dirname: str) -> str:
+    """The grid words of a shard directory's name ('pp1of2-tp0of2' -> '--pp 2 --tp 2'),
+    '' for any other name."""
+    match = re.fullmatch(r"(pp\d+of(\d+))?-?(tp\d+of(\d+))?", dirname)
+    if not match or not dirname:
+        return ""
+    return grid_words({name: int(size) for name, size in (("pp", match[2]), ("tp", match[4]))
+                       if size})
 
 
 # Run fields a resumed run may change: they steer this launch, not the computation.

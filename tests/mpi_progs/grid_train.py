@@ -1,10 +1,11 @@
 """Train with dtlab.collective.train, then save the dense parameters the shards make up.
 
-    mpiexec -n 4 python -m mpi4py tests/mpi_progs/tp_train.py OUT.npy --dp 2 --tp 2 ...
+    mpiexec -n 8 python -m mpi4py tests/mpi_progs/grid_train.py OUT.npy --dp 2 --pp 2 --tp 2 ...
 
-Runs `train` with the given flags, rebuilds every dense tensor from the tp
-shards (dense_values, collective over the tp group) and has world rank 0
-write them, concatenated in the model's parameter order, to OUT.npy: the
+Runs `train` with the given flags, rebuilds every dense tensor of this
+rank's stage from its tp shards (dense_values, collective over the tp
+group), gathers the stages over the pipeline, and has world rank 0 write
+them, concatenated in the dense model's parameter order, to OUT.npy: the
 layout of a single-process run's flat parameters.
 """
 
@@ -16,9 +17,14 @@ import numpy as np
 
 from dtlab.collective.train import parse_args, train
 from dtlab.models.tensor_parallel import dense_values
+from dtlab.models.zoo import build_model
 
 out, argv = sys.argv[1], sys.argv[2:]
-session, grid = train(parse_args(argv))
-dense = dense_values(session.params, grid.tp_comm)
+setup = parse_args(argv)
+session, grid = train(setup)
+mine = dense_values(session.params, grid.tp_comm)
+stages = grid.pp_comm.mpi.gather(mine, root=0)
 if grid.rank == 0:
-    np.save(out, np.concatenate([dense[s.name].ravel() for s in session.params.specs]))
+    dense = {name: value for stage in stages for name, value in stage.items()}
+    order = build_model(setup.model_name, setup.model).specs()
+    np.save(out, np.concatenate([dense[s.name].ravel() for s in order]))

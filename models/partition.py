@@ -1,0 +1,101 @@
+"""Layers into pipeline stages: contiguous runs of a model body's modules.
+
+    costs = module_costs("transformer", config, batch=8)   # FLOPs per body module
+    bounds = balance(costs, p=2)          # [0, b, n]: stage s runs modules [b_s, b_{s+1})
+    bounds = explicit("3,2", n=5)         # --stages: modules per stage, as given
+
+A module's cost is the forward + backward FLOPs models/cost.py counts for it
+(models/parts.py), so the estimate and the balance agree. `balance` picks the
+contiguous split with the smallest largest stage (the bottleneck that sets a
+pipeline's step time), by dynamic programming over (modules, stages):
+
+    best[k][j] = min over i < j of max(best[k-1][i], cost[i:j])
+
+The body of a transformer is [embedding, block_0 .. block_{L-1}, ln_f, head];
+the loss runs on the last stage and is charged to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dtlab.models.config import ConfigError
+from dtlab.models.parts import Part
+from dtlab.models.zoo import MODELS
+
+
+def module_parts(model_name: str, config, batch: int, n_modules: int) -> list[list[Part]]:
+    """The Parts of each of the body's `n_modules` modules, in body order.
+
+    The recipe lists one Part per module, except that a run of consecutive
+    Parts with the same count c > 1 is one repeated module (a block's layers),
+    and a final activation-only Part (the loss) belongs to the last module.
+    """
+    parts = MODELS[model_name].cost.parts(config, batch)
+    groups: list[list[Part]] = []
+    i = 0
+    while i < len(parts):
+        c = parts[i].count
+        if c == 1:
+            groups.append([parts[i]])
+            i += 1
+            continue
+        j = i
+        while j < len(parts) and parts[j].count == c:
+            j += 1
+        one = [dataclasses.replace(p, count=1) for p in parts[i:j]]
+        groups += [list(one) for _ in range(c)]
+        i = j
+    if len(groups) == n_modules + 1 and not groups[-1][0].params:
+        loss = groups.pop()
+        groups[-1] += loss
+    if len(groups) != n_modules:
+        raise ValueError(f"{model_name}: the cost recipe has {len(groups)} module groups, "
+                         f"the body {n_modules} modules")
+    return groups
+
+
+def module_costs(model_name: str, config, batch: int, n_modules: int) -> list[int]:
+    """Forward + backward (+ recompute) FLOPs of each body module for `batch` samples."""
+    return [sum(p.count * (p.flops_forward + p.flops_backward + p.flops_recompute) for p in g)
+            for g in module_parts(model_name, config, batch, n_modules)]
+
+
+def balance(costs: list[float], p: int) -> list[int]:
+    """Stage bounds [0, ..., len(costs)] minimising the costliest stage; every stage
+    gets at least one module."""
+    n = len(costs)
+    if p > n:
+        raise ConfigError(f"--pp {p} is more stages than the model's {n} layers")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(p + 1)]  # best[k][j]: modules [0, j) on k stages
+    cut = [[0] * (n + 1) for _ in range(p + 1)]
+    best[0][0] = 0.0
+    for k in range(1, p + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):
+                worst = max(best[k - 1][i], prefix[j] - prefix[i])
+                if worst < best[k][j]:
+                    best[k][j], cut[k][j] = worst, i
+    bounds = [n]
+    for k in range(p, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
+
+
+def explicit(spec: str, n: int, p: int) -> list[int]:
+    """Bounds from --stages "a,b,...": a modules on stage 0, b on stage 1, ..."""
+    try:
+        counts = [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise ConfigError(f"--stages {spec!r}: expected comma-separated module counts") from None
+    if len(counts) != p or min(counts) < 1 or sum(counts) != n:
+        raise ConfigError(f"--stages {spec!r}: needs {p} positive counts (one per --pp stage) "
+                          f"summing to the model's {n} modules")
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    return bounds

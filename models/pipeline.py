@@ -1,0 +1,212 @@
+"""Pipeline (inter-layer) model parallelism: one stage's layers and its schedule's executor.
+
+    stage = PipelineStage(model, bounds, pp)          # modules [bounds[s], bounds[s+1])
+    replica = PipelineReplica(stage, params, "1f1b")  # drives like any Replica
+    loss = replica.compute_grads(micro_batches)       # the whole pipeline's mean loss
+
+Every rank of the pipeline communicator `pp` holds one stage: a contiguous
+run of the dense model's body modules (models/partition.py chooses them), its
+parameters only, initialised to the dense model's values (parameters are
+seeded by name). All stages read the same micro-batches: the first uses the
+inputs, the last the targets and the loss.
+
+The executor runs this stage's list from models/schedule.py as given:
+
+    F i    receive x (stage 0: the inputs), forward, keep the context,
+           isend y to the next stage (the last stage: loss and dlogits)
+    B i    receive dy from the next stage (the last stage: dlogits), backward
+           with weight gradients deferred (FlatParams.deferring), isend dx
+    W i    run micro-batch i's deferred weight gradients
+    BW i   B and W in one pass; dx is sent after both
+
+Sends are non-blocking (MPI_Isend) and waited for only at the end of the
+step, so a stage never blocks on a neighbour that is itself sending; receives
+block, and the time they block is the stage's idle time. An activation is
+sent as a small int64 header (its shape) and then its data, because a stage
+cannot know its input's shape; a gradient has the shape of the output this
+stage sent, so it needs none. Tags follow the micro-batch, so every message
+matches its pass even where a schedule runs stages in different orders.
+
+Measured bubble (idle fraction) of a step: after a barrier over `pp`, each
+stage counts its compute time; the step's makespan is the slowest stage's
+elapsed time, and
+
+    bubble = 1 - mean over stages of compute / makespan
+
+which is what models/schedule.py's formulas predict for uniform stages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from dtlab.models.comm import Comm
+from dtlab.models.layers import Sequential
+from dtlab.models.model import Model, Replica
+from dtlab.models.optim import clip_grad_norm
+from dtlab.models.params import FlatParams
+from dtlab.models.schedule import make, validate
+from dtlab.models.tensor_parallel import SPLIT
+
+MAX_NDIM = 7
+HEADER, ACTIVATION, GRADIENT = 0, 1, 2
+MAX_MICRO_BATCHES = 10_000  # 3 tags each, below the collectives' tags (collective/link.py)
+
+
+class PipelineStage(Model):
+    """Body modules [bounds[s], bounds[s + 1]) of `model` on stage s = pp.rank."""
+
+    def __init__(self, model: Model, bounds: Sequence[int], pp: Comm):
+        if len(bounds) != pp.size + 1:
+            raise ValueError(f"{len(bounds) - 1} stage bounds for a pipeline of {pp.size}")
+        s = pp.rank
+        body = Sequential(model.body.modules[bounds[s]:bounds[s + 1]])
+        super().__init__(model.config, body, model.loss, model.tp)
+        self.name, self.pp, self.bounds = model.name, pp, list(bounds)
+        self.first, self.last = s == 0, s == pp.size - 1
+
+    def clip_grad_norm(self, P: FlatParams, max_norm: float) -> float:
+        """Clip to the norm of the whole model's gradient: every stage's squares
+        (each over its tensor-parallel shards) summed over the pipeline."""
+        split = P.ranges(SPLIT) if self.tp is not None else ()
+        norm = clip_grad_norm(P.grad, 0.0, split=split, comm=self.tp)
+        total = self.pp.allreduce(np.array([norm * norm]))  # (1,) sum of squares
+        norm = float(np.sqrt(total[0]))
+        if max_norm > 0 and norm > max_norm:
+            P.grad *= max_norm / (norm + 1e-6)
+        return norm
+
+
+class PipelineReplica(Replica):
+    """A Replica whose step runs schedule `schedule` across the pipeline."""
+
+    def __init__(self, stage: PipelineStage, params: FlatParams, schedule: str):
+        super().__init__(stage, params)
+        self.stage, self.schedule = stage, schedule
+
+    def compute_grads(self, micro_batches: Sequence, grad_ready=None) -> float:
+        """Zero the gradients, run this stage's list over the micro-batches; return
+        the mean loss over them (computed by the last stage, broadcast to all).
+
+        Each micro-batch's loss is scaled by 1/m, as in Replica.compute_grads.
+        `grad_ready` is not called: gradients are final only at the end of the
+        schedule, and the data-parallel reducer then covers the whole buffer.
+        """
+        st, P, pp = self.stage, self.params, self.stage.pp
+        m = len(micro_batches)
+        if m > MAX_MICRO_BATCHES:
+            raise ValueError(f"{m} micro-batches: at most {MAX_MICRO_BATCHES} per step")
+        ops = make(self.schedule, pp.size, m)
+        validate(ops, m)
+        P.zero_grad()
+        run = _Step(st, P, micro_batches)
+        pp.barrier()
+        t0 = time.perf_counter()
+        for op in ops[pp.rank]:
+            getattr(run, op.kind)(op.micro)
+        run.finish()
+        elapsed = time.perf_counter() - t0
+        loss = pp.broadcast(np.array([run.loss_sum]), root=pp.size - 1)  # the last stage's
+        every = pp.allgather(np.array([[run.compute_s, elapsed]]))  # (p, 2)
+        makespan = float(every[:, 1].max())
+        self.timing = {"bubble": 1.0 - float(every[:, 0].sum()) / (pp.size * makespan),
+                       "pipe_compute_s": run.compute_s, "pipe_wait_s": run.wait_s,
+                       "pipe_makespan_s": makespan}
+        return float(loss[0]) / m
+
+
+class _Step:
+    """One step's passes on one stage: a method per op kind (F, B, W, BW)."""
+
+    def __init__(self, stage: PipelineStage, P: FlatParams, micro_batches: Sequence):
+        self.st, self.P, self.batches = stage, P, micro_batches
+        self.scale = 1.0 / len(micro_batches)
+        self.ctx: dict[int, object] = {}  # micro -> forward context (+ dlogits on the last)
+        self.out_shape: dict[int, tuple] = {}
+        self.weights: dict[int, list] = {}  # micro -> deferred weight gradients
+        self.sends: list = []
+        self.loss_sum = self.compute_s = self.wait_s = 0.0
+
+    def F(self, i: int) -> None:
+        st = self.st
+        inputs, targets = st.prepare(self.batches[i], self.P)
+        x = inputs if st.first else self._recv_activation(i)
+        t = time.perf_counter()
+        y, ctx = st.body.forward(self.P, x)
+        if st.last:
+            loss, dlogits = st.loss(y, targets, self.scale)
+            self.loss_sum += loss
+            self.ctx[i] = (ctx, dlogits)
+        else:
+            self.ctx[i] = (ctx, None)
+            self.out_shape[i] = y.shape
+        self.compute_s += time.perf_counter() - t
+        if not st.last:
+            self._send_activation(y, i)
+
+    def B(self, i: int) -> None:
+        with self.P.deferring() as queue:
+            self._backward(i)
+        self.weights[i] = queue
+
+    def W(self, i: int) -> None:
+        t = time.perf_counter()
+        self.P.run_weight_grads(self.weights.pop(i))
+        self.compute_s += time.perf_counter() - t
+
+    def BW(self, i: int) -> None:
+        self._backward(i)
+
+    def _backward(self, i: int) -> None:
+        st, P = self.st, self.P
+        ctx, dlogits = self.ctx.pop(i)
+        dy = dlogits if st.last else self._recv(self.out_shape.pop(i), i, GRADIENT)
+        t = time.perf_counter()
+        dx = st.body.backward(P, ctx, dy)
+        self.compute_s += time.perf_counter() - t
+        if not st.first:
+            self.sends.append(st.pp.isend(dx, st.pp.rank - 1, _tag(i, GRADIENT)))
+
+    def _send_activation(self, y, i: int) -> None:
+        pp = self.st.pp
+        header = np.zeros(MAX_NDIM + 1, dtype=np.int64)
+        header[0] = y.ndim
+        header[1:1 + y.ndim] = y.shape
+        self.sends.append(pp.isend(header, pp.rank + 1, _tag(i, HEADER)))
+        self.sends.append(pp.isend(y, pp.rank + 1, _tag(i, ACTIVATION)))
+
+    def _recv_activation(self, i: int):
+        header = np.empty(MAX_NDIM + 1, dtype=np.int64)
+        self._wait(lambda: self.st.pp.recv(header, self.st.pp.rank - 1, _tag(i, HEADER)))
+        return self._recv(tuple(int(n) for n in header[1:1 + header[0]]), i, ACTIVATION)
+
+    def _recv(self, shape: tuple, i: int, kind: int):
+        pp = self.st.pp
+        source = pp.rank - 1 if kind == ACTIVATION else pp.rank + 1
+        buf = self.P.xp.empty(shape, dtype=self.P.dtype)
+        self._wait(lambda: pp.recv(buf, source, _tag(i, kind)))
+        return buf
+
+    def _wait(self, receive) -> None:
+        t = time.perf_counter()
+        receive()
+        self.wait_s += time.perf_counter() - t
+
+    def finish(self) -> None:
+        """Complete every send (their buffers may then go)."""
+        t = time.perf_counter()
+        for req in self.sends:
+            req.wait()
+        self.sends.clear()
+        self.wait_s += time.perf_counter() - t
+        if self.ctx or self.weights:
+            raise RuntimeError(f"passes left over: forward contexts {sorted(self.ctx)}, "
+                               f"weight gradients {sorted(self.weights)}")
+
+
+def _tag(micro: int, kind: int) -> int:
+    return 3 * micro + kind
+

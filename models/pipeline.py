@@ -33,7 +33,10 @@ elapsed time, and
 
     bubble = 1 - mean over stages of compute / makespan
 
-which is what models/schedule.py's formulas predict for uniform stages.
+which is what models/schedule.py's formulas predict for uniform stages. The
+step also counts the bytes it sent and the peak bytes its in-flight
+micro-batches held (contexts, then the inputs of deferred weight gradients;
+models/memory.py's measure).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import numpy as np
 
 from dtlab.models.comm import Comm
 from dtlab.models.layers import Sequential
+from dtlab.models.memory import context_bytes
 from dtlab.models.model import Model, Replica
 from dtlab.models.optim import clip_grad_norm
 from dtlab.models.params import FlatParams
@@ -114,7 +118,8 @@ class PipelineReplica(Replica):
         makespan = float(every[:, 1].max())
         self.timing = {"bubble": 1.0 - float(every[:, 0].sum()) / (pp.size * makespan),
                        "pipe_compute_s": run.compute_s, "pipe_wait_s": run.wait_s,
-                       "pipe_makespan_s": makespan}
+                       "pipe_makespan_s": makespan, "pipe_bytes_sent": run.bytes_sent,
+                       "pipe_peak_activation_bytes": run.peak_held}
         return float(loss[0]) / m
 
 
@@ -129,6 +134,9 @@ class _Step:
         self.weights: dict[int, list] = {}  # micro -> deferred weight gradients
         self.sends: list = []
         self.loss_sum = self.compute_s = self.wait_s = 0.0
+        self.bytes_sent = 0
+        self.held: dict[int, int] = {}  # micro -> bytes its context (then its W queue) holds
+        self.peak_held = 0
 
     def F(self, i: int) -> None:
         st = self.st
@@ -144,6 +152,7 @@ class _Step:
             self.ctx[i] = (ctx, None)
             self.out_shape[i] = y.shape
         self.compute_s += time.perf_counter() - t
+        self._hold(i, self.ctx[i])
         if not st.last:
             self._send_activation(y, i)
 
@@ -151,14 +160,23 @@ class _Step:
         with self.P.deferring() as queue:
             self._backward(i)
         self.weights[i] = queue
+        self._hold(i, queue)
 
     def W(self, i: int) -> None:
         t = time.perf_counter()
         self.P.run_weight_grads(self.weights.pop(i))
         self.compute_s += time.perf_counter() - t
+        del self.held[i]
 
     def BW(self, i: int) -> None:
         self._backward(i)
+        del self.held[i]
+
+    def _hold(self, i: int, arrays) -> None:
+        """Count what micro-batch i keeps alive now (its context, or its queued weight
+        gradients' inputs) and the step's peak of the sum."""
+        self.held[i] = context_bytes(arrays)
+        self.peak_held = max(self.peak_held, sum(self.held.values()))
 
     def _backward(self, i: int) -> None:
         st, P = self.st, self.P
@@ -169,6 +187,7 @@ class _Step:
         self.compute_s += time.perf_counter() - t
         if not st.first:
             self.sends.append(st.pp.isend(dx, st.pp.rank - 1, _tag(i, GRADIENT)))
+            self.bytes_sent += dx.nbytes
 
     def _send_activation(self, y, i: int) -> None:
         pp = self.st.pp
@@ -177,6 +196,7 @@ class _Step:
         header[1:1 + y.ndim] = y.shape
         self.sends.append(pp.isend(header, pp.rank + 1, _tag(i, HEADER)))
         self.sends.append(pp.isend(y, pp.rank + 1, _tag(i, ACTIVATION)))
+        self.bytes_sent += header.nbytes + y.nbytes
 
     def _recv_activation(self, i: int):
         header = np.empty(MAX_NDIM + 1, dtype=np.int64)

@@ -25,7 +25,9 @@ the stall watchdog's report instead of a hang.
 from __future__ import annotations
 
 import os
+import zlib
 
+import ml_dtypes
 import numpy as np
 
 from dtlab.collective.link import Link
@@ -34,6 +36,19 @@ CHECK_ENV = "DTLAB_COLLECTIVE_CHECK"
 MODES = ("first", "always", "never")
 OPS = ("allreduce", "reduce_scatter", "allgather", "alltoallv", "broadcast")
 ALGOS = ("ring", "naive", "mpi")
+
+
+def dtype_code(dtype) -> int:
+    """A dtype's number in the agreement row: the CRC-32 of its name. One-character
+    codes do not tell ml_dtypes' types apart (float8_e4m3b11fnuz's is uint64's 'L')."""
+    return zlib.crc32(np.dtype(dtype).name.encode())
+
+
+_NAMES = {dtype_code(t): np.dtype(t).name for t in (
+    *(np.dtype(c) for c in np.typecodes["All"] if c not in "OMmSUV"),
+    *(getattr(ml_dtypes, n) for n in ("bfloat16", "float8_e4m3fn", "float8_e5m2",
+                                      "float8_e4m3b11fnuz", "float8_e4m3fnuz",
+                                      "float8_e5m2fnuz", "int4", "uint4")))}
 
 
 class MismatchError(ValueError):
@@ -52,7 +67,7 @@ def _describe(row) -> str:
     if not 0 <= op < len(OPS):
         return f"an unknown collective (code {op})"
     name = OPS[op]
-    what = f"{count} x {np.dtype(chr(code)).name}"
+    what = f"{count} x {_NAMES.get(code, f'dtype #{code}')}"
     if name == "allreduce":
         what += f", {ALGOS[detail % 8]}" + (", average" if detail >= 8 else "")
     elif name == "broadcast":
@@ -70,12 +85,13 @@ class Agreement:
         self.seen: set[tuple[str, int, str, int]] = set()
 
     def check(self, op: str, count: int, dtype, detail: int = 0) -> None:
-        key = (op, count, dtype.char, detail)
+        key = (op, count, dtype.name, detail)
         if self.mode == "never" or (self.mode == "first" and key in self.seen):
             return
         link = self.link
         if link.size > 1:
-            mine = np.array([OPS.index(op), count, ord(dtype.char), detail], dtype=np.int64)  # (4,)
+            mine = np.array([OPS.index(op), count, dtype_code(dtype), detail],
+                            dtype=np.int64)  # (4,)
             table = np.empty((link.size, 4), dtype=np.int64)  # (N, 4)
             link.watch.waiting(f"{op} size check", None)
             link.comm.Allgather(mine, table)

@@ -55,6 +55,8 @@ def test_ranks_that_disagree_get_an_error_naming_both():
     assert ("rank 0 (world rank 0) has allreduce(1000 x float32, ring), "
             "rank 2 (world rank 2) has allreduce(999 x float32, ring)") in out, r
     assert "rank 1 (world rank 1) has allreduce(1000 x float64, ring)" in out, r
+    assert ("rank 0 (world rank 0) has allreduce(64 x float16, ring), rank 1 (world rank "
+            "1) has allreduce(64 x bfloat16, ring)") in out, r
     assert "has broadcast(1000 x float64, root 0), rank 1" in out, r
     assert "rank 1 (world rank 1) has allreduce(1000 x float64, mpi)" in out, r
     assert "rank 2 (world rank 2) has reduce_scatter(11 x float64)" in out, r

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+import ml_dtypes
 import numpy as np
 
 from dtlab.collective import Communicator, MismatchError, world
@@ -61,6 +62,8 @@ def mismatches(comm: Communicator) -> None:
     scenarios = {
         "size": lambda: comm.allreduce(np.ones(999 if r == last else 1000, np.float32)),
         "dtype": lambda: comm.allreduce(np.ones(1000, np.float64 if r == 1 else np.float32)),
+        "half dtype": lambda: comm.allreduce(
+            np.ones(64, ml_dtypes.bfloat16 if r == 1 else np.float16)),
         "operation": lambda: (comm.broadcast if r == 0 else comm.allreduce)(np.ones(1000)),
         "algorithm": lambda: comm.allreduce(np.ones(1000), algo="mpi" if r == 1 else "ring"),
         "reduce_scatter": lambda: comm.reduce_scatter(np.ones(10 + (r == last))),

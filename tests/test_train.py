@@ -2,6 +2,7 @@
 resumes from a checkpoint exactly, and rejects bad flags by name."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -87,7 +88,8 @@ def cli(*args, cwd=None):
     (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
     (["--model", "mlp", "--activation", "tanh"], "argument --activation: invalid choice"),
     (["--data", "text"], "--data text needs --path"),
-    (["--resume"], "--resume need --checkpoint-dir"),
+    (["--resume"], "--resume and --keep need --checkpoint-dir"),
+    (["--keep", "-1"], "--keep must be 0 (keep all) or a positive count"),
 ])
 def test_bad_flags_name_the_problem(args, message):
     out = cli(*args)
@@ -105,3 +107,22 @@ def test_corrupt_checkpoint_is_refused_by_name(tmp_path):
     out = cli(*args, "--resume")
     assert out.returncode == 1 and "params.npy: checksum mismatch" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_resume_skips_a_damaged_newest_checkpoint_and_keep_prunes(tmp_path):
+    """A truncated newest save is named and skipped; the run resumes from the one before
+    and ends with the parameters of an uninterrupted run; --keep 1 leaves one."""
+    ck = str(tmp_path / "ck")
+    base = [*MLP, "--seed", "2", "--checkpoint-dir", ck]
+    assert cli(*base, "--steps", "6", "--checkpoint-every", "2").returncode == 0
+    whole, _ = checkpoint.load(checkpoint.latest(ck))
+    shutil.rmtree(os.path.join(ck, checkpoint.step_dir(6)))
+    params = os.path.join(ck, checkpoint.step_dir(4), "params.npy")
+    os.truncate(params, os.path.getsize(params) // 2)
+    out = cli(*base, "--steps", "6", "--checkpoint-every", "2", "--keep", "1", "--resume")
+    assert out.returncode == 0, out.stderr
+    assert f"skipping checkpoint {os.path.dirname(params)}: params.npy: truncated" in out.stderr
+    assert "resumed from step 2" in out.stderr
+    assert sorted(os.listdir(ck)) == [checkpoint.step_dir(6)]
+    resumed, _ = checkpoint.load(checkpoint.latest(ck))
+    np.testing.assert_array_equal(resumed["params"], whole["params"])

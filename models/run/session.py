@@ -59,15 +59,19 @@ class RunConfig:
     metrics: str = described("", "JSON-lines metrics file")
     checkpoint_dir: str = described("", "directory of step-NNNNNN checkpoints")
     checkpoint_every: int = described(0, "write a checkpoint every N steps (0: never)")
-    resume: bool = described(False, "go on from the newest checkpoint in --checkpoint-dir")
+    resume: bool = described(False, "go on from the newest checkpoint in --checkpoint-dir "
+                                    "that verifies (damaged newer ones are named and skipped)")
+    keep: int = described(0, "keep only the newest K checkpoints that verify (0: keep all)")
 
     def validate(self):
         positive(self, "steps", "batch_size", "grad_accum", "log_every")
         if self.checkpoint_every < 0:
             raise ConfigError(
                 f"--checkpoint-every must not be negative (got {self.checkpoint_every})")
-        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
-            raise ConfigError("--checkpoint-every and --resume need --checkpoint-dir")
+        if self.keep < 0:
+            raise ConfigError(f"--keep must be 0 (keep all) or a positive count (got {self.keep})")
+        if (self.checkpoint_every or self.resume or self.keep) and not self.checkpoint_dir:
+            raise ConfigError("--checkpoint-every, --resume and --keep need --checkpoint-dir")
 
 
 @dataclass
@@ -91,7 +95,7 @@ class Setup:
 GROUPS = {"data": DataConfig, "optim": OptimConfig, "run": RunConfig}
 # Run fields that name this run's own files: a rerun from a metrics header leaves them out,
 # so that it never overwrites the run it was read from.
-OWN_FILES = ("metrics", "checkpoint_dir", "checkpoint_every", "resume")
+OWN_FILES = ("metrics", "checkpoint_dir", "checkpoint_every", "resume", "keep")
 
 
 def read_config_file(path: str) -> dict:

@@ -138,7 +138,7 @@ class Trainer:
         arrays.update({f"opt.{k}": v for k, v in s.optimizer.state_dict().items() if k != "steps"})
         meta = {"config": s.setup.as_dict(), "n_params": s.params.size, **self.grid,
                 "optimizer_steps": s.optimizer.steps, "loader": s.loader.state_dict()}
-        return checkpoint.save(self.root, next_step, arrays, meta)
+        return checkpoint.save(self.root, next_step, arrays, meta, keep=s.setup.run.keep or None)
 
     def _resume(self) -> int:
         s = self.s
@@ -183,22 +183,34 @@ class Trainer:
                                   f"{' and '.join(sorted(grids))}; this run has {mine}")
 
     def _common_latest(self) -> str | None:
-        """The newest checkpoint every model-parallel rank holds (a crash may have
-        stopped some ranks one save short), or None."""
-        path = checkpoint.latest(self.root)
-        if not self.groups:
-            return path
-        steps = np.array([float(checkpoint.step_of(path)) if path else -1.0])
-        for comm in self.groups.values():
-            steps = comm.allgather(steps)  # every step of this group, then of the next
-        step = int(steps.min())
+        """The newest checkpoint that verifies on every model-parallel rank (a crash may
+        have stopped some ranks one save short, or left one's newest file damaged), or
+        None when there is none yet. Each skipped checkpoint is named with its reason;
+        checkpoints that exist but of which none verifies are refused, never overwritten."""
+        at_most, skipped = None, []
+        while True:
+            path, passed = checkpoint.latest_valid(self.root, at_most)
+            skipped += passed
+            step = checkpoint.step_of(path) if path else -1
+            if not self.groups:
+                break
+            steps = np.array([float(step)])
+            for comm in self.groups.values():
+                steps = comm.allgather(steps)  # every step of this group, then of the next
+            low = int(steps.min())
+            if low < 0 or int(steps.max()) == low:
+                step = low
+                break
+            at_most = low  # the ranks above it look again at or below it
+        for bad, why in skipped:
+            if self.saves:
+                print(f"skipping checkpoint {bad}: {why}", file=sys.stderr)
         if step < 0:
+            if skipped:
+                raise CheckpointError(f"no checkpoint in {self.root} verifies: "
+                                      + "; ".join(f"{p}: {w}" for p, w in skipped))
             return None
-        common = os.path.join(self.root, checkpoint.step_dir(step))
-        if not os.path.isdir(common):
-            raise CheckpointError(f"{common} is missing: model-parallel ranks hold steps "
-                                  f"{sorted({int(x) for x in steps.ravel()})}")
-        return common
+        return os.path.join(self.root, checkpoint.step_dir(step))
 
     def _say(self, line: str) -> None:
         if self.is_main:
@@ -227,7 +239,8 @@ def shard_grid(dirname: str) -> str:
 
 
 # Run fields a resumed run may change: they steer this launch, not the computation.
-RESUMABLE = {"steps", "metrics", "log_every", "checkpoint_every", "checkpoint_dir", "resume"}
+RESUMABLE = {"steps", "metrics", "log_every", "checkpoint_every", "checkpoint_dir", "resume",
+             "keep"}
 
 
 def config_differences(saved: dict, now: dict) -> list[str]:

@@ -58,7 +58,7 @@ from dtlab.models.run.session import (
     replica_cost,
 )
 from dtlab.models.run.threads import share_cores
-from dtlab.models.run.trainer import Trainer
+from dtlab.models.run.trainer import Summary, Trainer
 from dtlab.models.schedule import SCHEDULES
 
 INTERRUPTED = 130
@@ -153,12 +153,18 @@ def make_grid(opts: argparse.Namespace) -> ProcessGrid:
 
 
 def main(argv: list[str]) -> int:
-    train(parse_args(argv))
-    return 0
+    global _stopped_cleanly
+    _, _, summary = train(parse_args(argv))
+    _stopped_cleanly = bool(summary.stopped_by)
+    return summary.exit_code
 
 
-def train(setup: Setup) -> tuple[Session, ProcessGrid]:
-    """Run the training `setup` describes on this rank; return its session and grid."""
+_stopped_cleanly = False  # every rank agreed to stop on a signal: no abort needed
+
+
+def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
+    """Run the training `setup` describes on this rank; return its session, grid and
+    summary."""
     opts = setup.extra
     threads = share_cores()
     grid = make_grid(opts)
@@ -180,7 +186,8 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid]:
                         dp=grid.dp_size, **split)
     log = MetricsLog(setup.run.metrics if rank == 0 else "", header, append=setup.run.resume)
     # loads a checkpoint on --resume; dp rank 0 of every tp rank saves that rank's shard
-    trainer = Trainer(session, log, reducer, is_main=rank == 0, saves=grid.dp_rank == 0)
+    trainer = Trainer(session, log, reducer, is_main=rank == 0, saves=grid.dp_rank == 0,
+                      agree=lambda counts: grid.world.allreduce(counts, algo="mpi"))
     comm.broadcast(params.data, root=0)
     check_replicas_agree(comm, params, "after the initial broadcast")
     if rank == 0:
@@ -198,7 +205,7 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid]:
     if rank == 0:
         for line in summary.lines(flops_per_step):
             print(line)
-    return session, grid
+    return session, grid, summary
 
 
 def pipe_words(session: Session, opts: argparse.Namespace) -> str:
@@ -225,7 +232,7 @@ def cli() -> int:
     this rank: a peer may be blocked in a collective this rank will never join."""
     rc = run_cli(main, command_name("dtlab.collective.train"),
                  user_errors=(CheckpointError, FloatingPointError))
-    if rc and MPI.COMM_WORLD.Get_size() > 1:
+    if rc and MPI.COMM_WORLD.Get_size() > 1 and not _stopped_cleanly:
         time.sleep(FORWARD_S)  # the other ranks' own lines get out before the abort
         if rc == INTERRUPTED:  # "interrupted" says it all: no MPI_Abort banner after it
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())

@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
         log.close()
     for line in summary.lines(cost.flops_step):
         print(line)
-    return 0
+    return summary.exit_code
 
 
 def cli() -> int:

@@ -26,6 +26,7 @@ from dtlab.models.run.checkpoint import CheckpointError
 from dtlab.models.run.metrics import MetricsLog
 from dtlab.models.run.progress import Progress
 from dtlab.models.run.session import Session
+from dtlab.models.run.stop import StopSignals
 
 
 class GradReducer(Protocol):
@@ -46,6 +47,8 @@ class Summary:
     tail: int
     floor: float | None
     samples_per_s: float
+    stopped_by: str = ""  # the signal that stopped the run early, agreed by every rank
+    exit_code: int = 0  # 0, or 130 after SIGINT
 
     @property
     def gap(self) -> float | None:
@@ -81,8 +84,9 @@ class Trainer:
     "pp<r>of<n>-tp<r>of<n>" (the dimensions of size 1 left out)."""
 
     def __init__(self, session: Session, log: MetricsLog, reducer: GradReducer | None = None,
-                 is_main: bool = True, saves: bool | None = None):
+                 is_main: bool = True, saves: bool | None = None, agree=None):
         self.s, self.log, self.reducer, self.is_main = session, log, reducer, is_main
+        self.agree = agree  # sums a small count array over every rank of the job (StopSignals)
         self.saves = is_main if saves is None else saves
         run = session.setup.run
         self.groups = model_parallel_groups(session.model)
@@ -117,20 +121,41 @@ class Trainer:
                 **s.replica.timing}
 
     def run(self) -> Summary:
+        """Train to --steps, or until SIGTERM / SIGINT: then every rank stops after the
+        same step and, with --checkpoint-dir, saves it (models/run/stop.py)."""
         run = self.s.setup.run
         start = time.perf_counter()
-        for step in range(self.start_step, run.steps):
-            record = self.step(step)
-            record["elapsed_s"] = time.perf_counter() - start
-            self.losses.append(record["loss"])
-            if self.is_main:
-                self.log.write(record)
-                speed = f"lr {record['lr']:.2e}  {record['step_s'] * 1e3:6.1f} ms/step"
-                self.progress.update(step, record["loss"], speed)
-            if self.saves and run.checkpoint_every and (step + 1) % run.checkpoint_every == 0:
-                self.save(step + 1)
-        return Summary.of(self.losses, time.perf_counter() - start, self.s.dataset.floor,
-                          self.samples_per_step)
+        with StopSignals() as stop:
+            for step in range(self.start_step, run.steps):
+                record = self.step(step)
+                record["elapsed_s"] = time.perf_counter() - start
+                self.losses.append(record["loss"])
+                if self.is_main:
+                    self.log.write(record)
+                    speed = f"lr {record['lr']:.2e}  {record['step_s'] * 1e3:6.1f} ms/step"
+                    self.progress.update(step, record["loss"], speed)
+                saved = bool(run.checkpoint_every and (step + 1) % run.checkpoint_every == 0)
+                if self.saves and saved:
+                    self.save(step + 1)
+                if stop.agreed(self.agree):
+                    self._stopped(stop.name, step + 1, saved)
+                    break
+        summary = Summary.of(self.losses, time.perf_counter() - start, self.s.dataset.floor,
+                             self.samples_per_step)
+        summary.stopped_by, summary.exit_code = stop.name, stop.exit_code
+        return summary
+
+    def _stopped(self, signal_name: str, steps: int, saved: bool) -> None:
+        run = self.s.setup.run
+        if not run.checkpoint_dir:
+            self._say(f"stopped by {signal_name} after step {steps}; no --checkpoint-dir, so "
+                      "nothing was saved")
+            return
+        if self.saves and not saved:
+            self.save(steps)
+        self._say(f"stopped by {signal_name} after step {steps}; checkpoint "
+                  f"{os.path.join(run.checkpoint_dir, checkpoint.step_dir(steps))} written "
+                  f"(go on with --resume)")
 
     def save(self, next_step: int) -> str:
         s = self.s

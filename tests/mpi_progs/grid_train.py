@@ -21,7 +21,7 @@ from dtlab.models.zoo import build_model
 
 out, argv = sys.argv[1], sys.argv[2:]
 setup = parse_args(argv)
-session, grid = train(setup)
+session, grid, _ = train(setup)
 mine = dense_values(session.params, grid.tp_comm)
 stages = grid.pp_comm.mpi.gather(mine, root=0)
 if grid.rank == 0:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import time
 
@@ -180,10 +181,11 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
     flops_per_step = replica_cost(setup).flops_step * grid.dp_size
     reducer = DataParallelReducer(comm, params.grad, int(opts.bucket_mb * 1e6),
                                   opts.allreduce, opts.overlap)
+    processes = grid.world.mpi.allgather(f"{os.getpid()}@{socket.gethostname()}")
     header = run_header(session, "sync", flops_per_step=flops_per_step,
                         allreduce=opts.allreduce, bucket_mb=opts.bucket_mb,
                         overlap=reducer.buckets.overlap, threads=threads.as_dict(),
-                        dp=grid.dp_size, **split)
+                        dp=grid.dp_size, processes=processes, **split)
     log = MetricsLog(setup.run.metrics if rank == 0 else "", header, append=setup.run.resume)
     # loads a checkpoint on --resume; dp rank 0 of every tp rank saves that rank's shard
     trainer = Trainer(session, log, reducer, is_main=rank == 0, saves=grid.dp_rank == 0,
@@ -196,6 +198,8 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
               f"{shard_words(split)}; allreduce {opts.allreduce}, "
               f"{len(reducer.buckets.buckets)} bucket(s); data {in_words(header['dataset'])}; "
               f"{threads.describe()} per rank", file=sys.stderr)
+        # a rank killed outright is named by the launcher only by its pid: say whose it is
+        print(f"ranks (pid@host): {rank_table(processes)}", file=sys.stderr)
     try:
         summary = trainer.run()
     finally:
@@ -206,6 +210,13 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
         for line in summary.lines(flops_per_step):
             print(line)
     return session, grid, summary
+
+
+def rank_table(processes: list[str], most: int = 32) -> str:
+    """'0 2853@vm, 1 2854@vm, ...' (the first `most`; the metrics header keeps all)."""
+    shown = ", ".join(f"{r} {p}" for r, p in enumerate(processes[:most]))
+    more = len(processes) - most
+    return shown + (f", ... ({more} more in the metrics header)" if more > 0 else "")
 
 
 def pipe_words(session: Session, opts: argparse.Namespace) -> str:

@@ -86,6 +86,10 @@ class Replica:
         self.model, self.params = model, params
         self.timing: dict = {}  # the last step's figures a subclass measures (a pipeline's bubble)
 
+    def evaluate(self, batches: Sequence) -> float:
+        """The mean loss over `batches` (forward only; gradients untouched)."""
+        return sum(self.model.forward(self.params, b)[0] for b in batches) / len(batches)
+
     def compute_grads(self, micro_batches: Sequence, grad_ready=None) -> float:
         """Zero the gradients, accumulate the mean gradient over the micro-batches.
 

@@ -122,12 +122,23 @@ class PipelineReplica(Replica):
                        "pipe_peak_activation_bytes": run.peak_held}
         return float(loss[0]) / m
 
+    def evaluate(self, batches: Sequence) -> float:
+        """The mean loss over `batches`: forwards only, through every stage in turn."""
+        pp = self.stage.pp
+        run = _Step(self.stage, self.params, batches, forward_only=True)
+        for i in range(len(batches)):
+            run.F(i)
+        run.finish()
+        loss = pp.broadcast(np.array([run.loss_sum]), root=pp.size - 1)  # the last stage's
+        return float(loss[0]) / len(batches)
+
 
 class _Step:
     """One step's passes on one stage: a method per op kind (F, B, W, BW)."""
 
-    def __init__(self, stage: PipelineStage, P: FlatParams, micro_batches: Sequence):
-        self.st, self.P, self.batches = stage, P, micro_batches
+    def __init__(self, stage: PipelineStage, P: FlatParams, micro_batches: Sequence,
+                 forward_only: bool = False):
+        self.st, self.P, self.batches, self.forward_only = stage, P, micro_batches, forward_only
         self.scale = 1.0 / len(micro_batches)
         self.ctx: dict[int, object] = {}  # micro -> forward context (+ dlogits on the last)
         self.out_shape: dict[int, tuple] = {}
@@ -147,12 +158,14 @@ class _Step:
         if st.last:
             loss, dlogits = st.loss(y, targets, self.scale)
             self.loss_sum += loss
-            self.ctx[i] = (ctx, dlogits)
+            ctx = (ctx, dlogits)
         else:
-            self.ctx[i] = (ctx, None)
+            ctx = (ctx, None)
             self.out_shape[i] = y.shape
         self.compute_s += time.perf_counter() - t
-        self._hold(i, self.ctx[i])
+        if not self.forward_only:
+            self.ctx[i] = ctx
+            self._hold(i, ctx)
         if not st.last:
             self._send_activation(y, i)
 

@@ -104,7 +104,22 @@ def make_dataset(cfg: DataConfig, model_name: str, model_cfg) -> tuple[Dataset, 
     return markov_dataset(cfg, model_cfg.vocab, model_cfg.seq_len), model_cfg
 
 
-def markov_dataset(cfg: DataConfig, vocab: int, seq_len: int) -> TokenWindows:
+def make_heldout(cfg: DataConfig, model_name: str, model_cfg, n: int) -> Dataset:
+    """`n` held-out examples: fresh draws from the training data's own distribution (the
+    same teacher, the same Markov chain), never seen in training, the same for every run
+    of one data config. Real data (digits, text) has no split yet: a ConfigError."""
+    source = source_of(cfg, model_name, model_cfg)
+    if source == "teacher":
+        return TeacherDataset(n, model_cfg.d_in, model_cfg.n_classes, cfg.label_noise,
+                              cfg.data_seed, draw=1)
+    if source == "markov":
+        held = dataclasses.replace(cfg, n_tokens=n * model_cfg.seq_len + 1)
+        return markov_dataset(held, model_cfg.vocab, model_cfg.seq_len, draw=1)
+    raise ConfigError(f"--eval-every needs --data teacher or markov: held-out examples of "
+                      f"--data {source} are not split off")
+
+
+def markov_dataset(cfg: DataConfig, vocab: int, seq_len: int, draw: int = 0) -> TokenWindows:
     """A stream of --n-tokens from the Markov source, in windows of seq_len."""
     if cfg.markov_support > vocab:
         raise ConfigError(f"--markov-support {cfg.markov_support} exceeds --vocab {vocab}")
@@ -115,5 +130,5 @@ def markov_dataset(cfg: DataConfig, vocab: int, seq_len: int) -> TokenWindows:
         raise ConfigError(f"--n-tokens {cfg.n_tokens} is too short for one window of "
                           f"--seq-len {seq_len} (needs {seq_len + 1})")
     src = MarkovSource(vocab, cfg.markov_order, cfg.markov_support, cfg.data_seed)
-    return TokenWindows("markov", src.sample(cfg.n_tokens), seq_len, vocab,
+    return TokenWindows("markov", src.sample(cfg.n_tokens, draw), seq_len, vocab,
                         src.floor(seq_len), src.describe())

@@ -102,14 +102,15 @@ class MarkovSource:
         """Mean of f(t + 1) over the T positions of a window: the loss floor in nats."""
         return sum(self.conditional_entropy(t + 1) for t in range(seq_len)) / seq_len
 
-    def sample(self, n_tokens: int) -> np.ndarray:
-        """A stationary stream of `n_tokens` tokens, (n_tokens,) int64, fixed by the seed.
+    def sample(self, n_tokens: int, draw: int = 0) -> np.ndarray:
+        """A stationary stream of `n_tokens` tokens, (n_tokens,) int64, fixed by the seed;
+        `draw` > 0 gives another stream of the same source (a held-out set).
 
         The first k tokens are a context drawn from pi; each next token is the
         inverse CDF of p(. | c) at a uniform draw, found by bisection.
         """
         V, k, n_ctx = self.vocab, self.order, len(self.P)
-        rng = np.random.default_rng([self.seed, 1])
+        rng = np.random.default_rng([self.seed, 1, *([draw] if draw else [])])
         c = int(rng.choice(n_ctx, p=self.pi))
         first = [(c // V ** (k - 1 - j)) % V for j in range(k)]  # c_1..c_k, oldest first
         cdf = np.cumsum(self.P, axis=1)  # (V^k, V)

@@ -33,17 +33,21 @@ def teacher_floor(eps: float, n_classes: int) -> float:
 
 
 class TeacherDataset(ArrayDataset):
-    """`n` examples of dimension `d_in` in `n_classes` classes, fixed by `seed`."""
+    """`n` examples of dimension `d_in` in `n_classes` classes, fixed by `seed`; `draw` > 0
+    gives other examples of the same teacher (a held-out set)."""
 
-    def __init__(self, n: int, d_in: int, n_classes: int, label_noise: float, seed: int):
+    def __init__(self, n: int, d_in: int, n_classes: int, label_noise: float, seed: int,
+                 draw: int = 0):
         if n_classes < 2:
             raise ValueError("a teacher needs at least 2 classes")
         C, eps = n_classes, label_noise
         W = np.random.default_rng([seed, 0]).standard_normal((d_in, C))  # (d, C)
         self.W = W / np.linalg.norm(W, axis=0)
-        x = np.random.default_rng([seed, 1]).standard_normal((n, d_in), dtype=np.float32)
+        stream = [draw] if draw else []
+        x = np.random.default_rng([seed, 1, *stream]).standard_normal((n, d_in),
+                                                                      dtype=np.float32)
         self.clean = self.teacher_class(x)  # (n,)
-        noise = np.random.default_rng([seed, 2])
+        noise = np.random.default_rng([seed, 2, *stream])
         flip = noise.random(n) < eps  # (n,)
         shift = noise.integers(1, C, size=n)  # (n,) in 1..C-1: another class, uniformly
         y = np.where(flip, (self.clean + shift) % C, self.clean)

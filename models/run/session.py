@@ -27,6 +27,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from dtlab.models import backend
 from dtlab.models.comm import Comm
 from dtlab.models.config import (
@@ -39,7 +41,7 @@ from dtlab.models.config import (
     positive,
 )
 from dtlab.models.cost import estimate
-from dtlab.models.data import DataConfig, ShardedLoader, make_dataset
+from dtlab.models.data import DataConfig, ShardedLoader, make_dataset, make_heldout
 from dtlab.models.model import Model, Replica
 from dtlab.models.optim import OptimConfig, Optimizer, Schedule, make_optimizer
 from dtlab.models.params import FlatParams
@@ -62,12 +64,18 @@ class RunConfig:
     resume: bool = described(False, "go on from the newest checkpoint in --checkpoint-dir "
                                     "that verifies (damaged newer ones are named and skipped)")
     keep: int = described(0, "keep only the newest K checkpoints that verify (0: keep all)")
+    eval_every: int = described(0, "held-out loss every N steps and at the end (0: never)")
+    eval_samples: int = described(1024, "held-out examples (fresh draws of the data source, "
+                                        "the same for every run of one data config)")
 
     def validate(self):
         positive(self, "steps", "batch_size", "grad_accum", "log_every")
         if self.checkpoint_every < 0:
             raise ConfigError(
                 f"--checkpoint-every must not be negative (got {self.checkpoint_every})")
+        positive(self, "eval_samples")
+        if self.eval_every < 0:
+            raise ConfigError(f"--eval-every must not be negative (got {self.eval_every})")
         if self.keep < 0:
             raise ConfigError(f"--keep must be 0 (keep all) or a positive count (got {self.keep})")
         if (self.checkpoint_every or self.resume or self.keep) and not self.checkpoint_dir:
@@ -212,6 +220,7 @@ class Session:
     loader: ShardedLoader
     rank: int
     world: int
+    heldout: list = dataclasses.field(default_factory=list)  # (inputs, targets) batches
 
 
 @dataclass(frozen=True)
@@ -244,7 +253,16 @@ def build_session(setup: Setup, rank: int = 0, world: int = 1, tp: Comm | None =
     loader = ShardedLoader(dataset, setup.run.batch_size, rank=rank, world=world,
                            seed=setup.run.seed, micro_batches=setup.run.grad_accum)
     return Session(setup, dataset, model, params, replica, optimizer,
-                   Schedule(setup.optim, setup.run.steps), loader, rank, world)
+                   Schedule(setup.optim, setup.run.steps), loader, rank, world,
+                   heldout_batches(setup) if setup.run.eval_every else [])
+
+
+def heldout_batches(setup: Setup) -> list:
+    """--eval-samples held-out examples in batches of --batch-size (the last one may be
+    smaller): every rank and every run of one data config sees the same ones."""
+    held = make_heldout(setup.data, setup.model_name, setup.model, setup.run.eval_samples)
+    B = setup.run.batch_size
+    return [held.batch(np.arange(i, min(i + B, held.n))) for i in range(0, held.n, B)]
 
 
 def stage_bounds(setup: Setup, pipeline: PipelineSpec, n_modules: int) -> list[int]:

@@ -128,6 +128,8 @@ class Trainer:
         with StopSignals() as stop:
             for step in range(self.start_step, run.steps):
                 record = self.step(step)
+                if run.eval_every and ((step + 1) % run.eval_every == 0 or step + 1 == run.steps):
+                    record["eval_loss"] = self.s.replica.evaluate(self.s.heldout)
                 record["elapsed_s"] = time.perf_counter() - start
                 self.losses.append(record["loss"])
                 if self.is_main:
@@ -265,6 +267,7 @@ def shard_grid(dirname: str) -> str:
 
 # Run fields a resumed run may change: they steer this launch, not the computation.
 RESUMABLE = {"steps", "metrics", "log_every", "checkpoint_every", "checkpoint_dir", "resume",
+             "eval_every", "eval_samples",
              "keep"}
 
 

@@ -189,7 +189,8 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
     log = MetricsLog(setup.run.metrics if rank == 0 else "", header, append=setup.run.resume)
     # loads a checkpoint on --resume; dp rank 0 of every tp rank saves that rank's shard
     trainer = Trainer(session, log, reducer, is_main=rank == 0, saves=grid.dp_rank == 0,
-                      agree=lambda counts: grid.world.allreduce(counts, algo="mpi"))
+                      agree=lambda counts: grid.world.allreduce(counts, algo="mpi"),
+                      rank=rank, role="sync")
     comm.broadcast(params.data, root=0)
     check_replicas_agree(comm, params, "after the initial broadcast")
     if rank == 0:

@@ -85,6 +85,7 @@ class Replica:
     def __init__(self, model: Model, params: FlatParams):
         self.model, self.params = model, params
         self.timing: dict = {}  # the last step's figures a subclass measures (a pipeline's bubble)
+        self.spans: list = []  # the last step's (name, perf_counter start, end) passes, if kept
 
     def evaluate(self, batches: Sequence) -> float:
         """The mean loss over `batches` (forward only; gradients untouched)."""

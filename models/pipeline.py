@@ -109,8 +109,11 @@ class PipelineReplica(Replica):
         run = _Step(st, P, micro_batches)
         pp.barrier()
         t0 = time.perf_counter()
+        self.spans = []
         for op in ops[pp.rank]:
+            start = time.perf_counter()
             getattr(run, op.kind)(op.micro)
+            self.spans.append((f"{op.kind}{op.micro}", start, time.perf_counter()))
         run.finish()
         elapsed = time.perf_counter() - t0
         loss = pp.broadcast(np.array([run.loss_sum]), root=pp.size - 1)  # the last stage's

@@ -65,6 +65,8 @@ class RunConfig:
                                     "that verifies (damaged newer ones are named and skipped)")
     keep: int = described(0, "keep only the newest K checkpoints that verify (0: keep all)")
     eval_every: int = described(0, "held-out loss every N steps and at the end (0: never)")
+    trace: str = described("", "write a Chrome trace (JSON, opens in Perfetto) here; {rank} "
+                               "becomes the process's rank")
     eval_samples: int = described(1024, "held-out examples (fresh draws of the data source, "
                                         "the same for every run of one data config)")
 
@@ -103,7 +105,7 @@ class Setup:
 GROUPS = {"data": DataConfig, "optim": OptimConfig, "run": RunConfig}
 # Run fields that name this run's own files: a rerun from a metrics header leaves them out,
 # so that it never overwrites the run it was read from.
-OWN_FILES = ("metrics", "checkpoint_dir", "checkpoint_every", "resume", "keep")
+OWN_FILES = ("metrics", "checkpoint_dir", "checkpoint_every", "resume", "keep", "trace")
 
 
 def read_config_file(path: str) -> dict:

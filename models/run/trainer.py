@@ -27,6 +27,7 @@ from dtlab.models.run.metrics import MetricsLog
 from dtlab.models.run.progress import Progress
 from dtlab.models.run.session import Session
 from dtlab.models.run.stop import StopSignals
+from dtlab.models.run.trace import Trace
 
 
 class GradReducer(Protocol):
@@ -84,8 +85,10 @@ class Trainer:
     "pp<r>of<n>-tp<r>of<n>" (the dimensions of size 1 left out)."""
 
     def __init__(self, session: Session, log: MetricsLog, reducer: GradReducer | None = None,
-                 is_main: bool = True, saves: bool | None = None, agree=None):
+                 is_main: bool = True, saves: bool | None = None, agree=None, rank: int = 0,
+                 role: str = "train"):
         self.s, self.log, self.reducer, self.is_main = session, log, reducer, is_main
+        self.trace = Trace(session.setup.run.trace, pid=rank, process=f"{role} rank {rank}")
         self.agree = agree  # sums a small count array over every rank of the job (StopSignals)
         self.saves = is_main if saves is None else saves
         run = session.setup.run
@@ -116,6 +119,12 @@ class Trainer:
         lr = s.schedule(step)
         s.optimizer.step(s.params.data, s.params.grad, lr)
         t3 = time.perf_counter()
+        self.trace.span("compute", t0, t1, step=step + 1)
+        if reducer:
+            self.trace.span("allreduce wait", t1, t2, "wait")
+        self.trace.span("optimizer", t2, t3)
+        for name, start, end in s.replica.spans:
+            self.trace.span(name, start, end, "pipeline")
         return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                 "step_s": t3 - t0, "compute_s": (t1 - t0) + (t3 - t2), **comm,
                 **s.replica.timing}
@@ -129,7 +138,9 @@ class Trainer:
             for step in range(self.start_step, run.steps):
                 record = self.step(step)
                 if run.eval_every and ((step + 1) % run.eval_every == 0 or step + 1 == run.steps):
+                    t = time.perf_counter()
                     record["eval_loss"] = self.s.replica.evaluate(self.s.heldout)
+                    self.trace.span("eval", t, time.perf_counter())
                 record["elapsed_s"] = time.perf_counter() - start
                 self.losses.append(record["loss"])
                 if self.is_main:
@@ -142,6 +153,7 @@ class Trainer:
                 if stop.agreed(self.agree):
                     self._stopped(stop.name, step + 1, saved)
                     break
+        self.trace.close()
         summary = Summary.of(self.losses, time.perf_counter() - start, self.s.dataset.floor,
                              self.samples_per_step)
         summary.stopped_by, summary.exit_code = stop.name, stop.exit_code
@@ -267,7 +279,7 @@ def shard_grid(dirname: str) -> str:
 
 # Run fields a resumed run may change: they steer this launch, not the computation.
 RESUMABLE = {"steps", "metrics", "log_every", "checkpoint_every", "checkpoint_dir", "resume",
-             "eval_every", "eval_samples",
+             "eval_every", "eval_samples", "trace",
              "keep"}
 
 

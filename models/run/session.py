@@ -47,6 +47,7 @@ from dtlab.models.optim import OptimConfig, Optimizer, Schedule, make_optimizer
 from dtlab.models.params import FlatParams
 from dtlab.models.partition import balance, explicit, module_costs
 from dtlab.models.pipeline import PipelineReplica, PipelineStage
+from dtlab.models.run.straggler import parse_straggler
 from dtlab.models.zoo import MODELS, build_model
 
 
@@ -65,6 +66,10 @@ class RunConfig:
                                     "that verifies (damaged newer ones are named and skipped)")
     keep: int = described(0, "keep only the newest K checkpoints that verify (0: keep all)")
     eval_every: int = described(0, "held-out loss every N steps and at the end (0: never)")
+    straggler: str = described("", "RANK:FACTOR: that rank (async: worker) computes FACTOR "
+                                    "times slower, sleeping the difference each step")
+    delay_ms: float = described(0.0, "a random extra delay per step and rank, exponential "
+                                     "with this mean in ms, seeded by (seed, rank, step)")
     trace: str = described("", "write a Chrome trace (JSON, opens in Perfetto) here; {rank} "
                                "becomes the process's rank")
     eval_samples: int = described(1024, "held-out examples (fresh draws of the data source, "
@@ -76,6 +81,9 @@ class RunConfig:
             raise ConfigError(
                 f"--checkpoint-every must not be negative (got {self.checkpoint_every})")
         positive(self, "eval_samples")
+        parse_straggler(self.straggler)
+        if self.delay_ms < 0:
+            raise ConfigError(f"--delay-ms must not be negative (got {self.delay_ms})")
         if self.eval_every < 0:
             raise ConfigError(f"--eval-every must not be negative (got {self.eval_every})")
         if self.keep < 0:

@@ -27,6 +27,7 @@ from dtlab.models.run.metrics import MetricsLog
 from dtlab.models.run.progress import Progress
 from dtlab.models.run.session import Session
 from dtlab.models.run.stop import StopSignals
+from dtlab.models.run.straggler import Straggler
 from dtlab.models.run.trace import Trace
 
 
@@ -89,6 +90,9 @@ class Trainer:
                  role: str = "train"):
         self.s, self.log, self.reducer, self.is_main = session, log, reducer, is_main
         self.trace = Trace(session.setup.run.trace, pid=rank, process=f"{role} rank {rank}")
+        run = session.setup.run
+        self.straggler = Straggler(run.straggler, run.delay_ms, run.seed, rank)
+        self.last_compute_s = 0.0
         self.agree = agree  # sums a small count array over every rank of the job (StopSignals)
         self.saves = is_main if saves is None else saves
         run = session.setup.run
@@ -105,10 +109,16 @@ class Trainer:
 
     def step(self, step: int) -> dict:
         s, reducer = self.s, self.reducer
+        extra = {}
+        if self.straggler.active:
+            start = time.perf_counter()
+            extra["straggle_s"] = self.straggler.wait(step, self.last_compute_s)
+            self.trace.span("straggle", start, time.perf_counter(), "wait")
         t0 = time.perf_counter()
         micro_batches = s.loader.next()
         loss = s.replica.compute_grads(micro_batches, reducer.ready if reducer else None)
         t1 = time.perf_counter()
+        self.last_compute_s = t1 - t0
         comm = reducer.wait() if reducer else {}
         if reducer:
             loss = reducer.average(loss)
@@ -127,7 +137,7 @@ class Trainer:
             self.trace.span(name, start, end, "pipeline")
         return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                 "step_s": t3 - t0, "compute_s": (t1 - t0) + (t3 - t2), **comm,
-                **s.replica.timing}
+                **s.replica.timing, **extra}
 
     def run(self) -> Summary:
         """Train to --steps, or until SIGTERM / SIGINT: then every rank stops after the
@@ -279,7 +289,7 @@ def shard_grid(dirname: str) -> str:
 
 # Run fields a resumed run may change: they steer this launch, not the computation.
 RESUMABLE = {"steps", "metrics", "log_every", "checkpoint_every", "checkpoint_dir", "resume",
-             "eval_every", "eval_samples", "trace",
+             "eval_every", "eval_samples", "trace", "straggler", "delay_ms",
              "keep"}
 
 

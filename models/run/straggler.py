@@ -1,0 +1,63 @@
+"""Stragglers on purpose: the same slowdowns for every topology, so their effect compares.
+
+    --straggler 1:3       rank (or async worker) 1 takes 3x its compute time each step
+    --delay-ms 5          every rank or worker waits a random extra time each step,
+                          exponential with mean 5 ms, seeded by (seed, rank, step)
+
+The delay is a sleep at the start of the step, before its compute (the
+factor applies to the previous step's compute time): a sync rank then
+reaches the all-reduce late, its buckets included, and every other rank
+waits for it; an async worker pushes late and only its own updates suffer
+(plus, under SSP and BSP, whoever waits for its clock). Draws depend on
+(seed, rank, step) only, so two topologies see the same delays.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from dtlab.models.config import ConfigError
+
+
+class Straggler:
+    """The extra time rank `rank` spends after computing step `step`."""
+
+    def __init__(self, spec: str, delay_ms: float, seed: int, rank: int):
+        self.factor = parse_straggler(spec).get(rank, 1.0)
+        if delay_ms < 0:
+            raise ConfigError(f"--delay-ms must not be negative (got {delay_ms})")
+        self.delay_s, self.seed, self.rank = delay_ms / 1e3, seed, rank
+
+    @property
+    def active(self) -> bool:
+        return self.factor != 1.0 or self.delay_s > 0
+
+    def extra_s(self, step: int, compute_s: float) -> float:
+        extra = (self.factor - 1.0) * compute_s
+        if self.delay_s > 0:
+            rng = np.random.default_rng([self.seed, self.rank, step, 7])
+            extra += float(rng.exponential(self.delay_s))
+        return extra
+
+    def wait(self, step: int, compute_s: float) -> float:
+        """Sleep the extra time; return it."""
+        extra = self.extra_s(step, compute_s)
+        if extra > 0:
+            time.sleep(extra)
+        return extra
+
+
+def parse_straggler(spec: str) -> dict[int, float]:
+    """'1:3' -> {1: 3.0}; '' -> {}; anything else a ConfigError naming --straggler."""
+    if not spec:
+        return {}
+    try:
+        rank, factor = spec.split(":")
+        out = {int(rank): float(factor)}
+    except ValueError:
+        raise ConfigError(f"--straggler {spec!r}: expected RANK:FACTOR, e.g. 1:3") from None
+    if int(rank) < 0 or not float(factor) >= 1.0:
+        raise ConfigError(f"--straggler {spec!r}: the rank must be >= 0 and the factor >= 1")
+    return out

@@ -40,7 +40,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from dtlab.collective.buckets import BucketReducer
+from dtlab.collective.buckets import WIRE_DTYPES, BucketReducer
 from dtlab.collective.comm import ALGOS, Communicator
 from dtlab.collective.failure import FORWARD_S
 from dtlab.collective.grid import GridError, ProcessGrid
@@ -83,6 +83,9 @@ def add_sync_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sync data parallelism")
     group.add_argument("--allreduce", choices=ALGOS, default="ring",
                        help="gradient all-reduce: ours (ring), reduce+bcast (naive), MPI's own")
+    group.add_argument("--wire", choices=sorted(WIRE_DTYPES), default="fp32",
+                       help="dtype the gradient all-reduce moves: fp16 and bf16 halve the bytes "
+                            "(each bucket cast, averaged as floats, cast back)")
     group.add_argument("--bucket-mb", type=float, default=25.0,
                        help="gradient bucket size in MB (1e6 bytes)")
     group.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
@@ -95,16 +98,17 @@ def add_sync_flags(parser: argparse.ArgumentParser) -> None:
 class DataParallelReducer:
     """Adapts BucketReducer to the trainer: averages gradients and logged scalars."""
 
-    def __init__(self, comm: Communicator, grad, bucket_bytes: int, algo: str, overlap: bool):
+    def __init__(self, comm: Communicator, grad, bucket_bytes: int, algo: str, overlap: bool,
+                 wire: str = "fp32"):
         self.comm = comm
         self.buckets = BucketReducer(comm, grad, bucket_bytes=bucket_bytes, algo=algo,
-                                     overlap=overlap)
+                                     overlap=overlap, wire=wire)
         self.ready = self.buckets.ready
         self._scalar = np.zeros(1)
 
     def wait(self) -> dict:
         t = self.buckets.wait()
-        return {"comm_s": t.comm_s, "wait_s": t.wait_s}
+        return {"comm_s": t.comm_s, "wait_s": t.wait_s, "wire_bytes": t.wire_bytes}
 
     def average(self, value: float) -> float:
         self._scalar[0] = value
@@ -180,10 +184,10 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
 
     flops_per_step = replica_cost(setup).flops_step * grid.dp_size
     reducer = DataParallelReducer(comm, params.grad, int(opts.bucket_mb * 1e6),
-                                  opts.allreduce, opts.overlap)
+                                  opts.allreduce, opts.overlap, opts.wire)
     processes = grid.world.mpi.allgather(f"{os.getpid()}@{socket.gethostname()}")
     header = run_header(session, "sync", flops_per_step=flops_per_step,
-                        allreduce=opts.allreduce, bucket_mb=opts.bucket_mb,
+                        allreduce=opts.allreduce, bucket_mb=opts.bucket_mb, wire=opts.wire,
                         overlap=reducer.buckets.overlap, threads=threads.as_dict(),
                         dp=grid.dp_size, processes=processes, **split)
     log = MetricsLog(setup.run.metrics if rank == 0 else "", header, append=setup.run.resume)
@@ -196,7 +200,7 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
     if rank == 0:
         print(f"{setup.model_name}: {dense_param_count(setup):,} parameters on dp "
               f"{grid.dp_size} x {pipe_words(session, opts)}tp {grid.tp_size} ranks, "
-              f"{shard_words(split)}; allreduce {opts.allreduce}, "
+              f"{shard_words(split)}; allreduce {opts.allreduce} ({opts.wire} on the wire), "
               f"{len(reducer.buckets.buckets)} bucket(s); data {in_words(header['dataset'])}; "
               f"{threads.describe()} per rank", file=sys.stderr)
         # a rank killed outright is named by the launcher only by its pid: say whose it is

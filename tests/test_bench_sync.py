@@ -15,15 +15,20 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_tiny_sync_benchmark(tmp_path):
     out = tmp_path / "sync.json"
     r = subprocess.run([sys.executable, "scripts/bench_sync.py", "--tiny", "--ranks", "1,2",
-                        "--allreduce", "ring,naive", "--steps", "6", "--json", str(out)],
+                        "--allreduce", "ring,naive", "--wire", "fp32,bf16", "--steps", "6",
+                        "--json", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=180,
                        env={k: v for k, v in os.environ.items() if k not in USER_VARS})
     assert r.returncode == 0, r.stderr
     assert "samples/s" in r.stdout and "wait %" in r.stdout
     assert "# threads: BLAS threads per rank" in r.stdout  # the legend
     rows = json.loads(out.read_text())["rows"]
-    assert [(row["algo"], row["n"]) for row in rows] == [
-        ("ring", 1), ("ring", 2), ("naive", 1), ("naive", 2)]
+    assert [(row["algo"], row["wire"], row["n"]) for row in rows] == [
+        (algo, wire, n) for algo in ("ring", "naive") for wire in ("fp32", "bf16") for n in (1, 2)]
+    by = {(row["algo"], row["wire"], row["n"]): row for row in rows}
+    for algo in ("ring", "naive"):  # two ranks move half the bytes on a bf16 wire
+        assert by[(algo, "bf16", 2)]["wire_mb"] * 2 == by[(algo, "fp32", 2)]["wire_mb"]
+        assert by[(algo, "fp32", 2)]["loss_vs_fp32"] == 0.0
     cores = len(os.sched_getaffinity(0))
     for row in rows:
         assert row["threads"] == max(1, cores // row["n"])  # the trainer shares the cores

@@ -10,7 +10,8 @@ buffer from its end towards the start in uneven strides, calling ready()
 after each stride with a matmul in between (which releases the GIL, as
 backward does); it also calls ready() out of order and not at all. Last, a
 real MLP's backward drives ready() through Replica.compute_grads, compared
-with MPI's own Allreduce of the same local gradients. Rank 0 prints
+with MPI's own Allreduce of the same local gradients. A half-precision wire
+(fp16, bf16) stays within its rounding bound of the float64 average. Rank 0 prints
 "PASS buckets <checks>".
 """
 
@@ -71,6 +72,24 @@ def check_modes(algo: str | None) -> None:
             check(np.array_equal(grad, expected_average(5)), f"overlap={overlap}: no ready()")
 
 
+def check_wire(wire: str, unit_roundoff: float) -> None:
+    """A half-precision wire averages within the per-hop rounding bound: the cast in,
+    at most N - 1 rounded additions, the division, the cast is exact back."""
+    rng = np.random.default_rng([3, R])
+    mine = rng.uniform(0.5, 2.0, L).astype(np.float32)  # positive: no cancellation
+    every = comm.mpi.allgather(mine)
+    exact = np.mean(np.array(every, dtype=np.float64), axis=0)
+    grad = mine.copy()
+    with BucketReducer(comm, grad, bucket_bytes=4000, wire=wire) as red:
+        t = red.wait()
+    bound = (N + 2) * unit_roundoff
+    err = float(np.max(np.abs(grad - exact) / exact))
+    check(err <= bound, f"wire {wire}: relative error {err:.2e} > {bound:.2e}")
+    check(N == 1 or (t.wire_bytes == 2 * L and red.shadow.dtype.itemsize == 2),
+          f"wire {wire}: {t.wire_bytes} bytes moved for {L} elements")
+    check(len(set(comm.mpi.allgather(grad.tobytes()))) == 1, f"wire {wire}: ranks differ")
+
+
 def check_model() -> None:
     model = MLP(MLPConfig(d_in=12, d_hidden=40, n_layers=3, n_classes=5))
     params = model.init_params(seed=0)
@@ -105,6 +124,8 @@ if __name__ == "__main__":
         check(warned == expect_no_overlap, "warning iff MPI lacks THREAD_MULTIPLE")
     for algo in (None, "naive", "mpi"):
         check_modes(algo)
+    check_wire("fp16", 2.0 ** -11)
+    check_wire("bf16", 2.0 ** -8)
     check_model()
     total = comm.mpi.allreduce(check.passed)
     if R == 0:

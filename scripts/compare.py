@@ -57,7 +57,8 @@ DEFAULT_CONFIG = ROOT / "scripts" / "configs" / "transformer.json"
 # BSP applies no stale gradient, so async-bsp-div would repeat async-bsp
 DEFAULT_RUNS = ("sync-ring,sync-naive,sync-mpi,async-bsp,async-ssp2,async-asp,"
                 "async-ssp2-div,async-asp-div")
-RUN_FLAGS = ("steps", "batch_size", "grad_accum", "seed", "dtype", "log_every")
+RUN_FLAGS = ("steps", "batch_size", "grad_accum", "seed", "dtype", "log_every", "eval_every",
+             "eval_samples", "straggler", "delay_ms")
 TARGET_GAP = 0.1  # nats above the floor
 
 

@@ -16,6 +16,12 @@ k x global batch. One step's loss is one mini-batch's, so the target counts
 as reached at the first step whose trailing mean over `window` steps (the
 steps / 20, at least 1) is at or below it. The final loss is the mean of the
 last 10% of the steps, as the trainers' own summaries take it.
+
+With --eval-every every process also logs a held-out loss (the same
+examples for every run) at the same steps; the held-out curve is its mean
+over processes at each of those steps, and the held-out target is reached at
+the first of them whose held-out loss is at or below the target: a measure
+free of the mini-batch noise and of the topology's sampling.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ class Curve:
     smooth: np.ndarray  # [K] trailing mean of `loss` over `window` steps
     elapsed_s: np.ndarray  # [K] seconds since training started, slowest process
     samples: np.ndarray  # [K] samples seen after step k, all processes
+    eval_steps: np.ndarray  # [E] steps (1-based) with a held-out loss
+    eval_loss: np.ndarray  # [E] mean over processes of the held-out loss there
 
 
 def window_for(steps: int) -> int:
@@ -50,7 +58,12 @@ def curve(records: list[list[dict]], global_batch: int, window: int) -> Curve:
     ends = np.arange(1, k + 1)
     starts = np.maximum(0, ends - window)
     smooth = (sums[ends] - sums[starts]) / (ends - starts)  # [K]
-    return Curve(loss, smooth, elapsed, ends * global_batch)
+    steps = sorted(set.intersection(*({r[i]["step"] for i in range(k) if "eval_loss" in r[i]}
+                                      for r in records)))
+    held = [np.mean([next(x["eval_loss"] for x in r if x["step"] == s) for r in records])
+            for s in steps]
+    return Curve(loss, smooth, elapsed, ends * global_batch, np.array(steps, dtype=int),
+                 np.array(held))
 
 
 def measure(topology: str, records: list[list[dict]], global_batch: int, workers: int,
@@ -66,7 +79,11 @@ def measure(topology: str, records: list[list[dict]], global_batch: int, workers
     per_step = time_s / steps
     # every async push is one update of every shard, except under BSP: one per round
     updates = steps * (workers if topology == "async" and consistency != "bsp" else 1)
+    held_reached = np.flatnonzero(c.eval_loss <= target)
     return c, {
+        "final_eval_loss": float(c.eval_loss[-1]) if c.eval_loss.size else None,
+        "eval_steps_to_target": (int(c.eval_steps[held_reached[0]]) if held_reached.size
+                                 else None),
         "steps": steps,
         "time_s": time_s,
         "s_per_step": per_step,

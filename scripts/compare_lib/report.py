@@ -78,15 +78,18 @@ def efficiency_table(results: list[Result]) -> list[str]:
 
 
 def detail_table(results: list[Result]) -> list[str]:
-    rows = ["| run | final loss | gap | samples/s | updates/s | compute ms | comm ms | pull ms "
-            "| other ms | staleness mean | p50 | p95 | max |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| run | final loss | gap | held-out loss | held-out steps to target | samples/s "
+            "| updates/s | compute ms | comm ms | pull ms | other ms | staleness mean | p50 "
+            "| p95 | max |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r.stats is None:
-            rows.append(f"| {r.name} |" + " - |" * 12)
+            rows.append(f"| {r.name} |" + " - |" * 14)
             continue
         s, split, st = r.stats, r.stats["split_ms"], r.stats["staleness"] or {}
         rows.append(f"| {r.name} | {s['final_loss']:.4f} | {_f(s['gap'], '+.4f')} "
+                    f"| {_f(s.get('final_eval_loss'), '.4f')} "
+                    f"| {_f(s.get('eval_steps_to_target'), 'd')} "
                     f"| {s['samples_per_s']:,.0f} | {s['updates_per_s']:.1f} "
                     + "".join(f"| {split[k]:.2f} " for k in SPLIT)
                     + f"| {_f(st.get('mean'), '.2f')} | {_f(st.get('p50'), '.0f')} "
@@ -107,7 +110,9 @@ def write_report(out: Path, data: dict, results: list[Result], lines: list[str])
             "exit, start-up and servers included; -: not reached or failed.", "",
             "## Per run", "", *detail_table(results), "",
             "final loss: mean training loss of the last 10% of the steps (mean over ranks or "
-            "workers); gap: final loss - floor; samples/s: global samples per second of "
+            "workers); gap: final loss - floor; held-out loss: the last --eval-every "
+            "evaluation on the held-out examples (the same for every run), and the first "
+            "evaluated step at or below the target; samples/s: global samples per second of "
             "training; updates/s: parameter updates per second (sync and BSP: one per step; "
             "SSP and ASP: one per push); compute/comm/pull/other: mean ms per step of "
             "forward + backward (+ optimizer on sync), communication left exposed (sync: the "
@@ -146,12 +151,16 @@ def plot(out: Path, results: list[Result], floor: float | None,
                            ("loss_vs_samples.png", "samples", "samples seen")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in done:  # async dashed: async-bsp lies on the sync runs where they agree
-            ax.plot(getattr(r.curve, x), r.curve.smooth, label=r.name, linewidth=1.2,
-                    linestyle="-" if r.outcome.spec.topology == "sync" else "--")
+            (line,) = ax.plot(getattr(r.curve, x), r.curve.smooth, label=r.name, linewidth=1.2,
+                              linestyle="-" if r.outcome.spec.topology == "sync" else "--")
+            if r.curve.eval_steps.size:  # held-out losses: dots in the run's colour
+                at = getattr(r.curve, x)[r.curve.eval_steps - 1]
+                ax.plot(at, r.curve.eval_loss, "o", color=line.get_color(), markersize=3)
         if floor is not None:
             ax.axhline(floor, color="black", linestyle=":", linewidth=1, label="floor")
         ax.axhline(target, color="black", linestyle="--", linewidth=1, label="target")
-        ax.set(xlabel=label, ylabel="training loss (trailing mean, nats)", title=PLOTS[name])
+        ax.set(xlabel=label, ylabel="loss (nats): training, trailing mean; dots: held-out",
+               title=PLOTS[name])
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)

@@ -33,6 +33,7 @@ status is 0 when every run finished, 1 when one failed, 2 for a bad config
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -42,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from compare_lib import analysis, launch, report
+from compare_lib import analysis, launch, report, sweep
 from compare_lib.launch import Bench, Outcome, Processes, RunSpec
 
 from dtlab.models.config import ConfigError
@@ -78,6 +79,13 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", metavar="DIR", default="",
                    help="a new or empty folder for everything written "
                         "(default runs/compare-DATE-TIME)")
+    g.add_argument("--sweep", choices=["model-size"], default=None,
+                   help="instead of comparing topologies, train --sweep-sizes under the first "
+                        "of --runs for one compute budget (--steps steps of the smallest) and "
+                        "fit loss against parameters and compute (compare_lib/sweep.py)")
+    g.add_argument("--sweep-sizes", default="32,64,128",
+                   help="widths of the sweep: transformer d_model (d_ff = 4 d_model), mlp "
+                        "d_hidden (default 32,64,128)")
     g.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a run may take before it is stopped and marked failed "
                         "(default 600)")
@@ -102,6 +110,16 @@ def parse_args(argv: list[str]) -> tuple[Setup, list[RunSpec]]:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ConfigError(f"--runs names {', '.join(twice)} twice")
+    if opts.sweep:
+        try:
+            opts.widths = [int(w) for w in opts.sweep_sizes.split(",")]
+        except ValueError:
+            raise ConfigError(f"--sweep-sizes {opts.sweep_sizes!r}: expected comma-separated "
+                              "widths") from None
+        if len(opts.widths) < 2 or min(opts.widths) < 1 or len(set(opts.widths)) != len(
+                opts.widths):
+            raise ConfigError(f"--sweep-sizes {opts.sweep_sizes!r}: needs two or more distinct "
+                              "positive widths")
     return setup, [RunSpec.parse(n) for n in names]
 
 
@@ -233,6 +251,49 @@ def setup_record(setup: Setup, argv: list[str], session, target: float, rule: st
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
+def run_sweep(setup: Setup, spec: RunSpec, argv: list[str], session, out: Path,
+              mpiexec: str, target: float, rule: str) -> int:
+    """--sweep model-size: one run of `spec` per width, the same training FLOPs each."""
+    opts, floor = setup.extra, session.dataset.floor
+    sizes = sweep.plan(setup.model_name, setup.model, opts.widths,
+                       opts.ranks * setup.run.batch_size * setup.run.grad_accum, setup.run.steps)
+    data = setup_record(setup, argv, session, target, rule)
+    procs, metrics = Processes(), []
+    runs = [dataclasses.replace(spec, name=f"{spec.name}-w{s['width']}") for s in sizes]
+    board = Board(runs, max(s["steps"] for s in sizes))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        for i, s in enumerate(sizes):
+            folder = out / f"width-{s['width']}"
+            folder.mkdir()
+            config = dict(data["config"], model=dataclasses.asdict(s["config"]))
+            config["run"] = dict(config["run"], steps=s["steps"])
+            (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+            bench = Bench(folder, (folder / "config.json").resolve(), opts.ranks, opts.shards,
+                          s["steps"], opts.timeout, mpiexec)
+            outcome = launch.run(runs[i], bench, procs, board.watch(i, runs[i].name))
+            result = analyse(outcome, bench, data["global_batch"], floor, target)
+            board.done(i, result)
+            if not result.ok:
+                print(f"{PROG}: width {s['width']} failed: {outcome.error}", file=sys.stderr)
+                return 1
+            metrics.append(outcome.metrics[0])
+    finally:
+        board.end_line()
+        procs.stop_all()
+    result = sweep.analyse(sizes, metrics, floor)
+    result["setup"] = {k: data[k] for k in ("command", "model", "dataset", "floor", "ranks",
+                                             "global_batch", "hardware", "versions", "started")}
+    png = sweep.plot(out, result, floor) if floor is not None else None
+    lines = [f"- {spec.name}: {spec.describe()}; every width trains "
+             f"{sizes[0]['steps'] * sizes[0]['flops_per_step']:.3g} FLOPs (the smallest "
+             f"{setup.run.steps} steps); data {in_words(data['dataset'])}",
+             f"- command: `{data['command']}`"]
+    sweep.write(out, result, lines, floor, png)
+    print(f"sweep: {out / 'sweep.md'}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     setup, specs = parse_args(argv)
     opts = setup.extra
@@ -240,6 +301,10 @@ def main(argv: list[str]) -> int:
     floor = session.dataset.floor
     target, rule = target_loss(opts.target_loss, floor)
     mpiexec = launch.find_mpiexec()
+    if opts.sweep:
+        sweep.plan(setup.model_name, setup.model, opts.widths, 1, setup.run.steps)  # or named
+        return run_sweep(setup, specs[0], argv, session, out_dir(opts.out), mpiexec, target,
+                         rule)
     out = out_dir(opts.out)
     data = setup_record(setup, argv, session, target, rule)
     config = out / "config.json"

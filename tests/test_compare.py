@@ -193,3 +193,30 @@ def test_an_unknown_model_is_named(tmp_path):
         r = compare(*args, "--out", str(tmp_path / "out"), timeout=60)
         assert r.returncode == 2 and named in r.stderr, r.stderr
         assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.mpi
+def test_a_model_size_sweep_fits_power_laws_on_one_budget(tmp_path):
+    out = tmp_path / "sweep"
+    r = compare(*TINY, *FAST, "--steps", "40", "--sweep", "model-size", "--sweep-sizes",
+                "4,8,16", "--runs", "sync-ring", "--eval-every", "10", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert f"sweep: {out / 'sweep.md'}" in r.stdout and not left_behind(tmp_path)
+    result = json.loads((out / "sweep.json").read_text())
+    rows = result["rows"]
+    assert [row["width"] for row in rows] == [4, 8, 16]
+    assert rows[0]["steps"] == 40 and rows[1]["steps"] < 40 and rows[2]["steps"] < rows[1]["steps"]
+    budget = rows[0]["compute"]
+    assert all(budget - row["flops_per_step"] < row["compute"] <= budget for row in rows)
+    assert all(row["final_eval_loss"] is not None for row in rows)
+    for key in ("loss_vs_params", "loss_vs_compute"):
+        fit = result[key]
+        if fit is not None:  # the fit needs every loss above the floor
+            assert np.isfinite(fit["exponent"]) and fit["points"] >= 2
+    assert "| width | parameters | steps |" in (out / "sweep.md").read_text()
+
+
+def test_bad_sweep_sizes_are_named(tmp_path):
+    r = compare(*TINY, "--sweep", "model-size", "--sweep-sizes", "8", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "needs two or more distinct positive widths" in r.stderr
+    assert not (tmp_path / "o").exists()

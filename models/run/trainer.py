@@ -103,8 +103,8 @@ class Trainer:
         self.root = os.path.join(run.checkpoint_dir, self.shard) if self.shard else \
             run.checkpoint_dir
         self.progress = Progress(run.steps, run.log_every, enabled=is_main)
-        self.start_step = self._resume() if run.resume else 0
         self.samples_per_step = run.batch_size * run.grad_accum * session.world
+        self.start_step = self._resume() if run.resume else 0
         self.losses: list[float] = []
 
     def step(self, step: int) -> dict:
@@ -186,7 +186,8 @@ class Trainer:
         arrays = {"params": s.params.data}
         arrays.update({f"opt.{k}": v for k, v in s.optimizer.state_dict().items() if k != "steps"})
         meta = {"config": s.setup.as_dict(), "n_params": s.params.size, **self.grid,
-                "optimizer_steps": s.optimizer.steps, "loader": s.loader.state_dict()}
+                "optimizer_steps": s.optimizer.steps, "loader": s.loader.state_dict(),
+                "dp": s.world, "global_batch": self.samples_per_step}
         return checkpoint.save(self.root, next_step, arrays, meta, keep=s.setup.run.keep or None)
 
     def _resume(self) -> int:
@@ -217,6 +218,13 @@ class Trainer:
                       f"schedule now spans {run.steps} steps")
         if step >= run.steps:
             self._say(f"the run already reached step {step} of --steps {run.steps}: nothing to do")
+        if meta.get("dp", s.world) != s.world:
+            self._say(f"resumed with dp {s.world}; the checkpoint was written with dp "
+                      f"{meta['dp']}: the global batch is now {self.samples_per_step} (was "
+                      f"{meta['global_batch']}) and the data goes on from example "
+                      f"{s.loader.position} of epoch {s.loader.epoch}, so from here the run is "
+                      f"not the uninterrupted dp-{meta['dp']} run (same lr schedule, other "
+                      f"batches)")
         return step
 
     def _check_grid(self, root: str) -> None:

@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from compare_lib import analysis, launch, report, sweep
+from compare_lib import analysis, cluster, launch, report, sweep
 from compare_lib.launch import Bench, Outcome, Processes, RunSpec
 
 from dtlab.models.config import ConfigError
@@ -79,6 +79,12 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", metavar="DIR", default="",
                    help="a new or empty folder for everything written "
                         "(default runs/compare-DATE-TIME)")
+    g.add_argument("--hosts", type=int, default=1,
+                   help="run every topology across this many emulated hosts (network "
+                        "namespaces joined by tc-shaped links; needs root and iproute2); "
+                        "1: this host, shared memory (default)")
+    g.add_argument("--link-gbit", type=float, default=1.0,
+                   help="each emulated host's link rate in Gbit/s (default 1)")
     g.add_argument("--sweep", choices=["model-size"], default=None,
                    help="instead of comparing topologies, train --sweep-sizes under the first "
                         "of --runs for one compute budget (--steps steps of the smallest) and "
@@ -104,6 +110,13 @@ def parse_args(argv: list[str]) -> tuple[Setup, list[RunSpec]]:
             raise ConfigError(f"{flag} must be at least 1 (got {value})")
     if not opts.timeout > 0:
         raise ConfigError(f"--timeout must be positive (got {opts.timeout})")
+    if opts.hosts < 1:
+        raise ConfigError(f"--hosts must be at least 1 (got {opts.hosts})")
+    if not (math.isfinite(opts.link_gbit) and opts.link_gbit > 0):
+        raise ConfigError(f"--link-gbit must be a positive rate (got {opts.link_gbit})")
+    if opts.hosts > 1 and cluster.check():
+        raise ConfigError(f"--hosts {opts.hosts}: {cluster.check()}; without --hosts the "
+                          "comparison runs on this host")
     names = [n.strip() for n in opts.runs.split(",") if n.strip()]
     if not names:
         raise ConfigError("--runs names no run")
@@ -225,6 +238,8 @@ def describe(setup: Setup, data: dict) -> list[str]:
         f"target loss {data['target_loss']:.4f} ({data['target_rule']})",
         f"command: `{data['command']}`",
     ]
+    if data.get("cluster"):
+        lines.append(f"network: {data['cluster']}; rank, worker or shard i on host i mod H")
     if opt.clip:
         lines.append("clip > 0: sync clips the averaged gradient, each async worker its own, "
                      "so async-bsp is not the sync computation")
@@ -247,7 +262,7 @@ def setup_record(setup: Setup, argv: list[str], session, target: float, rule: st
             "target_rule": rule, "smooth_window": analysis.window_for(run.steps),
             "ranks": opts.ranks, "shards": opts.shards, "batch_size": run.batch_size,
             "global_batch": opts.ranks * run.batch_size * run.grad_accum, "steps": run.steps,
-            "hardware": hardware(), "versions": versions(),
+            "hardware": hardware(), "versions": versions(), "cluster": None,
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -309,14 +324,19 @@ def main(argv: list[str]) -> int:
     data = setup_record(setup, argv, session, target, rule)
     config = out / "config.json"
     config.write_text(json.dumps(data["config"], indent=1) + "\n")
-    bench = Bench(out, config.resolve(), opts.ranks, opts.shards, setup.run.steps, opts.timeout,
-                  mpiexec)
     board = Board(specs, setup.run.steps)
     print(f"{len(specs)} runs of {setup.model_name} into {out}", file=sys.stderr)
     procs = Processes()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # cleaned up as Ctrl-C is
     results = []
+    hosts = None
     try:
+        if opts.hosts > 1:
+            hosts = cluster.EmulatedCluster(opts.hosts, opts.link_gbit, out).__enter__()
+            data["cluster"] = hosts.describe()
+            print(hosts.describe(), file=sys.stderr)
+        bench = Bench(out, config.resolve(), opts.ranks, opts.shards, setup.run.steps,
+                      opts.timeout, mpiexec, hosts)
         for i, spec in enumerate(specs):
             outcome = launch.run(spec, bench, procs, board.watch(i, spec.name))
             results.append(analyse(outcome, bench, data["global_batch"], floor, target))
@@ -326,6 +346,8 @@ def main(argv: list[str]) -> int:
         kept = {sig: signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C does not cut it short
                 for sig in (signal.SIGINT, signal.SIGTERM)}
         procs.stop_all()
+        if hosts is not None:
+            hosts.close()
         for sig, handler in kept.items():
             signal.signal(sig, handler)
     plots, note = report.plot(out, results, floor, target)

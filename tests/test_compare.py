@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +25,8 @@ TINY = ["--model", "mlp", "--d-in", "4", "--d-hidden", "8", "--n-layers", "1",
 FAST = ["--lr", "0.1", "--warmup", "0"]  # reaches the floor + 0.1 in a few dozen steps
 SUMMARY_KEYS = {"command", "config", "model", "n_params", "dataset", "floor", "target_loss",
                 "target_rule", "smooth_window", "ranks", "shards", "batch_size", "global_batch",
-                "steps", "hardware", "versions", "started", "runs", "plots", "plots_note"}
+                "steps", "hardware", "versions", "started", "runs", "plots", "plots_note",
+                "cluster"}
 STATS_KEYS = {"steps", "time_s", "s_per_step", "steps_to_target", "time_to_target_s",
               "measured_time_to_target_s", "samples_to_target", "final_loss", "gap",
               "samples_per_s", "updates_per_s", "split_ms", "allreduce_ms", "staleness",
@@ -220,3 +222,48 @@ def test_bad_sweep_sizes_are_named(tmp_path):
     r = compare(*TINY, "--sweep", "model-size", "--sweep-sizes", "8", "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "needs two or more distinct positive widths" in r.stderr
     assert not (tmp_path / "o").exists()
+
+
+EMULATED = ["--model", "mlp", "--d-in", "16", "--d-hidden", "1024", "--n-layers", "2",
+            "--n-classes", "4", "--n-samples", "4096", "--batch-size", "8", "--steps", "12",
+            "--runs", "sync-ring,async-bsp", "--hosts", "2"]
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root")
+def test_an_emulated_cluster_runs_both_topologies_over_its_shaped_links(tmp_path):
+    """At a tenth of the link rate the all-reduce time grows by what the rate predicts for
+    the bytes it moves; the bytes crossed the shaped links; nothing is left behind."""
+    comm_ms, sent = {}, {}
+    for gbit in (1.0, 0.1):
+        out = tmp_path / f"g{gbit}"
+        r = compare(*EMULATED, "--link-gbit", str(gbit), "--out", str(out), timeout=180)
+        assert r.returncode == 0, r.stderr
+        summary = json.loads((out / "summary.json").read_text())
+        assert "2 emulated hosts" in summary["cluster"]
+        sync, bsp = summary["runs"]
+        assert sync["status"] == bsp["status"] == "ok"
+        comm = [r["comm_s"] for r in read_metrics(str(out / "sync-ring.jsonl"))[1][2:]]
+        comm_ms[gbit] = 1e3 * float(np.median(comm))  # after the connections' warm-up
+        sent[gbit] = sync["link_bytes"]
+        assert all(b > 0 for b in bsp["link_bytes"])  # gRPC crossed the links too
+    grad_bytes = 4 * (16 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 4 + 4)
+    for gbit, per_host in sent.items():  # ring, 2 ranks: each host sends the gradient a step
+        assert all(b >= 12 * grad_bytes for b in per_host), (gbit, per_host)
+    # ring, 2 ranks: each host sends one gradient per step over its link
+    slow = grad_bytes * 8 / 0.1e9 * 1e3  # ms for one gradient at 0.1 Gbit/s
+    predicted = grad_bytes * 8 * (1 / 0.1e9 - 1 / 1.0e9) * 1e3  # ms more per step
+    grown = comm_ms[0.1] - comm_ms[1.0]
+    print(f"all-reduce ms per step: {comm_ms}; the 0.1 Gbit/s link needs {slow:.0f} ms; "
+          f"grew {grown:.0f} ms, the rates predict {predicted:.0f} ms")
+    assert 0.9 * slow <= comm_ms[0.1] <= 1.6 * slow  # the link sets the pace
+    assert grown >= 0.5 * predicted  # (at 1 Gbit/s this host's CPU adds its own share)
+    made = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout + \
+        subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert not re.search(r"\bdtl\d+-", made), made  # namespaces, bridge, veths: all gone
+    assert not left_behind(tmp_path)
+
+
+def test_emulated_hosts_need_a_positive_link_rate(tmp_path):
+    r = compare(*TINY, "--hosts", "2", "--link-gbit", "0", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "--link-gbit must be a positive rate" in r.stderr

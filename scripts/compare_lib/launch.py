@@ -10,6 +10,12 @@
 The processes are started, tracked and stopped by processes.Processes.
 The servers of an async run are fresh for every run (port 0: each picks a
 free loopback port and writes it to its ready file).
+
+On an emulated cluster (compare_lib/cluster.py) the placement rule is: rank
+or worker r on host r mod H (mpiexec through the namespace launcher), shard
+k on host k mod H listening on that host's address; shared memory is off
+between workers and servers (--no-shm: the hosts share one kernel), and each
+run records the bytes its hosts' shaped links sent.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from compare_lib.cluster import EmulatedCluster
 from compare_lib.processes import Processes
 from dtlab.models.config import ConfigError
 from dtlab.models.run.launcher import mpiexec_path
@@ -81,6 +88,7 @@ class Bench:
     steps: int
     timeout_s: float
     mpiexec: str
+    cluster: EmulatedCluster | None = None
 
 
 @dataclass
@@ -91,6 +99,7 @@ class Outcome:
     error: str = ""  # empty: the run finished with every step in its metrics
     tail: str = ""  # the end of the failed run's log(s)
     wall_s: float = 0.0
+    link_bytes: list[int] | None = None  # per emulated host, sent during the run
 
 
 def find_mpiexec() -> str:
@@ -142,9 +151,13 @@ Watch = Callable[[int, float | None], None]
 def run(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch) -> Outcome:
     """Run `spec` to its end (or failure, or timeout); its processes are gone afterwards."""
     start = time.monotonic()
+    sent = bench.cluster.bytes_sent() if bench.cluster else None
     launch = run_sync if spec.topology == "sync" else run_async
     outcome = launch(spec, bench, procs, watch, start + bench.timeout_s)
     outcome.wall_s = time.monotonic() - start
+    if bench.cluster:
+        outcome.link_bytes = [b - a for a, b in zip(sent, bench.cluster.bytes_sent(),
+                                                    strict=True)]
     if not outcome.error:
         done = min((count_steps(p) for p in outcome.metrics), default=0)
         if done != bench.steps:
@@ -163,11 +176,11 @@ def run_sync(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
              deadline: float) -> Outcome:
     metrics = bench.out / f"{spec.name}.jsonl"
     log = bench.out / f"{spec.name}.log"
-    cmd = [bench.mpiexec, "-n", str(bench.ranks), str(BIN / "dtlab-sync"),
+    cmd = [bench.mpiexec, *mpiexec_args(bench), "-n", str(bench.ranks), str(BIN / "dtlab-sync"),
            "--config", str(bench.config), "--allreduce", spec.allreduce,
            "--metrics", str(metrics)]
     outcome = Outcome(spec, [metrics], [cmd])
-    main = procs.start(cmd, log)
+    main = procs.start(cmd, log, bench.cluster.env if bench.cluster else None)
     try:
         outcome.error = _wait(procs, main, [], deadline, bench.timeout_s, [metrics], watch)
     finally:
@@ -194,6 +207,10 @@ def run_async(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
                    "--staleness-lr", spec.staleness_lr, "--ready-file", str(ready[k])]
             if spec.consistency == "ssp":
                 cmd += ["--staleness", str(spec.staleness)]
+            if bench.cluster:
+                host = k % bench.cluster.hosts
+                cmd = bench.cluster.in_host(host, [*cmd, "--bind", bench.cluster.address(host),
+                                                   "--no-shm"])
             outcome.commands.append(cmd)
             servers.append(procs.start(cmd, logs[k]))
         ports = wait_ready(servers, ready, min(SERVER_START_S, deadline - time.monotonic()))
@@ -201,12 +218,16 @@ def run_async(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
             outcome.error, outcome.tail = ports, tail(*logs)
             return outcome
         log = out / f"{name}.log"
-        cmd = [bench.mpiexec, "-n", str(bench.ranks), str(BIN / "dtlab-worker"),
-               "--config", str(bench.config),
-               "--servers", ",".join(f"127.0.0.1:{p}" for p in ports),
+        hosts = [bench.cluster.address(k % bench.cluster.hosts) if bench.cluster else "127.0.0.1"
+                 for k in range(bench.shards)]
+        cmd = [bench.mpiexec, *mpiexec_args(bench), "-n", str(bench.ranks),
+               str(BIN / "dtlab-worker"), "--config", str(bench.config),
+               "--servers", ",".join(f"{h}:{p}" for h, p in zip(hosts, ports, strict=True)),
                "--metrics", str(out / f"{name}.w{{worker}}.jsonl")]
+        if bench.cluster:
+            cmd.append("--no-shm")
         outcome.commands.append(cmd)
-        main = procs.start(cmd, log)
+        main = procs.start(cmd, log, bench.cluster.env if bench.cluster else None)
         outcome.error = _wait(procs, main, servers, deadline, bench.timeout_s, metrics, watch)
         if outcome.error:
             outcome.tail = tail(log, *logs)
@@ -215,6 +236,10 @@ def run_async(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
         procs.stop([p for p in (main, *servers) if p is not None])
         for r in ready:
             r.unlink(missing_ok=True)
+
+
+def mpiexec_args(bench: Bench) -> list[str]:
+    return bench.cluster.mpiexec_args() if bench.cluster else []
 
 
 def wait_ready(servers: list[subprocess.Popen], ready: list[Path],

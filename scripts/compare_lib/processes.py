@@ -28,11 +28,11 @@ class Processes:
         self.live: list[subprocess.Popen] = []
         self.tree: dict[int, set[tuple[int, int]]] = {}  # started pid -> {(pid, start time)}
 
-    def start(self, cmd: list[str], log: Path) -> subprocess.Popen:
+    def start(self, cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
         with open(log, "w") as f:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.live.append(proc)
         self.tree[proc.pid] = set()
         return proc

@@ -47,7 +47,7 @@ def summary(setup: dict, results: list[Result], plots: list[str], plots_note: st
         runs.append({"name": r.name, "topology": o.spec.topology, "what": o.spec.describe(),
                      "status": "ok" if r.ok else "failed", "error": o.error, "log_tail": o.tail,
                      "wall_s": o.wall_s, "metrics": [p.name for p in o.metrics],
-                     "commands": o.commands, "stats": r.stats})
+                     "commands": o.commands, "stats": r.stats, "link_bytes": o.link_bytes})
     return {**setup, "runs": runs, "plots": plots, "plots_note": plots_note}
 
 
@@ -97,6 +97,17 @@ def detail_table(results: list[Result]) -> list[str]:
     return rows
 
 
+def link_lines(results: list[Result]) -> list[str]:
+    """On an emulated cluster: the bytes each run's hosts sent over their shaped links."""
+    if not any(r.outcome.link_bytes for r in results):
+        return []
+    rows = ["| run | MB sent over the links, per host |", "|---|---|"]
+    rows += [f"| {r.name} | " + ", ".join(f"{b / 1e6:.2f}" for b in r.outcome.link_bytes or [])
+             + " |" for r in results]
+    return [*rows, "", "From each emulated host's tc qdisc counter: traffic that crossed the "
+            "shaped link (MPI over TCP, gRPC), not shared memory.", ""]
+
+
 def write_report(out: Path, data: dict, results: list[Result], lines: list[str]) -> None:
     """report.md: `lines` (the setup in words), then the tables, failures and plots."""
     base = results[0].name
@@ -108,7 +119,7 @@ def write_report(out: Path, data: dict, results: list[Result], lines: list[str])
             f"target: HE x SE (Hadjis et al. 2016, Omnivore); vs {base}: time to target / "
             f"{base}'s; samples to target: SE x global batch; wall: seconds from launch to "
             "exit, start-up and servers included; -: not reached or failed.", "",
-            "## Per run", "", *detail_table(results), "",
+            "## Per run", "", *detail_table(results), "", *link_lines(results),
             "final loss: mean training loss of the last 10% of the steps (mean over ranks or "
             "workers); gap: final loss - floor; held-out loss: the last --eval-every "
             "evaluation on the held-out examples (the same for every run), and the first "

@@ -1,0 +1,157 @@
+"""An emulated cluster on one machine: hosts as network namespaces, links shaped by tc.
+
+    with EmulatedCluster(hosts=2, gbit=1.0, work=out) as cluster:
+        mpiexec_args, env = cluster.mpiexec_args(), cluster.env
+        server = ["ip", "netns", "exec", cluster.namespace(0), *serve_cmd]
+        cluster.bytes_sent()                     # per host, from the qdisc counters
+
+Host i is the network namespace <name>-h<i> with one interface, eth0, at
+10.<a>.<b>.(i + 1)/24, joined to the others by a veth pair on the bridge
+<name>-br, whose own address (.254) is where mpiexec listens (`-iface`).
+Each host's egress is shaped by a token bucket (`tc qdisc ... tbf rate X`):
+netem is not available on every kernel, tbf is. MPICH's Hydra starts its
+proxies through `-launcher ssh -launcher-exec <script>`: the script enters
+the host's namespace, and `unshare --uts` gives it its own hostname, so MPI
+sees one node per host (no shared-memory path between them, our
+collectives' MPI-3 windows included). UCX_TLS=tcp,self keeps the wheel's
+UCX off shared memory: with `sm` listed, UCX would move data between
+namespaces of one kernel without ever touching the link. The qdisc byte
+counters show the bytes did cross it.
+
+Everything made is removed on exit, after a failure too: processes left in
+a namespace (SIGKILL), the namespaces, the bridge (the veths go with their
+namespaces). Needs root and iproute2; `check()` names what is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+LAUNCHER = """#!/bin/sh
+# Hydra's launcher, called as ssh would be: options (-x ...), the host, then a command
+# line that a remote shell would parse. The host is a network namespace of this machine.
+while [ "${1#-}" != "$1" ]; do shift; done
+host="$1"; shift
+exec ip netns exec "%(prefix)s-$host" unshare --uts sh -c "hostname $host; $*"
+"""
+BURST = "256kb"  # tbf bucket: a few packets' worth at 1 Gbit/s
+LATENCY = "50ms"  # tbf queue limit, as time
+
+
+def check() -> str:
+    """'' when this machine can build an emulated cluster, else why not."""
+    if os.geteuid() != 0:
+        return "emulated hosts need root (network namespaces, tc)"
+    missing = [tool for tool in ("ip", "tc", "unshare") if shutil.which(tool) is None]
+    if missing:
+        return f"emulated hosts need iproute2 and util-linux: {', '.join(missing)} not found"
+    return ""
+
+
+def _run(*cmd: str) -> str:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip() or r.returncode}")
+    return r.stdout
+
+
+class EmulatedCluster:
+    """`hosts` hosts, each one's egress at `gbit` Gbit/s; files go to `work`."""
+
+    def __init__(self, hosts: int, gbit: float, work: Path):
+        if hosts < 2:
+            raise ValueError(f"an emulated cluster needs at least 2 hosts (got {hosts})")
+        if not gbit > 0:
+            raise ValueError(f"the link rate must be positive (got {gbit} Gbit/s)")
+        self.hosts, self.gbit, self.work = hosts, gbit, Path(work)
+        tag = os.getpid() % 60000
+        self.prefix = f"dtl{tag}"  # interface names stay under 15 characters
+        self.subnet = f"10.{200 + tag // 256 % 50}.{tag % 256}"
+        self.bridge = f"{self.prefix}-br"
+        self.launcher = self.work / "netns-launcher.sh"
+        self.made: list[str] = []  # namespaces made, for cleanup
+
+    def namespace(self, host: int) -> str:
+        return f"{self.prefix}-h{host}"
+
+    def address(self, host: int) -> str:
+        return f"{self.subnet}.{host + 1}"
+
+    @property
+    def host_names(self) -> list[str]:
+        return [f"h{i}" for i in range(self.hosts)]
+
+    def __enter__(self) -> EmulatedCluster:
+        try:
+            _run("ip", "link", "add", self.bridge, "type", "bridge")
+            _run("ip", "addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)
+            _run("ip", "link", "set", self.bridge, "up")
+            for i in range(self.hosts):
+                ns, veth = self.namespace(i), f"{self.prefix}-v{i}"
+                _run("ip", "netns", "add", ns)
+                self.made.append(ns)
+                _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0",
+                     "netns", ns)
+                _run("ip", "link", "set", veth, "master", self.bridge)
+                _run("ip", "link", "set", veth, "up")
+                _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+                _run("ip", "-n", ns, "link", "set", "eth0", "up")
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
+                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root",
+                     "tbf", "rate", f"{self.gbit * 1000:g}mbit", "burst", BURST,
+                     "latency", LATENCY)
+            self.work.mkdir(parents=True, exist_ok=True)
+            self.launcher.write_text(LAUNCHER % {"prefix": self.prefix})
+            self.launcher.chmod(0o755)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Kill what runs in the namespaces, delete them and the bridge."""
+        for ns in self.made:
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                                  text=True).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.made.clear()
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+    def mpiexec_args(self) -> list[str]:
+        """Hydra flags that put ranks round-robin on the hosts, rank r on host r mod H
+        (one slot per host), through the namespace launcher."""
+        return ["-iface", self.bridge, "-launcher", "ssh", "-launcher-exec",
+                str(self.launcher), "-hosts", ",".join(self.host_names)]
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"UCX_TLS": "tcp,self"}
+
+    def in_host(self, host: int, cmd: list[str]) -> list[str]:
+        """`cmd` run inside host `host`."""
+        return ["ip", "netns", "exec", self.namespace(host), *cmd]
+
+    def bytes_sent(self) -> list[int]:
+        """Bytes each host's shaped link has sent so far (its qdisc's counter)."""
+        out = []
+        for i in range(self.hosts):
+            text = _run("ip", "netns", "exec", self.namespace(i), "tc", "-s", "qdisc", "show",
+                        "dev", "eth0")
+            out.append(int(re.search(r"Sent (\d+) bytes", text).group(1)))
+        return out
+
+    def describe(self) -> str:
+        return (f"{self.hosts} emulated hosts (network namespaces on a bridge), each link "
+                f"shaped to {self.gbit:g} Gbit/s by tc tbf; MPI over TCP (UCX_TLS=tcp,self)")

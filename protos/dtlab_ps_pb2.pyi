@@ -76,7 +76,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., model: _Optional[str] = ..., model_size: _Optional[int] = ..., layout_crc32: _Optional[int] = ..., registration: _Optional[int] = ..., run_config: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("shard", "num_shards", "model_size", "meta", "consistency", "staleness_bound", "next_step", "max_message_bytes", "worker_id", "num_workers", "optim_config", "schedule_steps", "staleness_lr")
+    __slots__ = ("shard", "num_shards", "model_size", "meta", "consistency", "staleness_bound", "next_step", "max_message_bytes", "worker_id", "num_workers", "optim_config", "schedule_steps", "staleness_lr", "then_pull")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MODEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class RegisterReply(_message.Message):
     OPTIM_CONFIG_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_STEPS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_LR_FIELD_NUMBER: _ClassVar[int]
+    THEN_PULL_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     model_size: int
@@ -103,7 +104,8 @@ class RegisterReply(_message.Message):
     optim_config: str
     schedule_steps: int
     staleness_lr: str
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., model_size: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., staleness_bound: _Optional[int] = ..., next_step: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., optim_config: _Optional[str] = ..., schedule_steps: _Optional[int] = ..., staleness_lr: _Optional[str] = ...) -> None: ...
+    then_pull: bool
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., model_size: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., staleness_bound: _Optional[int] = ..., next_step: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., optim_config: _Optional[str] = ..., schedule_steps: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., then_pull: _Optional[bool] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("worker_id", "registration")
@@ -190,14 +192,16 @@ class PushReply(_message.Message):
     def __init__(self, duplicate: _Optional[bool] = ..., staleness: _Optional[int] = ..., version: _Optional[int] = ..., pending: _Optional[bool] = ..., lr: _Optional[float] = ...) -> None: ...
 
 class WholePush(_message.Message):
-    __slots__ = ("header", "chunk", "trailer")
+    __slots__ = ("header", "chunk", "trailer", "then_pull")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
+    THEN_PULL_FIELD_NUMBER: _ClassVar[int]
     header: PushHeader
     chunk: Chunk
     trailer: Trailer
-    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ...) -> None: ...
+    then_pull: PullRequest
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ..., then_pull: _Optional[_Union[PullRequest, _Mapping]] = ...) -> None: ...
 
 class WholePull(_message.Message):
     __slots__ = ("header", "chunk", "trailer")
@@ -208,6 +212,18 @@ class WholePull(_message.Message):
     chunk: Chunk
     trailer: Trailer
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ...) -> None: ...
+
+class PushPulled(_message.Message):
+    __slots__ = ("header", "chunk", "trailer", "pushed")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
+    header: PullHeader
+    chunk: Chunk
+    trailer: Trailer
+    pushed: PushReply
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ..., pushed: _Optional[_Union[PushReply, _Mapping]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("header", "chunk", "trailer", "pull", "shm_request", "shm_attach", "shm_push", "shm_pull", "push_whole")
@@ -232,7 +248,7 @@ class SessionRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., shm_request: _Optional[_Union[ShmRequest, _Mapping]] = ..., shm_attach: _Optional[_Union[ShmAttach, _Mapping]] = ..., shm_push: _Optional[_Union[ShmPush, _Mapping]] = ..., shm_pull: _Optional[_Union[PullRequest, _Mapping]] = ..., push_whole: _Optional[_Union[WholePush, _Mapping]] = ...) -> None: ...
 
 class SessionReply(_message.Message):
-    __slots__ = ("header", "chunk", "trailer", "pushed", "shm_offer", "shm_ready", "shm_pulled", "pulled_whole")
+    __slots__ = ("header", "chunk", "trailer", "pushed", "shm_offer", "shm_ready", "shm_pulled", "pulled_whole", "push_pulled")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +257,7 @@ class SessionReply(_message.Message):
     SHM_READY_FIELD_NUMBER: _ClassVar[int]
     SHM_PULLED_FIELD_NUMBER: _ClassVar[int]
     PULLED_WHOLE_FIELD_NUMBER: _ClassVar[int]
+    PUSH_PULLED_FIELD_NUMBER: _ClassVar[int]
     header: PullHeader
     chunk: Chunk
     trailer: Trailer
@@ -249,7 +266,8 @@ class SessionReply(_message.Message):
     shm_ready: ShmReady
     shm_pulled: ShmPulled
     pulled_whole: WholePull
-    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ..., pushed: _Optional[_Union[PushReply, _Mapping]] = ..., shm_offer: _Optional[_Union[ShmOffer, _Mapping]] = ..., shm_ready: _Optional[_Union[ShmReady, _Mapping]] = ..., shm_pulled: _Optional[_Union[ShmPulled, _Mapping]] = ..., pulled_whole: _Optional[_Union[WholePull, _Mapping]] = ...) -> None: ...
+    push_pulled: PushPulled
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ..., pushed: _Optional[_Union[PushReply, _Mapping]] = ..., shm_offer: _Optional[_Union[ShmOffer, _Mapping]] = ..., shm_ready: _Optional[_Union[ShmReady, _Mapping]] = ..., shm_pulled: _Optional[_Union[ShmPulled, _Mapping]] = ..., pulled_whole: _Optional[_Union[WholePull, _Mapping]] = ..., push_pulled: _Optional[_Union[PushPulled, _Mapping]] = ...) -> None: ...
 
 class ShmRequest(_message.Message):
     __slots__ = ("boot_id",)
@@ -282,20 +300,24 @@ class ShmReady(_message.Message):
     def __init__(self, refused: _Optional[str] = ...) -> None: ...
 
 class ShmPush(_message.Message):
-    __slots__ = ("header", "adler32")
+    __slots__ = ("header", "adler32", "then_pull")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     ADLER32_FIELD_NUMBER: _ClassVar[int]
+    THEN_PULL_FIELD_NUMBER: _ClassVar[int]
     header: PushHeader
     adler32: int
-    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., adler32: _Optional[int] = ...) -> None: ...
+    then_pull: PullRequest
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., adler32: _Optional[int] = ..., then_pull: _Optional[_Union[PullRequest, _Mapping]] = ...) -> None: ...
 
 class ShmPulled(_message.Message):
-    __slots__ = ("header", "adler32")
+    __slots__ = ("header", "adler32", "pushed")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     ADLER32_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
     header: PullHeader
     adler32: int
-    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., adler32: _Optional[int] = ...) -> None: ...
+    pushed: PushReply
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., adler32: _Optional[int] = ..., pushed: _Optional[_Union[PushReply, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -119,6 +119,9 @@ class ParameterServerServicer:
         SessionRequest.push_whole, and a pull whose request sets whole_bytes as
         SessionReply.pulled_whole (header, chunk and trailer in one message,
         checked alike): two messages per operation instead of four or more.
+        A push_whole or shm_push may carry the worker's next pull (then_pull):
+        one message each way for a whole round. Operations may also be sent
+        right behind one another (a push, then a pull): they are served in order.
         A worker on the server's host may move the tensor bytes through shared
         memory instead (shm_request, shm_attach, then shm_push and shm_pull).
         """

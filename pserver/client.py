@@ -24,18 +24,24 @@ exponential backoff (a push is safe to retry: the server applies each
 
 Pulls and pushes travel on one long-lived Session stream per shard
 (pserver.session; `transport="calls"`: a Pull or Push call each, as before
-sessions). A shard on this host agrees on a shared-memory segment for the
-tensor bytes unless `shm=False` (pserver.shm): the pushed gradient is copied
-into the segment and the pulled values out of it, each with its Adler-32 in
-the same pass, and gRPC carries the rest.
+sessions). `push_pull` pushes and then pulls in one session operation (the
+pull rides on the push: one round trip per shard for both; on calls, a Push
+and then a Pull); a retry repeats both, the push being applied once. With
+one shard the calls run on the caller's thread, not the pool's. A shard on
+this host agrees on a shared-memory segment for the tensor bytes unless
+`shm=False` (pserver.shm): the pushed gradient is copied into the segment
+and the pulled values out of it, each with its Adler-32 in the same pass,
+and gRPC carries the rest.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import random
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -210,13 +216,8 @@ class ShardClient:
 
         If this raises, `out` may hold a mix of old and new values.
         """
-        req = pb.PullRequest(worker_id=worker, shard=self.info.shard,
-                             registration=self.registration)
-        if known_version is not None:
-            req.known_version = known_version
+        req = self._pull_request(worker, known_version)
         if self.transport == "session":
-            req.wait_timeout_s = self.cfg.rpc_timeout_s
-            req.whole_bytes = self.whole_bytes
             return self._retry(lambda: self._in_session(lambda s: self._pull_session(s, req, out)),
                                "Pull")
 
@@ -229,15 +230,22 @@ class ShardClient:
 
         return self._retry(attempt, "Pull")
 
+    def _pull_request(self, worker: int, known_version: int | None) -> pb.PullRequest:
+        req = pb.PullRequest(worker_id=worker, shard=self.info.shard,
+                             registration=self.registration)
+        if known_version is not None:
+            req.known_version = known_version
+        if self.transport == "session":
+            req.wait_timeout_s = self.cfg.rpc_timeout_s
+            req.whole_bytes = self.whole_bytes
+        return req
+
     def _receive(self, messages, cls, out: np.ndarray) -> tuple[int, bool]:
         """A pull's header, chunks and trailer (or all three in one pulled_whole) from
         `messages` into `out`."""
         kind, header = self.codec.read(cls, next(messages))
         if kind == "pulled_whole":
-            whole, header = header, header.header
-            self._check_meta(header.meta, out)
-            whole.into(wire.ChunkedArray(out.size, out.dtype, into=out))
-            return header.meta.version, True
+            return self._whole_into(header, out)
         if kind != "header":
             raise InvalidArgument(f"{self.address}: pull stream did not start with a header")
         self._check_meta(header.meta, out)
@@ -255,12 +263,24 @@ class ShardClient:
                 raise InvalidArgument(f"{self.address}: {kind} inside a pull stream")
         raise DataLoss(f"{self.address}: pull stream ended without a trailer")
 
+    def _whole_into(self, whole: wire.Whole, out: np.ndarray) -> tuple[int, bool]:
+        """A pulled_whole or push_pulled into `out`, checked as a stream would be."""
+        header = whole.header
+        self._check_meta(header.meta, out)
+        if header.not_modified:
+            return header.meta.version, False
+        whole.into(wire.ChunkedArray(out.size, out.dtype, into=out))
+        return header.meta.version, True
+
     def _pull_session(self, s: Session, req: pb.PullRequest, out: np.ndarray):
         if s.segment is None:
             s.send((wire.wrap(PULL, req),))
             return self._receive(s.receive(), pb.SessionReply, out)
         s.send((wire.wrap(SHM_PULL, req),))
-        pulled = s.expect("shm_pulled")
+        return self._shm_values(s.expect("shm_pulled"), s, out)
+
+    def _shm_values(self, pulled: pb.ShmPulled, s: Session, out: np.ndarray) -> tuple[int, bool]:
+        """A shm_pulled's values from the session's segment into `out`."""
         header = pulled.header
         self._check_meta(header.meta, out)
         if header.not_modified:
@@ -274,12 +294,8 @@ class ShardClient:
 
     def push(self, grad: np.ndarray, worker: int, step: int, version: int) -> pb.PushReply:
         """Stream one gradient for this shard, computed from `version`."""
-        info = self.info
-        meta = pb.TensorMeta(dtype=wire.dtype_code(grad.dtype), shape=list(grad.shape),
-                             offset=info.meta.offset, version=version)
-        header = pb.PushHeader(worker_id=worker, step=step, shard=info.shard, meta=meta,
-                               registration=self.registration)
-        chunk = min(self.cfg.chunk_bytes, info.max_message_bytes - 1024)
+        header = self._push_header(grad, worker, step, version)
+        chunk = self._chunk_bytes()
         if self.transport == "session":
             return self._retry(lambda: self._in_session(
                 lambda s: self._push_session(s, header, grad, chunk)), "Push")
@@ -287,28 +303,92 @@ class ShardClient:
                                               timeout=self.cfg.rpc_timeout_s,
                                               metadata=self._metadata), "Push")
 
+    def _push_header(self, grad: np.ndarray, worker: int, step: int,
+                     version: int) -> pb.PushHeader:
+        meta = pb.TensorMeta(dtype=wire.dtype_code(grad.dtype), shape=list(grad.shape),
+                             offset=self.info.meta.offset, version=version)
+        return pb.PushHeader(worker_id=worker, step=step, shard=self.info.shard, meta=meta,
+                             registration=self.registration)
+
+    def _chunk_bytes(self) -> int:
+        return min(self.cfg.chunk_bytes, self.info.max_message_bytes - 1024)
+
     def _push_session(self, s: Session, header: pb.PushHeader, grad: np.ndarray,
                       chunk: int) -> pb.PushReply:
-        if s.segment is None and grad.nbytes <= chunk:
-            s.send((wire.whole(pb.SessionRequest, "push_whole", header, grad, self.codec),))
-        elif s.segment is None:
-            s.send(wire.stream(header, grad, chunk, self.codec))
-        else:
-            checksum = wire.copy_and_checksum(  # no view of the segment outlives the call
-                s.segment.array(grad.dtype.newbyteorder("<"), grad.size),
-                wire.little_endian(grad), wire.ADLER_START)
-            s.send((wire.wrap(SHM_PUSH, pb.ShmPush(header=header, adler32=checksum)),))
+        s.send(self._push_messages(s, header, grad, chunk))
         return s.expect("pushed")
 
-    def _in_session(self, operation):
+    def _push_messages(self, s: Session, header: pb.PushHeader, grad: np.ndarray, chunk: int,
+                       then_pull: pb.PullRequest | None = None) -> Iterable[bytes]:
+        """A push's messages on session `s`; `then_pull`: and the pull right after it, in
+        the push's one message (a push_whole, a shm_push) where the server answers
+        then_pull (RegisterReply.then_pull), else as the pull's own message behind."""
+        whole = s.segment is None and grad.nbytes <= chunk
+        fused = then_pull is not None and self.info.then_pull and (whole or s.segment)
+        more = {"then_pull": then_pull} if fused else {}
+        pull = () if then_pull is None or fused else (
+            wire.wrap(PULL if s.segment is None else SHM_PULL, then_pull),)
+        if whole:
+            return (wire.whole(pb.SessionRequest, "push_whole", header, grad, self.codec,
+                               **more), *pull)
+        if s.segment is None:
+            return itertools.chain(wire.stream(header, grad, chunk, self.codec), pull)
+        checksum = wire.copy_and_checksum(  # no view of the segment outlives the call
+            s.segment.array(grad.dtype.newbyteorder("<"), grad.size),
+            wire.little_endian(grad), wire.ADLER_START)
+        return (wire.wrap(SHM_PUSH, pb.ShmPush(header=header, adler32=checksum, **more)),
+                *pull)
+
+    def push_pull(self, grad: np.ndarray, worker: int, step: int, version: int,
+                  out: np.ndarray) -> tuple[pb.PushReply, int, bool]:
+        """Push one gradient computed from `version`, then pull into `out` (which holds
+        `version`): (the push's reply, the version pulled, whether `out` changed).
+
+        On a session both go in one operation (one message each way for a tensor that fits
+        one, the pull served after the push as a pull of its own would be), under the
+        deadlines of both (twice the call deadline; the pull's wait is bounded by one, as
+        on its own); a retry repeats both (the push is applied once). Per-call transport:
+        a Push, then a Pull.
+        If this raises, `out` may hold a mix of old and new values.
+        """
+        if self.transport != "session":
+            reply = self.push(grad, worker, step, version)
+            return (reply, *self.pull_into(out, worker, version))
+        header = self._push_header(grad, worker, step, version)
+        req, chunk = self._pull_request(worker, version), self._chunk_bytes()
+        return self._retry(lambda: self._in_session(
+            lambda s: self._push_pull_session(s, header, grad, chunk, req, out),
+            timeout=2 * self.cfg.rpc_timeout_s), "PushPull")
+
+    def _push_pull_session(self, s: Session, header: pb.PushHeader, grad: np.ndarray,
+                           chunk: int, req: pb.PullRequest,
+                           out: np.ndarray) -> tuple[pb.PushReply, int, bool]:
+        s.send(self._push_messages(s, header, grad, chunk, then_pull=req))
+        kind, answer = self.codec.read(pb.SessionReply, s.next_reply())
+        if kind == "push_pulled":
+            if "pushed" not in answer.more:
+                raise InvalidArgument(f"{self.address}: push_pulled without its push's reply")
+            return (answer.more["pushed"], *self._whole_into(answer, out))
+        if kind == "shm_pulled" and s.segment is not None:
+            if not answer.HasField("pushed"):
+                raise InvalidArgument(f"{self.address}: shm_pulled without its push's reply")
+            return (answer.pushed, *self._shm_values(answer, s, out))
+        if kind != "pushed":
+            raise StatusError(grpc.StatusCode.INTERNAL, f"{self.address}: session answered "
+                                                        f"{kind} to a push, expected pushed")
+        if s.segment is not None:  # the pull's own shm_pull came behind the push
+            return (answer, *self._shm_values(s.expect("shm_pulled"), s, out))
+        return (answer, *self._receive(s.receive(), pb.SessionReply, out))
+
+    def _in_session(self, operation, timeout: float | None = None):
         """operation(session) on the open session (opened, and shared memory agreed, if
-        need be), under the call deadline; any failure closes the session."""
+        need be), under the call deadline (or `timeout`); any failure closes the session."""
         if self._session is None:
             self._session = Session(self._open, self._metadata, self.codec, self._watchdog,
                                     self.address)
         s = self._session
         try:
-            with s.operation(self.cfg.rpc_timeout_s):
+            with s.operation(timeout or self.cfg.rpc_timeout_s):
                 if not self.shm_refused and s.segment is None:
                     self._share_memory(s)
                 return operation(s)
@@ -364,7 +444,14 @@ class PSClient:
             s.registration = self.registration
 
     def _each(self, fn) -> list:
-        return list(self._pool.map(fn, self.shards))
+        return self._map(fn, self.shards)
+
+    def _map(self, fn, items) -> list:
+        """fn over `items` on the pool in parallel; one item in this thread (no hand-off)."""
+        items = list(items)
+        if len(items) == 1:
+            return [fn(items[0])]
+        return list(self._pool.map(fn, items))
 
     def connect(self, worker: int | None, model: str, model_size: int, layout_crc: int = 0,
                 run_config: dict | None = None) -> int:
@@ -429,7 +516,7 @@ class PSClient:
             self.versions[k], changed = s.pull_into(self._slice(s, flat), self.worker, known)
             return changed
 
-        return sum(self._pool.map(one, range(len(self.shards))))
+        return sum(self._map(one, range(len(self.shards))))
 
     def push(self, flat_grad: np.ndarray, step: int) -> list[pb.PushReply]:
         """Push every shard's slice of `flat_grad` in parallel, each with the version it read."""
@@ -440,7 +527,26 @@ class PSClient:
             s = self.shards[k]
             return s.push(self._slice(s, flat_grad), self.worker, step, self.versions[k])
 
-        return list(self._pool.map(one, range(len(self.shards))))
+        return self._map(one, range(len(self.shards)))
+
+    def push_pull(self, flat_grad: np.ndarray, step: int,
+                  flat: np.ndarray) -> tuple[list[pb.PushReply], int]:
+        """push(flat_grad, step), then pull(flat), every shard in parallel, each shard's
+        pull right behind its push (ShardClient.push_pull): the worker's loop of push,
+        pull, compute, with one round trip per shard for the push and the pull. Returns
+        the push replies and how many shards changed."""
+        if any(v is None for v in self.versions):
+            raise RuntimeError("push before a successful pull of every shard")
+
+        def one(k: int) -> tuple[pb.PushReply, bool]:
+            s = self.shards[k]
+            known, self.versions[k] = self.versions[k], None  # unknown until the pull succeeds
+            reply, self.versions[k], changed = s.push_pull(
+                self._slice(s, flat_grad), self.worker, step, known, self._slice(s, flat))
+            return reply, changed
+
+        done = self._map(one, range(len(self.shards)))
+        return [reply for reply, _ in done], sum(changed for _, changed in done)
 
     def stats(self) -> list[pb.StatsReply]:
         return self._each(ShardClient.stats)

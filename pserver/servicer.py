@@ -16,7 +16,11 @@ Pulls and pushes arrive on their own calls (Pull, Push) or, one after
 another, on a worker's long-lived Session stream, which saves each operation
 the set-up of a call: its thread hand-offs and HTTP/2 stream; there a
 tensor that fits in one message may come and go as one (WholePush,
-WholePull), checked by the same ChunkedArray add and finish. An operation
+WholePull), checked by the same ChunkedArray add and finish, and a push may
+carry the worker's next pull (WholePush.then_pull): the pull is read after
+the push is applied, by the same store.read (read rules, waits, checks) as a
+pull of its own, and both are answered in one PushPulled (through shared
+memory: ShmPush.then_pull, answered by one ShmPulled). An operation
 that fails on a session ends the stream with the status its own call would
 have ended with. A session whose worker is on this host may agree on a
 shared-memory segment (pserver.shm): then a push's gradient and a pull's
@@ -53,7 +57,7 @@ log = logging.getLogger(__name__)
 
 CONSISTENCY = {"asp": pb.ASP, "ssp": pb.SSP, "bsp": pb.BSP}
 # SessionReply's oneof field numbers beyond the stream's header, chunk, trailer
-PUSHED, SHM_OFFER, SHM_READY, SHM_PULLED = 4, 5, 6, 7
+PUSHED, SHM_OFFER, SHM_READY, SHM_PULLED, PUSH_PULLED = 4, 5, 6, 7, 9
 
 
 class ParameterServerServicer:
@@ -123,7 +127,8 @@ class ParameterServerServicer:
             staleness_bound=store.policy.bound or 0, next_step=state.next_step,
             max_message_bytes=self.max_message_bytes, worker_id=worker,
             num_workers=self.num_workers, optim_config=self.optim_config,
-            schedule_steps=store.schedule.total, staleness_lr=store.staleness_lr)
+            schedule_steps=store.schedule.total, staleness_lr=store.staleness_lr,
+            then_pull=True)
 
     def _check_run_config(self, worker: int | None, text: str) -> None:
         if not text:
@@ -186,6 +191,23 @@ class ParameterServerServicer:
             elif tensor.one_chunk and tensor.nbytes <= whole_bytes:
                 yield tensor.whole(pb.SessionReply, "pulled_whole", self._header(read), self.codec)
             else:
+                yield from tensor.stream(self._header(read), self.codec)
+        finally:
+            self.store.release(read)
+
+    def _push_pulled(self, result: PushResult, read: Read, whole_bytes: int) -> Iterator[bytes]:
+        """A push's reply and the pull after it in one SessionReply.push_pulled; or, for a
+        tensor that does not fit one message, pushed and then the pull's stream."""
+        try:
+            tensor, pushed = read.tensor, _reply(result)
+            if tensor is None:
+                yield wire.wrap(PUSH_PULLED, pb.PushPulled(header=self._header(read),
+                                                           pushed=pushed))
+            elif tensor.one_chunk and tensor.nbytes <= whole_bytes:
+                yield tensor.whole(pb.SessionReply, "push_pulled", self._header(read),
+                                   self.codec, pushed=pushed)
+            else:
+                yield wire.wrap(PUSHED, pushed)
                 yield from tensor.stream(self._header(read), self.codec)
         finally:
             self.store.release(read)
@@ -313,7 +335,13 @@ class ParameterServerServicer:
                         yield from self._pull_stream(read, value.whole_bytes)
                     elif kind == "push_whole":
                         result = self._push(value.header, partial(self._whole_gradient, value))
-                        yield wire.wrap(PUSHED, _reply(result))
+                        then = value.more.get("then_pull")
+                        if then is None:
+                            yield wire.wrap(PUSHED, _reply(result))
+                        else:
+                            held.check("pull", then)
+                            read = self._read(then, context, then.wait_timeout_s or None)
+                            yield from self._push_pulled(result, read, then.whole_bytes)
                     elif kind == "header":
                         result = self._push(
                             value, lambda: self._receive(requests, pb.SessionRequest, True),
@@ -325,6 +353,12 @@ class ParameterServerServicer:
                                         pb.ShmOffer(refused=self._refusal(value)))
                     elif kind == "shm_attach":
                         yield wire.wrap(SHM_READY, self._attach(value, segment))
+                    elif kind == "shm_push" and value.HasField("then_pull"):
+                        result = self._shm_push(value, segment)
+                        held.check("shm_pull", value.then_pull)
+                        pulled = self._shm_pull(value.then_pull, segment, context)
+                        pulled.pushed.CopyFrom(_reply(result))
+                        yield wire.wrap(SHM_PULLED, pulled)
                     elif kind == "shm_push":
                         yield wire.wrap(PUSHED, _reply(self._shm_push(value, segment)))
                     elif kind == "shm_pull":

@@ -8,7 +8,12 @@ client's request-iterator thread, the channel's and the server's polling
 threads, the server's handler). So a tensor that fits in one message
 travels as one: a push as a WholePush (header, chunk, trailer fused), and a
 pull asks (PullRequest.whole_bytes) for a WholePull answer: two messages
-per operation instead of four. Bigger tensors stream as on a call.
+per operation instead of four. Bigger tensors stream as on a call. A push
+may carry the worker's next pull (ShardClient.push_pull): in the WholePush
+or ShmPush itself (then_pull), answered by one push_pulled or shm_pulled, so
+that a round of the worker's loop is one message each way, one round trip;
+or, for a streamed push, as the pull's own request sent right behind the
+push's messages, so the server serves it with no round trip in between.
 Requests are handed to gRPC through a queue of message iterators: an
 operation puts its messages (a streamed push's chunks are made as gRPC asks
 for them, as on a call), then reads its replies from the call.
@@ -106,14 +111,17 @@ class Session:
         """The replies, as they come (the operation reads what belongs to it)."""
         return self.call
 
-    def expect(self, kind: str):
-        """The next reply, which must be a `kind`."""
+    def next_reply(self) -> bytes:
+        """The next reply message, as it came."""
         try:
-            raw = next(self.call)
+            return next(self.call)
         except StopIteration:
             raise StatusError(grpc.StatusCode.UNAVAILABLE,
                                f"{self.address}: the server ended the session") from None
-        got, value = self.codec.read(pb.SessionReply, raw)
+
+    def expect(self, kind: str):
+        """The next reply, which must be a `kind`."""
+        got, value = self.codec.read(pb.SessionReply, self.next_reply())
         if got != kind:
             raise StatusError(grpc.StatusCode.INTERNAL,
                                f"{self.address}: session answered {got}, expected {kind}")

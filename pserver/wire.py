@@ -6,7 +6,9 @@ A tensor stream (PullReply or PushRequest; both number their oneof alike) is
 
 On a Session a tensor that fits in one chunk may also travel as one
 message (WholePush, WholePull: header, trailer, then the chunk, its data last
-and aligned as a chunk's), read into a `Whole` and checked alike.
+and aligned as a chunk's), read into a `Whole` and checked alike; so does a
+push that carries the next pull (WholePush.then_pull) and the answer to both
+(PushPulled: the pull's WholePull with the push's reply).
 
 Headers and trailers are small and go through the generated protobuf
 classes. Chunks carry the bulk bytes and are encoded and decoded here by hand,
@@ -42,6 +44,7 @@ order is checked separately by `start`, and TCP and TLS guard the link.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import sys
 import threading
 import time
@@ -269,12 +272,15 @@ def chunk_message(start: int, data: memoryview, checksum: int = ADLER_START) -> 
     return message, adler32(_data_of(message, len(data)), checksum)  # still in cache
 
 
-def whole_message(field: int, header, data: memoryview, checksum: int) -> bytes:
-    """A serialized stream message whose oneof field `field` holds a WholePush or WholePull:
-    `header`, the trailer (1 chunk, `checksum`: the Adler-32 of data), then the chunk of all
-    of `data`, data last and aligned as in chunk_message."""
+def whole_message(field: int, header, data: memoryview, checksum: int,
+                  more: bytes = b"") -> bytes:
+    """A serialized stream message whose oneof field `field` holds a WholePush, WholePull or
+    PushPulled: `header`, the trailer (1 chunk, `checksum`: the Adler-32 of data), the
+    serialized fields `more`, then the chunk of all of `data`, data last and aligned as in
+    chunk_message."""
     before = (_len_field(HEADER, header.SerializeToString())
-              + _len_field(TRAILER, pb.Trailer(chunks=1, adler32=checksum).SerializeToString()))
+              + _len_field(TRAILER, pb.Trailer(chunks=1, adler32=checksum).SerializeToString())
+              + more)
     prefix = _aligned_prefix(0, len(data), field, before)
     if _kernels is not None:  # the copy without the GIL
         return _kernels.chunk_message(prefix, data)[0]
@@ -283,12 +289,14 @@ def whole_message(field: int, header, data: memoryview, checksum: int) -> bytes:
 
 @dataclass(frozen=True)
 class Whole:
-    """A WholePush or WholePull as received: data is a view into the received bytes."""
+    """A WholePush, WholePull or PushPulled as received: data is a view into the received
+    bytes; `more`: its other message fields that are set, by name (then_pull, pushed)."""
 
     header: object
     start: int
     data: memoryview
     trailer: pb.Trailer
+    more: dict = dataclasses.field(default_factory=dict)
 
     def into(self, received: ChunkedArray) -> None:
         """Check the chunk and the trailer as a stream's would be (ChunkedArray.add, finish)."""
@@ -297,20 +305,39 @@ class Whole:
 
 
 def parse_whole(cls, body: memoryview) -> Whole:
-    """A WholePush / WholePull (`cls`) with its chunk's data a view into the received bytes;
-    an absent part reads as its empty default (and fails the checks)."""
+    """A WholePush / WholePull / PushPulled (`cls`) with its chunk's data a view into the
+    received bytes; an absent part reads as its empty default (and fails the checks)."""
     header_cls = cls.DESCRIPTOR.fields_by_name["header"].message_type._concrete_class
     header, (start, data), trailer = header_cls(), (0, memoryview(b"")), pb.Trailer()
-    for field, wtype, value in _fields(body):
-        if field in (HEADER, CHUNK, TRAILER) and wtype != _LEN:
-            raise InvalidArgument(f"malformed {cls.__name__}: field {field} has wire type {wtype}")
-        if field == HEADER:
+    more, others = {}, _more_fields(cls)
+    for number, wtype, value in _fields(body):
+        if (number in (HEADER, CHUNK, TRAILER) or number in others) and wtype != _LEN:
+            raise InvalidArgument(f"malformed {cls.__name__}: field {number} has wire type "
+                                  f"{wtype}")
+        if number == HEADER:
             header = parse(header_cls, value)
-        elif field == CHUNK:
+        elif number == CHUNK:
             start, data = parse_chunk(value)
-        elif field == TRAILER:
+        elif number == TRAILER:
             trailer = parse(pb.Trailer, value)
-    return Whole(header, start, data, trailer)
+        elif number in others:
+            name, sub = others[number]
+            more[name] = parse(sub, value)
+    return Whole(header, start, data, trailer, more)
+
+
+def _more_fields(cls) -> dict[int, tuple[str, type]]:
+    """A whole message class's message fields beyond header, chunk and trailer:
+    number -> (name, class)."""
+    return {f.number: (f.name, f.message_type._concrete_class) for f in cls.DESCRIPTOR.fields
+            if f.number not in (HEADER, CHUNK, TRAILER) and f.message_type is not None}
+
+
+def _serialized_more(cls, more: dict) -> bytes:
+    """The fields `more` (name -> message) of whole message class `cls`, serialized."""
+    numbers = cls.DESCRIPTOR.fields_by_name
+    return b"".join(_len_field(numbers[name].number, m.SerializeToString())
+                    for name, m in more.items())
 
 
 def chunk_bounds(n: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -328,15 +355,18 @@ class HandCodec:
     def chunk_message(self, start: int, data: memoryview, checksum: int) -> tuple[bytes, int]:
         return chunk_message(start, data, checksum)
 
-    def whole_message(self, cls, name: str, header, data: memoryview, checksum: int) -> bytes:
-        """A `cls` message whose oneof field `name` (a WholePush / WholePull) holds `header`
-        and all of `data` (Adler-32 `checksum`)."""
-        return whole_message(_oneof(cls).numbers_by_name[name], header, data, checksum)
+    def whole_message(self, cls, name: str, header, data: memoryview, checksum: int,
+                      **more) -> bytes:
+        """A `cls` message whose oneof field `name` (a WholePush / WholePull / PushPulled)
+        holds `header`, all of `data` (Adler-32 `checksum`) and the message fields `more`."""
+        number = _oneof(cls).numbers_by_name[name]
+        whole_cls = _oneof(cls).fields[number][1]
+        return whole_message(number, header, data, checksum, _serialized_more(whole_cls, more))
 
     def read(self, cls, raw: bytes) -> tuple[str, object]:
         """The set oneof field of a `cls` stream message: (its name, the sub-message;
-        (start, data) for a chunk, a Whole for a WholePush / WholePull, data a view into
-        `raw`)."""
+        (start, data) for a chunk, a Whole for a WholePush / WholePull / PushPulled, data a
+        view into `raw`)."""
         oneof = _oneof(cls)
         number, body = split(raw, oneof.numbers)
         name, sub = oneof.fields[number]
@@ -356,10 +386,11 @@ class GeneratedCodec:
         message = pb.PullReply(chunk=pb.Chunk(start=start, data=bytes(data)))
         return message.SerializeToString(), adler32(data, checksum)
 
-    def whole_message(self, cls, name: str, header, data: memoryview, checksum: int) -> bytes:
+    def whole_message(self, cls, name: str, header, data: memoryview, checksum: int,
+                      **more) -> bytes:
         whole_cls = _oneof(cls).fields[_oneof(cls).numbers_by_name[name]][1]
         whole = whole_cls(header=header, chunk=pb.Chunk(start=0, data=bytes(data)),
-                          trailer=pb.Trailer(chunks=1, adler32=checksum))
+                          trailer=pb.Trailer(chunks=1, adler32=checksum), **more)
         return cls(**{name: whole}).SerializeToString()
 
     def read(self, cls, raw: bytes) -> tuple[str, object]:
@@ -374,8 +405,10 @@ class GeneratedCodec:
         if name == "chunk":
             return name, (value.start, memoryview(value.data))
         if type(value) in _WHOLE:
+            more = {f: getattr(value, f) for f, _ in _more_fields(type(value)).values()
+                    if value.HasField(f)}
             return name, Whole(value.header, value.chunk.start, memoryview(value.chunk.data),
-                               value.trailer)
+                               value.trailer, more)
         return name, value
 
 
@@ -383,7 +416,7 @@ CODECS = {c.name: c for c in (HandCodec(), GeneratedCodec())}
 HAND = CODECS["hand"]
 
 
-_WHOLE = (pb.WholePush, pb.WholePull)
+_WHOLE = (pb.WholePush, pb.WholePull, pb.PushPulled)
 
 
 @dataclass(frozen=True)
@@ -422,11 +455,12 @@ def stream(header, values: np.ndarray, chunk_bytes: int = CHUNK_BYTES,
 
 
 def whole(cls, name: str, header, values: np.ndarray,
-          codec: HandCodec | GeneratedCodec = HAND) -> bytes:
+          codec: HandCodec | GeneratedCodec = HAND, **more) -> bytes:
     """A flat tensor's whole stream in one `cls` message (oneof field `name`: a WholePush or
-    WholePull): the header, all of the values as one chunk, and their Adler-32."""
+    WholePull): the header, all of the values as one chunk, their Adler-32, and the message
+    fields `more` (WholePush.then_pull)."""
     raw = memoryview(little_endian(values)).cast("B")
-    return codec.whole_message(cls, name, header, raw, adler32(raw))
+    return codec.whole_message(cls, name, header, raw, adler32(raw), **more)
 
 
 def _data_of(message: bytes, nbytes: int) -> memoryview:
@@ -493,12 +527,14 @@ class Snapshot:
     def one_chunk(self) -> bool:
         return len(self.bounds) == 1
 
-    def whole(self, cls, name: str, header, codec: HandCodec | GeneratedCodec = HAND) -> bytes:
-        """The tensor (one_chunk) in one `cls` message, its oneof field `name` a WholePull."""
+    def whole(self, cls, name: str, header, codec: HandCodec | GeneratedCodec = HAND,
+              **more) -> bytes:
+        """The tensor (one_chunk) in one `cls` message, its oneof field `name` a WholePull or
+        a PushPulled (`more`: its pushed)."""
         with self._lock:
             if not self._sums:
                 self._record(0, adler32(self._piece(0)))
-            return codec.whole_message(cls, name, header, self._piece(0), self._sums[0])
+            return codec.whole_message(cls, name, header, self._piece(0), self._sums[0], **more)
 
     def stream(self, header, codec: HandCodec | GeneratedCodec = HAND) -> Iterator[bytes]:
         yield header_message(header)

@@ -40,16 +40,22 @@ by every data path in turn, round by round, in the same launch:
 
     calls      a Pull call and a Push call per round (the path before sessions)
     session    both on the worker's long-lived Session stream, over gRPC
-    shm        the session with the tensor bytes in shared memory
+    fused      the session, each push carrying the next round's pull
+               (PSClient.push_pull, as dtlab-worker runs): a round is one
+               push_pull, one message each way for a tensor that fits one
+    shm        fused, with the tensor bytes in shared memory
     generated  the session over gRPC with every message made and read by the
                generated protobuf classes instead of pserver.wire's hand codec,
                against a server doing the same
 
-and prints each path's median round, pull and push times, rounds/s and
-its speed-up over `calls`, over `session` (shm: what shared memory buys)
-and, for the codec, hand over generated (1.10 = the hand codec 10% faster).
-`wrong` counts paths whose final pull differs from the exact expected
-parameters (lr 1, gradients of 2^-12: every sum is exact in float32).
+and prints each path's median round, pull and push times (a fused round has
+no separate pull and push), rounds/s and its speed-up over `calls`, over a
+base (shm over fused: what shared memory buys; session over generated: the
+hand codec's gain, also for pull and push alone). `wrong` counts paths whose
+final pull differs from the exact expected parameters (lr 1, gradients of
+2^-12: every sum is exact in float32). `--launches N` runs the whole
+measurement N times in fresh processes and prints the median of each column
+over the launches (`--quiet`: that table alone).
 """
 
 from __future__ import annotations
@@ -114,10 +120,15 @@ class BenchConfig:
     optimizers: str = described("sgd,adam", "sweep mode: server optimizers (sgd, adam, adamw)")
     rounds: int = described(0, "timed rounds per row (0: by size, 20 at 1 MB down to 11 at 64 MB)")
     warmup: int = described(1, "untimed rounds first")
+    launches: int = described(1, "rounds mode: run it this many times in fresh processes and "
+                                 "report the median over them")
+    quiet: bool = described(False, "with --launches: print only the table of medians")
 
     def validate(self):
         for name in ("sizes_mb", "workers", "shards", "round_sizes_kb"):
             positive_list(self, name)
+        if self.launches < 1:
+            raise ConfigError(f"--launches {self.launches}: must be at least 1")
         unknown = set(self.optimizers.split(",")) - {"sgd", "adam", "adamw"}
         if unknown:
             raise ConfigError(f"--optimizers: unknown {', '.join(sorted(unknown))} "
@@ -458,28 +469,38 @@ def _first_optimizer(cfg: BenchConfig) -> str:
 # -- rounds: one worker's pull + push by data path --------------------------------------------
 
 
-PATHS = {  # name: (server codec, PSClient keyword arguments)
-    "calls": ("hand", {"transport": "calls", "shm": False}),
-    "session": ("hand", {"transport": "session", "shm": False}),
-    "shm": ("hand", {"transport": "session", "shm": True}),
+PATHS = {  # name: (server codec, PSClient keyword arguments, push_pull rounds)
+    "calls": ("hand", {"transport": "calls", "shm": False}, False),
+    "session": ("hand", {"transport": "session", "shm": False}, False),
+    "fused": ("hand", {"transport": "session", "shm": False}, True),
+    "shm": ("hand", {"transport": "session", "shm": True}, True),
     "generated": ("generated", {"transport": "session", "shm": False,
-                                "codec": wire.CODECS["generated"]}),
+                                "codec": wire.CODECS["generated"]}, False),
 }
+BASE = {"shm": "fused", "session": "generated"}  # the path each one's "x base" is over
 GRAD = 2.0**-12  # lr 1: parameters after k pushes are exactly -k * GRAD
 
 
 class RoundClient:
-    """One path's client: a pull then a push per round, each timed."""
+    """One path's client: a pull then a push per round, each timed; or (fused) one
+    push_pull per round, after a first pull."""
 
     def __init__(self, path: str, address: str, elements: int):
-        self.path = path
+        self.path, self.fused = path, PATHS[path][2]
         self.client = PSClient(build(ClientConfig, {"servers": address}), **PATHS[path][1])
         self.step = self.client.connect(0, MODEL, elements)
         self.params = np.zeros(elements, np.float32)
         self.grad = np.full(elements, GRAD, np.float32)
+        if self.fused:
+            self.client.pull(self.params)
 
     def round(self) -> tuple[float, float]:
+        """(pull, push) seconds; a fused round's time is all under push."""
         t0 = time.perf_counter()
+        if self.fused:
+            self.client.push_pull(self.grad, self.step, self.params)
+            self.step += 1
+            return 0.0, time.perf_counter() - t0
         self.client.pull(self.params)
         t1 = time.perf_counter()
         self.client.push(self.grad, self.step)
@@ -504,6 +525,7 @@ def round_count(nbytes: int, cfg: BenchConfig) -> int:
 
 
 def rounds_mode(cfg: BenchConfig) -> list[dict]:
+    keep_freed_memory()  # this process runs the workers' clients: as pserver's worker does
     rows = []
     print(ROUNDS_LEGEND)
     print(ROUNDS_HEADER, flush=True)
@@ -520,7 +542,7 @@ def rounds_at(nbytes: int, cfg: BenchConfig, tmp: Path) -> list[dict]:
                for codec in ("hand", "generated")}
     clients = {}
     try:
-        for path, (codec, _) in PATHS.items():
+        for path, (codec, *_) in PATHS.items():
             clients[path] = RoundClient(path, servers[codec].addresses[0], elements)
         times = {path: [] for path in PATHS}
         for _ in range(cfg.warmup):
@@ -539,9 +561,10 @@ def rounds_at(nbytes: int, cfg: BenchConfig, tmp: Path) -> list[dict]:
                [statistics.median(a + b for a, b in ts)] for path, ts in times.items()}
     out = []
     for path, (pull, push, rnd) in medians.items():
-        base = "session" if path == "shm" else "generated" if path == "session" else None
+        base, split = BASE.get(path), not PATHS[path][2]
         out.append({"mode": "rounds", "bytes": nbytes, "path": path, "round_ms": 1e3 * rnd,
-                    "pull_ms": 1e3 * pull, "push_ms": 1e3 * push, "rounds_per_s": 1 / rnd,
+                    "pull_ms": 1e3 * pull if split else None,
+                    "push_ms": 1e3 * push if split else None, "rounds_per_s": 1 / rnd,
                     "x_calls": medians["calls"][2] / rnd,
                     "x_base": None if base is None else medians[base][2] / rnd,
                     "hand_vs_generated": _codec(medians) if path == "session" else None,
@@ -556,10 +579,11 @@ def _codec(medians: dict) -> dict:
             for i, op in enumerate(("pull", "push", "round"))}
 
 
-ROUNDS_LEGEND = ("# size: tensor bytes; path: see --help; round/pull/push: median ms; "
-                 "rounds/s = 1/round; x calls: rounds/s over the calls path; x base: shm over "
-                 "session, session over generated (the hand codec's gain; pull and push ratios "
-                 "in cdc pull/push); wrong: paths with wrong final parameters")
+ROUNDS_LEGEND = ("# size: tensor bytes; path: see --help; round/pull/push: median ms (fused "
+                 "and shm: one push_pull per round); rounds/s = 1/round; x calls: rounds/s "
+                 "over the calls path of the same run; x base: shm over fused, session over "
+                 "generated (the hand codec's gain; pull and push ratios in cdc pull/push); "
+                 "wrong: paths with wrong final parameters")
 ROUNDS_HEADER = (f"#{'size':>9} {'path':>9} {'round':>9} {'pull':>8} {'push':>8} "
                  f"{'rounds/s':>9} {'x calls':>7} {'x base':>6} {'cdc pull':>8} "
                  f"{'cdc push':>8} {'wrong':>5}")
@@ -569,9 +593,39 @@ def show_round(r: dict) -> str:
     base = "-" if r["x_base"] is None else f"{r['x_base']:.2f}"
     codec = r["hand_vs_generated"]
     pull, push = ("-", "-") if codec is None else (f"{codec['pull']:.2f}", f"{codec['push']:.2f}")
-    return (f" {r['bytes']:>9} {r['path']:>9} {r['round_ms']:>9.3f} {r['pull_ms']:>8.3f} "
-            f"{r['push_ms']:>8.3f} {r['rounds_per_s']:>9.1f} {r['x_calls']:>7.2f} {base:>6} "
+    pull_ms, push_ms = ("-" if r[k] is None else f"{r[k]:.3f}" for k in ("pull_ms", "push_ms"))
+    return (f" {r['bytes']:>9} {r['path']:>9} {r['round_ms']:>9.3f} {pull_ms:>8} "
+            f"{push_ms:>8} {r['rounds_per_s']:>9.1f} {r['x_calls']:>7.2f} {base:>6} "
             f"{pull:>8} {push:>8} {r['wrong']:>5}")
+
+
+def launches(cfg: BenchConfig, argv: list[str]) -> list[dict]:
+    """The rounds measurement run cfg.launches times, each in a fresh process; rows of the
+    median of every number over the launches (`wrong`: the most of any launch)."""
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bench-pserver-") as tmp:
+        for i in range(cfg.launches):
+            out = Path(tmp) / f"launch-{i}.json"
+            subprocess.run([sys.executable, __file__, *argv, "--launches", "1", "--no-quiet",
+                            "--json", str(out)], cwd=ROOT, check=True,
+                           stdout=subprocess.DEVNULL if cfg.quiet else None)
+            runs.append(json.loads(out.read_text())["rows"])
+    print(f"# median of {cfg.launches} launches")
+    print(ROUNDS_LEGEND)
+    print(ROUNDS_HEADER, flush=True)
+    rows = []
+    for same in zip(*runs, strict=True):
+        row = {**same[0], "launches": cfg.launches, "wrong": max(r["wrong"] for r in same)}
+        for key in ("round_ms", "pull_ms", "push_ms", "rounds_per_s", "x_calls", "x_base"):
+            if row[key] is not None:
+                row[key] = statistics.median(r[key] for r in same)
+        if row["hand_vs_generated"] is not None:
+            row["hand_vs_generated"] = {k: statistics.median(r["hand_vs_generated"][k]
+                                                             for r in same)
+                                        for k in row["hand_vs_generated"]}
+        rows.append(row)
+        print(show_round(row), flush=True)
+    return rows
 
 
 def environment() -> dict:
@@ -591,7 +645,10 @@ def main(argv: list[str]) -> int:
     if cfg.tiny:
         cfg.sizes_mb, cfg.workers, cfg.shards, cfg.rounds = "0.25", "1,2", "2", cfg.rounds or 2
         cfg.round_sizes_kb = "64,256"
-    rows = sweep(cfg) if cfg.mode == "sweep" else rounds_mode(cfg)
+    if cfg.launches > 1 and cfg.mode == "rounds":
+        rows = launches(cfg, [a for a in argv if a not in ("--quiet",)])
+    else:
+        rows = sweep(cfg) if cfg.mode == "sweep" else rounds_mode(cfg)
     if cfg.json:
         Path(cfg.json).write_text(json.dumps({"config": asdict(cfg), "env": environment(),
                                               "rows": rows}, indent=1))

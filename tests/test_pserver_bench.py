@@ -32,23 +32,27 @@ def test_tiny_benchmark(tmp_path):
             assert (row[server_time] is None) == (row["op"] == "pull")
 
 
-PATHS = {"calls", "session", "shm", "generated"}
+PATHS = {"calls", "session", "fused", "shm", "generated"}
 
 
 def test_tiny_rounds_benchmark(tmp_path):
+    """Two launches, each in its own processes, and the table of their medians alone."""
     out = tmp_path / "rounds.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_pserver.py"), "--tiny",
-                        "--mode", "rounds", "--json", str(out)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=240, env=ONE_BLAS_THREAD)
+                        "--mode", "rounds", "--launches", "2", "--quiet", "--json", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=240, env=ONE_BLAS_THREAD)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("# size:") and "wrong" in lines[0]  # the legend
-    assert lines[1].split()[:3] == ["#", "size", "path"]
+    assert lines[0] == "# median of 2 launches"
+    assert lines[1].startswith("# size:") and "wrong" in lines[1]  # the legend
+    assert lines[2].split()[:3] == ["#", "size", "path"]
     rows = json.loads(out.read_text())["rows"]
-    assert len(lines) == 2 + len(rows)
+    assert len(lines) == 3 + len(rows) and all(row["launches"] == 2 for row in rows)
     assert {(row["bytes"], row["path"]) for row in rows} == {
         (kb * 1024, path) for kb in (64, 256) for path in PATHS}
     for row in rows:
         assert row["wrong"] == 0  # every path's parameters exact, shm used where asked
         assert row["rounds_per_s"] > 0 and row["x_calls"] > 0
         assert (row["hand_vs_generated"] is None) == (row["path"] != "session")
+        fused = row["path"] in ("fused", "shm")  # one push_pull per round: no pull, push apart
+        assert (row["pull_ms"] is None) == (row["push_ms"] is None) == fused

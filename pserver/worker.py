@@ -15,7 +15,11 @@ One step (Dean et al. 2012, Downpour SGD; Li et al. 2014, ps-lite):
            W workers with batch B see what one process with batch W*B sees)
     clip   --clip on this worker's gradient (its global norm)
     push   every shard its slice of params.grad in parallel, each with the
-           version it was read at; the servers run the optimizer
+           version it was read at; the servers run the optimizer. The next
+           step's pull rides on the push (PSClient.push_pull): each shard
+           serves it once the push is applied, by the same read rules, and
+           answers both at once, so a step costs one round trip per shard;
+           the last step pushes alone
 
 The worker's id: --worker-id, else the launcher's rank (PMI_RANK,
 OMPI_COMM_WORLD_RANK, SLURM_PROCID; MPI itself is not used), else one the
@@ -38,7 +42,8 @@ Flags are those of dtlab.models.run.train (models.session) plus the client's
 (pserver.config.ClientConfig) and --worker-id / --num-workers. Metrics are
 the trainer's JSON lines (header, then step, loss, lr, grad_norm, step_s,
 compute_s, elapsed_s) plus pull_s, push_s, and the staleness and version of
-each shard's push. Log lines name the worker ("worker 3: ...").
+each shard's push; push_s includes the next step's pull where it rode on the
+push (whose own pull_s is then 0). Log lines name the worker ("worker 3: ...").
 """
 
 from __future__ import annotations
@@ -70,7 +75,10 @@ from dtlab.models.run.launcher import launcher_rank, launcher_size
 from dtlab.models.run.metrics import MetricsLog, run_header
 from dtlab.models.run.progress import Progress
 from dtlab.models.run.session import Session, build_session, parse
+from dtlab.models.run.stop import StopSignals
+from dtlab.models.run.straggler import Straggler
 from dtlab.models.run.threads import share_cores
+from dtlab.models.run.trace import Trace
 from dtlab.models.run.trainer import Summary
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver import runconfig, wire
@@ -161,43 +169,91 @@ class Worker:
         params = session.params
         self.on_device = not isinstance(params.data, np.ndarray)
         self.host = np.empty(params.size, params.dtype) if self.on_device else params.data
+        self.pulled = False  # whether the parameters came with the last push
+        self.last_compute_s = 0.0
 
-    def pull(self) -> None:
-        if self.client.pull(self.host) and self.on_device:
+    def loaded(self, changed: int) -> None:
+        """The pulled host parameters onto the device, if they changed."""
+        if changed and self.on_device:
             self.s.params.load(self.host)
 
-    def step(self, step: int) -> dict:
+    def step(self, step: int, last: bool = False, trace: Trace | None = None) -> dict:
+        """One step; `last`: push alone (no next step to pull for)."""
         s = self.s
         t0 = time.perf_counter()
-        self.pull()
+        if not self.pulled:
+            self.loaded(self.client.pull(self.host))
         t1 = time.perf_counter()
         loss = s.replica.compute_grads(s.loader.next())
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or enable --clip")
         grad_norm = clip_grad_norm(s.params.grad, s.setup.optim.clip)
         t2 = time.perf_counter()
-        replies = self.client.push(backend.to_host(s.params.grad), step)
+        grad = backend.to_host(s.params.grad)
+        self.pulled = False
+        if last:
+            replies = self.client.push(grad, step)
+        else:
+            replies, changed = self.client.push_pull(grad, step, self.host)
+            self.loaded(changed)
+            self.pulled = True
         t3 = time.perf_counter()
+        self.last_compute_s = t2 - t1
+        if trace is not None:
+            trace.span("pull", t0, t1, "comm")
+            trace.span("compute", t1, t2, step=step + 1)
+            trace.span("push + next pull" if not last else "push", t2, t3, "comm")
         return {"step": step + 1, "loss": loss, "lr": replies[0].lr, "grad_norm": grad_norm,
                 "step_s": t3 - t0, "compute_s": t2 - t1, "pull_s": t1 - t0, "push_s": t3 - t2,
                 "staleness": [r.staleness for r in replies],
                 "version": [r.version for r in replies]}
 
     def run(self, first_step: int) -> Summary:
+        """Steps to --steps, or until SIGTERM / SIGINT: the step in progress is finished
+        (its push applied), then the worker leaves; the servers keep the state."""
         run = self.s.setup.run
         progress = Progress(run.steps, run.log_every, prefix=f"worker {self.wid}: ")
+        trace = Trace(run.trace, pid=self.wid, process=f"async worker {self.wid}")
+        straggler = Straggler(run.straggler, run.delay_ms, run.seed, self.wid)
         start = time.perf_counter()
         losses = []
-        for step in range(first_step, run.steps):
-            record = self.step(step)
-            record["elapsed_s"] = time.perf_counter() - start
-            losses.append(record["loss"])
-            self.metrics.write(record)
-            progress.update(step, record["loss"],
-                            f"staleness {max(record['staleness'])}  "
-                            f"{record['step_s'] * 1e3:6.1f} ms/step")
-        return Summary.of(losses, time.perf_counter() - start, self.s.dataset.floor,
-                          run.batch_size * run.grad_accum)
+        with StopSignals() as stop:
+            for step in range(first_step, run.steps):
+                last = step == run.steps - 1
+                extra = {}
+                if straggler.active:
+                    t = time.perf_counter()
+                    extra["straggle_s"] = straggler.wait(step, self.last_compute_s)
+                    trace.span("straggle", t, time.perf_counter(), "wait")
+                record = {**self.step(step, last, trace), **extra}
+                if run.eval_every and ((step + 1) % run.eval_every == 0 or last):
+                    record["eval_loss"] = self.evaluate(trace)
+                record["elapsed_s"] = time.perf_counter() - start
+                losses.append(record["loss"])
+                self.metrics.write(record)
+                progress.update(step, record["loss"],
+                                f"staleness {max(record['staleness'])}  "
+                                f"{record['step_s'] * 1e3:6.1f} ms/step")
+                if stop.agreed():
+                    log.info("stopped by %s after step %d; the servers keep the parameters",
+                             stop.name, step + 1)
+                    break
+        trace.close()
+        summary = Summary.of(losses, time.perf_counter() - start, self.s.dataset.floor,
+                             run.batch_size * run.grad_accum)
+        summary.stopped_by, summary.exit_code = stop.name, stop.exit_code
+        return summary
+
+    def evaluate(self, trace: Trace) -> float:
+        """The held-out loss of the parameters the servers hold now (after this step's
+        push: the ones the next step would read)."""
+        t = time.perf_counter()
+        if not self.pulled:  # the last step pushed alone
+            self.loaded(self.client.pull(self.host))
+            self.pulled = True
+        loss = self.s.replica.evaluate(self.s.heldout)
+        trace.span("eval", t, time.perf_counter())
+        return loss
 
 
 def main(argv: list[str]) -> int:
@@ -238,7 +294,7 @@ def main(argv: list[str]) -> int:
         client.close()
     for line in summary.lines():
         print(f"worker {wid}: {line}")
-    return 0
+    return summary.exit_code
 
 
 def train(session: Session, client: PSClient, wcfg: WorkerConfig, first: int,

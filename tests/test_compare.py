@@ -63,7 +63,7 @@ def rows(report: str, name: str) -> list[str]:
 def test_tiny_comparison_writes_everything_and_bsp_equals_sync(tmp_path):
     out, steps = tmp_path / "out", 40
     r = compare(*TINY, *FAST, "--steps", str(steps), "--runs", "sync-ring,async-bsp",
-                "--out", str(out))
+                "--eval-every", "10", "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert f"report: {out / 'report.md'}" in r.stdout
     assert not left_behind(tmp_path)
@@ -73,6 +73,11 @@ def test_tiny_comparison_writes_everything_and_bsp_equals_sync(tmp_path):
     assert len(sync) == steps and all(len(w) == steps for w in workers)
     bsp = list(np.mean(workers, axis=0))
     assert bsp == sync  # the README's claim, every step, to the last bit
+    held = {name: {r["step"]: r["eval_loss"] for r in read_metrics(str(out / name))[1]
+                   if "eval_loss" in r}
+            for name in ("sync-ring.jsonl", "async-bsp.w0.jsonl", "async-bsp.w1.jsonl")}
+    assert sorted(held["sync-ring.jsonl"]) == [10, 20, 30, 40]
+    assert held["async-bsp.w0.jsonl"] == held["async-bsp.w1.jsonl"] == held["sync-ring.jsonl"]
 
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) == SUMMARY_KEYS

@@ -20,6 +20,7 @@ from mpirun import mpirun
 
 from dtlab.models.run import checkpoint
 from dtlab.models.run.launcher import mpiexec_path
+from dtlab.models.run.metrics import read_metrics
 
 MLP = ["--model", "mlp", "--d-in", "8", "--n-classes", "4", "--d-hidden", "32", "--seed", "4",
        "--log-every", "20"]
@@ -85,3 +86,21 @@ def test_every_rank_stops_after_the_same_step(tmp_path, sig, code):
     assert os.listdir(ck) == [checkpoint.step_dir(step)]
     r = mpirun(2, *argv, "--steps", str(step + 2), "--resume", timeout=60, wrap=False)
     assert r.rc == 0 and f"resumed from step {step}" in r.stderr, r
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_an_async_worker_stops_after_its_push_and_leaves(tmp_path, sig, code):
+    """The step in progress is pushed; the worker deregisters and exits; the servers keep
+    every push it made (one version per step, one shard)."""
+    from pserver_util import TINY_MLP_FLAGS, addresses, serve
+
+    with serve(1) as daemons:
+        metrics = tmp_path / "w.jsonl"
+        rc, err = run_until_signalled(
+            [sys.executable, "-m", "dtlab.pserver.worker", "--servers", addresses(daemons),
+             *TINY_MLP_FLAGS, "--steps", "1000000", "--log-every", "20",
+             "--metrics", str(metrics)], sig)
+        assert rc == code, err
+        assert f"stopped by {signal.Signals(sig).name} after step" in err, err
+        steps = len(read_metrics(str(metrics))[1])
+        assert daemons[0].store.version == steps  # each step's push applied, none lost

@@ -107,8 +107,9 @@ def mean_ms(records: list[list[dict]], key: str) -> float:
 
 def split_ms(topology: str, records: list[list[dict]]) -> dict:
     """Mean ms per step of compute, comm (sync: the wait on the all-reduce after backward,
-    what overlap did not hide; async: push), pull (async, with the time the servers hold
-    it under SSP/BSP) and the rest of the step."""
+    what overlap did not hide; async: the push, with the next step's pull riding on it and
+    the time the servers hold that pull under SSP/BSP), pull (async: a pull made on its own,
+    the first step's) and the rest of the step."""
     step, compute = mean_ms(records, "step_s"), mean_ms(records, "compute_s")
     if topology == "sync":
         comm, pull = mean_ms(records, "wait_s"), 0.0

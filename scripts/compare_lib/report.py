@@ -127,8 +127,9 @@ def write_report(out: Path, data: dict, results: list[Result], lines: list[str])
             "training; updates/s: parameter updates per second (sync and BSP: one per step; "
             "SSP and ASP: one per push); compute/comm/pull/other: mean ms per step of "
             "forward + backward (+ optimizer on sync), communication left exposed (sync: the "
-            "wait on the all-reduce after backward; async: push), pull (async: transfer plus "
-            "the time servers hold it under SSP/BSP), the rest; staleness: over every push to "
+            "wait on the all-reduce after backward; async: the push with the next step's pull "
+            "riding on it, and the time servers hold that pull under SSP/BSP), pull (async: "
+            "a pull on its own, the first step's), the rest; staleness: over every push to "
             "every shard, versions applied between its read and its apply (sync: none).", ""]
     failed = [r for r in results if not r.ok]
     if failed:

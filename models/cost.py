@@ -55,9 +55,12 @@ blocks (the seed's "about 33%"): ours is exact, not approximate, there.
 
 Extending it: a new model registers a `Recipe` (its Parts, tokens per
 sample, PaLM count; models/parts.py) with its config and class in
-models/zoo.py, the one registry of models. A mixture-of-experts FFN is a
-Part whose `params_active` is top_k / n_experts of its `params`; a tensor-
-or pipeline-split model builds the Parts one rank holds.
+models/zoo.py, the one registry of models. A mixture-of-experts FFN
+(models/parts.py `moe_ffn`) is a Part whose `params_active` counts the
+router, the k experts a token uses and the shared experts, against all E
+experts in `params`; its FLOPs are those of k experts per token. The table
+states total and active parameters and their ratio. A tensor- or
+pipeline-split model builds the Parts one rank holds.
 """
 
 from __future__ import annotations
@@ -154,7 +157,8 @@ class Cost:
             f"{_fmt(self.activation_bytes / 1e6):>10}",
             "(figures per copy, totals over all copies; matmul FLOPs; act = fp32 bytes kept)",
             "",
-            f"parameters       {self.params_total:,} total, {self.params_active:,} active, "
+            f"parameters       {self.params_total:,} total, {self.params_active:,} active "
+            f"({self.params_active / self.params_total:.1%} of the total), "
             f"{self.params_embedding:,} in gathered embedding tables",
             f"FLOPs per step   {_si(self.flops_step)}FLOP executed, "
             f"{_si(self.flops_model)}FLOP model (forward + backward, for MFU)",

@@ -4,10 +4,12 @@
       -> n_layers x Block:  x = x + Attn(Norm(x));  x = x + FFN(Norm(x))
       -> Norm -> Linear head (no bias) -> logits (B, T, vocab)
 
-FFN is GELU (d -> d_ff -> d) or SwiGLU; Norm is LayerNorm or RMSNorm. The
-output projections of each block start with std 0.02 / sqrt(2 n_layers), as
-in GPT-2. The head is not tied to the embedding, so parameters are laid out
-in the order backward finishes them (see Sequential.grad_ready).
+FFN is GELU (d -> d_ff -> d) or SwiGLU, or with --moe-experts N a
+Mixture-of-Experts FFN of N such experts (models/moe.py) in every
+--moe-every-th block; Norm is LayerNorm or RMSNorm. The output projections
+of each block start with std 0.02 / sqrt(2 n_layers), as in GPT-2. The head
+is not tied to the embedding, so parameters are laid out in the order
+backward finishes them (see Sequential.grad_ready).
 
 Split over a tensor-parallel communicator `tp` (Shoeybi et al. 2019), each
 rank holds the vocabulary slice of the embedding and of the head (whose
@@ -22,12 +24,14 @@ values are the dense model's, sliced.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from dtlab.models.attention import CausalSelfAttention
 from dtlab.models.comm import Comm
-from dtlab.models.config import ConfigError, choice, described, positive
+from dtlab.models.config import ConfigError, choice, described, non_negative, positive
+from dtlab.models.config import flag as flag_of
 from dtlab.models.layers import (
     GELU,
     Embedding,
@@ -41,6 +45,9 @@ from dtlab.models.layers import (
     SwiGLU,
 )
 from dtlab.models.model import Model
+from dtlab.models.moe import MoE
+from dtlab.models.moe_stats import MoEStats
+from dtlab.models.router import RouterOptions
 from dtlab.models.tensor_parallel import (
     ColumnParallelLinear,
     ParallelSwiGLU,
@@ -61,20 +68,86 @@ class TransformerConfig:
     ffn: str = choice("gelu", "gelu", "swiglu", help="feed-forward type")
     norm: str = choice("layernorm", "layernorm", "rmsnorm", help="normalisation")
     recompute: bool = described(False, "recompute each block's activations in backward")
+    moe_experts: int = described(0, "experts per Mixture-of-Experts FFN (0: dense FFN)")
+    moe_top_k: int = described(2, "experts each token uses (1..--moe-experts)")
+    moe_every: int = described(1, "MoE FFN in every k-th block (blocks k, 2k, ...; 1: all)")
+    moe_capacity_factor: float = described(
+        1.25, "expert capacity = factor x chosen pairs / experts; beyond it pairs are dropped")
+    moe_dropless: bool = described(False, "no capacity limit: no pair is dropped")
+    moe_dynamic_p: float = described(
+        0.0, "dynamic k: the fewest experts whose probability reaches this (0: top-k)")
+    moe_k_max: int = described(0, "most experts per token with --moe-dynamic-p (0: --moe-top-k)")
+    moe_noise: str = choice("none", "none", "jitter", "gumbel",
+                            help="router logit noise in training")
+    moe_noise_temperature: float = described(1.0, "scale of the router noise")
+    moe_aux_coef: float = described(0.01, "Switch load-balancing loss coefficient")
+    moe_z_coef: float = described(0.001, "router z-loss coefficient")
+    moe_bias_rate: float = described(
+        0.0, "auxiliary-loss-free balancing: selection-bias step per backward (0: off)")
+    moe_shared_experts: int = described(0, "always-on shared experts per MoE FFN")
 
     def validate(self):
         positive(self, "vocab", "seq_len", "d_model", "n_heads", "n_layers", "d_ff")
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"--d-model {self.d_model} is not divisible by --n-heads {self.n_heads}")
+        self.validate_moe()
+
+    def validate_moe(self):
+        non_negative(self, "moe_experts", "moe_k_max", "moe_aux_coef", "moe_z_coef",
+                     "moe_bias_rate", "moe_shared_experts")
+        positive(self, "moe_every", "moe_capacity_factor", "moe_noise_temperature")
+        if not self.moe_experts:
+            changed = [f.name for f in dataclasses.fields(self) if f.name.startswith("moe_")
+                       and getattr(self, f.name) != f.default]
+            if changed:
+                raise ConfigError(f"{flag_of(changed[0])} needs --moe-experts (0: dense FFN)")
+            return
+        N = self.moe_experts
+        if not 1 <= self.moe_top_k <= N:
+            raise ConfigError(f"--moe-top-k {self.moe_top_k} must be in 1..--moe-experts {N}")
+        if self.moe_every > self.n_layers:
+            raise ConfigError(f"--moe-every {self.moe_every} leaves no MoE block among "
+                              f"--n-layers {self.n_layers}")
+        if not 0 <= self.moe_dynamic_p <= 1:
+            raise ConfigError(f"--moe-dynamic-p must be in [0, 1] (got {self.moe_dynamic_p})")
+        if self.moe_k_max > N:
+            raise ConfigError(f"--moe-k-max {self.moe_k_max} exceeds --moe-experts {N}")
+        if self.moe_k_max and not self.moe_dynamic_p:
+            raise ConfigError("--moe-k-max needs --moe-dynamic-p")
+        default = {f.name: f.default for f in dataclasses.fields(self)}
+        if self.moe_dropless and self.moe_capacity_factor != default["moe_capacity_factor"]:
+            raise ConfigError("--moe-capacity-factor has no effect with --moe-dropless")
+        if self.moe_noise == "none" and \
+                self.moe_noise_temperature != default["moe_noise_temperature"]:
+            raise ConfigError("--moe-noise-temperature needs --moe-noise jitter or gumbel")
+
+    def is_moe(self, i: int) -> bool:
+        """Whether block i (0-based) has the MoE FFN: blocks k-1, 2k-1, ... for --moe-every k."""
+        return self.moe_experts > 0 and (i + 1) % self.moe_every == 0
+
+    def router_options(self) -> RouterOptions:
+        return RouterOptions(
+            n_experts=self.moe_experts, top_k=self.moe_top_k, dynamic_p=self.moe_dynamic_p,
+            k_max=self.moe_k_max, noise=self.moe_noise, temperature=self.moe_noise_temperature,
+            aux_coef=self.moe_aux_coef, z_coef=self.moe_z_coef, bias_rate=self.moe_bias_rate)
 
 
 def norm_layer(c: TransformerConfig, name: str) -> Module:
     return LayerNorm(name, c.d_model) if c.norm == "layernorm" else RMSNorm(name, c.d_model)
 
 
+def moe_layer(c: TransformerConfig, name: str, out_std: float) -> MoE:
+    return MoE(name, c.d_model, c.d_ff, c.router_options(), kind=c.ffn,
+               capacity_factor=None if c.moe_dropless else c.moe_capacity_factor,
+               shared=c.moe_shared_experts, out_std=out_std, stats=MoEStats())
+
+
 def ffn_layer(c: TransformerConfig, name: str, out_std: float, tp: Comm | None = None) -> Module:
     if tp is not None:
+        if c.moe_experts:
+            raise ConfigError("--moe-experts with --tp: not yet (MoE layers are not "
+                              "tensor-split)")
         if c.ffn == "swiglu":
             return ParallelSwiGLU(name, c.d_model, c.d_ff, tp, out_std=out_std)
         return Sequential([ColumnParallelLinear(f"{name}.fc", c.d_model, c.d_ff, tp), GELU(),
@@ -91,7 +164,9 @@ def block(c: TransformerConfig, i: int, tp: Comm | None = None) -> Module:
     attn = Sequential([norm_layer(c, f"h{i}.ln1"),
                        CausalSelfAttention(f"h{i}.attn", c.d_model, c.n_heads, out_std=out_std,
                                            tp=tp)])
-    ffn = Sequential([norm_layer(c, f"h{i}.ln2"), ffn_layer(c, f"h{i}.ffn", out_std, tp)])
+    ffn = moe_layer(c, f"h{i}.moe", out_std) if c.is_moe(i) and tp is None \
+        else ffn_layer(c, f"h{i}.ffn", out_std, tp)
+    ffn = Sequential([norm_layer(c, f"h{i}.ln2"), ffn])
     b = Sequential([Residual(attn), Residual(ffn)])
     return Recompute(b) if c.recompute else b
 

@@ -1,0 +1,54 @@
+"""scripts/bench_moe.py runs at a tiny size inside the suite, so it never rots."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_bench(*args):
+    env = {**os.environ, "DTLAB_DEVICE": "cpu"}
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_moe.py"), *args],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+
+
+def test_tiny_run_prints_tables_and_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    r = run_bench("--tiny", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert any(line.startswith("# legend:") for line in lines)
+    header = next(line for line in lines if "MoE ms" in line)
+    for col in ("dense ms", "ratio", "floor", "router p50/95/99 ms", "dispatch p50/95/99 ms",
+                "compute p50/95/99 ms", "combine p50/95/99 ms", "#wrong"):
+        assert col in header
+    assert lines[-1].endswith("0 OK")
+
+    data = json.loads(out.read_text())
+    assert data["header"]["device"] == "cpu" and data["header"]["floor"] == 1.5
+    for row in data["rows"]:
+        assert row["wrong"] == 0
+        assert row["ratio"] == row["moe_step_s"] / row["dense_step_s"]
+        # the dense baseline has the active expert parameters of the MoE layer (GELU
+        # experts: but one output bias instead of k)
+        extra = (row["top_k"] - 1) * row["d"] if row["kind"] == "gelu" else 0
+        assert row["dense_params"] + extra == row["active_expert_params"]
+        for phase in ("router", "dispatch", "compute", "combine"):
+            t = row["phases_s"][phase]
+            assert 0 < t["p50"] <= t["p95"] <= t["p99"]
+    balance = {b["method"]: b for b in data["balance"]}
+    assert set(balance) == {"none", "aux", "bias"}
+    assert balance["none"]["imbalance_last"] == balance["none"]["imbalance_first"] > 1.5
+    for method in ("aux", "bias"):
+        assert balance[method]["imbalance_last"] < balance[method]["imbalance_first"]
+
+
+def test_bad_reps_is_an_error():
+    r = run_bench("--tiny", "--reps", "0")
+    assert r.returncode == 2
+    assert "--reps" in r.stderr

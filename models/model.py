@@ -22,6 +22,7 @@ from dtlab.models import backend
 from dtlab.models.comm import Comm
 from dtlab.models.layers import Sequential
 from dtlab.models.loss import softmax_cross_entropy
+from dtlab.models.moe import moe_layers
 from dtlab.models.optim import clip_grad_norm
 from dtlab.models.params import FlatParams
 from dtlab.models.tensor_parallel import SPLIT
@@ -39,6 +40,13 @@ class Model:
     def __init__(self, config, body: Sequential, loss: Loss = softmax_cross_entropy,
                  tp: Comm | None = None):
         self.config, self.body, self.loss, self.tp = config, body, loss, tp
+        self.moe = moe_layers(body)  # Mixture-of-Experts layers: their stats, aux losses
+
+    def set_mode(self, scale: float, training: bool = True) -> None:
+        """Tell the MoE layers the loss's scale (their balancing gradients follow it) and
+        whether this is training (router noise) or evaluation."""
+        for m in self.moe:
+            m.aux_scale, m.training = scale, training
 
     def specs(self):
         return self.body.specs()
@@ -53,7 +61,8 @@ class Model:
             inputs = xp.asarray(inputs)
         return inputs, xp.asarray(targets)
 
-    def forward(self, P: FlatParams, batch, scale: float = 1.0):
+    def forward(self, P: FlatParams, batch, scale: float = 1.0, training: bool = True):
+        self.set_mode(scale, training)
         inputs, targets = self.prepare(batch, P)
         logits, ctxs = self.body.forward(P, inputs)
         loss, dlogits = self.loss(logits, targets, scale)
@@ -89,7 +98,8 @@ class Replica:
 
     def evaluate(self, batches: Sequence) -> float:
         """The mean loss over `batches` (forward only; gradients untouched)."""
-        return sum(self.model.forward(self.params, b)[0] for b in batches) / len(batches)
+        total = sum(self.model.forward(self.params, b, training=False)[0] for b in batches)
+        return total / len(batches)
 
     def compute_grads(self, micro_batches: Sequence, grad_ready=None) -> float:
         """Zero the gradients, accumulate the mean gradient over the micro-batches.

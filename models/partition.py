@@ -17,38 +17,15 @@ the loss runs on the last stage and is charged to it.
 
 from __future__ import annotations
 
-import dataclasses
-
 from dtlab.models.config import ConfigError
 from dtlab.models.parts import Part
 from dtlab.models.zoo import MODELS
 
 
 def module_parts(model_name: str, config, batch: int, n_modules: int) -> list[list[Part]]:
-    """The Parts of each of the body's `n_modules` modules, in body order.
-
-    The recipe lists one Part per module, except that a run of consecutive
-    Parts with the same count c > 1 is one repeated module (a block's layers),
-    and a final activation-only Part (the loss) belongs to the last module.
-    """
-    parts = MODELS[model_name].cost.parts(config, batch)
-    groups: list[list[Part]] = []
-    i = 0
-    while i < len(parts):
-        c = parts[i].count
-        if c == 1:
-            groups.append([parts[i]])
-            i += 1
-            continue
-        j = i
-        while j < len(parts) and parts[j].count == c:
-            j += 1
-        one = [dataclasses.replace(p, count=1) for p in parts[i:j]]
-        groups += [list(one) for _ in range(c)]
-        i = j
-    if len(groups) == n_modules + 1 and not groups[-1][0].params:
-        loss = groups.pop()
-        groups[-1] += loss
+    """The Parts of each of the body's `n_modules` modules, in body order (the model's
+    cost recipe lists them: models/parts.py)."""
+    groups = MODELS[model_name].cost.modules(config, batch)
     if len(groups) != n_modules:
         raise ValueError(f"{model_name}: the cost recipe has {len(groups)} module groups, "
                          f"the body {n_modules} modules")

@@ -154,6 +154,7 @@ class _Step:
 
     def F(self, i: int) -> None:
         st = self.st
+        st.set_mode(self.scale, training=not self.forward_only)
         inputs, targets = st.prepare(self.batches[i], self.P)
         x = inputs if st.first else self._recv_activation(i)
         t = time.perf_counter()

@@ -17,8 +17,10 @@ from dtlab.models.mlp import MLP, MLPConfig
 from dtlab.models.model import Model
 from dtlab.models.parts import (
     Recipe,
+    mlp_modules,
     mlp_palm_flops,
     mlp_parts,
+    transformer_modules,
     transformer_palm_flops,
     transformer_parts,
 )
@@ -32,10 +34,11 @@ class ModelKind(NamedTuple):
 
 
 MODELS = {
-    "mlp": ModelKind(MLPConfig, MLP, Recipe(mlp_parts, lambda c: 1, mlp_palm_flops)),
+    "mlp": ModelKind(MLPConfig, MLP, Recipe(mlp_parts, lambda c: 1, mlp_palm_flops,
+                                            mlp_modules)),
     "transformer": ModelKind(TransformerConfig, Transformer,
                              Recipe(transformer_parts, lambda c: c.seq_len,
-                                    transformer_palm_flops)),
+                                    transformer_palm_flops, transformer_modules)),
 }
 
 

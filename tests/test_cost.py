@@ -25,7 +25,7 @@ from dtlab.models.memory import context_bytes
 from dtlab.models.mlp import MLPConfig
 from dtlab.models.params import FlatParams
 from dtlab.models.transformer import TransformerConfig
-from dtlab.models.zoo import build_model
+from dtlab.models.zoo import MODELS, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -244,3 +244,29 @@ def test_cli_mlp_and_bad_flag():
     assert r.returncode == 2
     assert "error: --d-model 10 is not divisible by --n-heads 3" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+MODULE_CONFIGS = [*CONFIGS,
+                  ("transformer", TransformerConfig(vocab=16, seq_len=8, d_model=16, n_heads=2,
+                                                    n_layers=4, d_ff=32, moe_experts=4,
+                                                    moe_every=2), 2),
+                  ("transformer", TransformerConfig(vocab=16, seq_len=8, d_model=16, n_heads=2,
+                                                    n_layers=2, d_ff=32, moe_experts=2,
+                                                    recompute=True), 2)]
+
+
+@pytest.mark.parametrize("name,cfg,B", MODULE_CONFIGS,
+                         ids=[f"{m}-{i}" for i, (m, _, _) in enumerate(MODULE_CONFIGS)])
+def test_module_parts_are_the_body_modules_and_sum_to_the_whole(name, cfg, B):
+    """What a pipeline stage is costed by: each body module's parts hold exactly its
+    parameters, and all of them together are the model's parts."""
+    model = build_model(name, cfg)
+    groups = MODELS[name].cost.modules(cfg, B)
+    assert len(groups) == len(model.body.modules)
+    for module, parts in zip(model.body.modules, groups, strict=True):
+        assert sum(p.count * p.params for p in parts) == sum(s.size for s in module.specs())
+    whole = MODELS[name].cost.parts(cfg, B)
+    for attr in ("params", "flops_forward", "flops_backward", "flops_recompute", "act_floats",
+                 "act_other_bytes"):
+        assert sum(p.count * getattr(p, attr) for g in groups for p in g) == \
+            sum(p.count * getattr(p, attr) for p in whole), attr

@@ -11,6 +11,7 @@ single-process training. Rank 0 (`is_main`) writes metrics and checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -21,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from dtlab.models.run import checkpoint
+from dtlab.models.run import checkpoint, moe_report
 from dtlab.models.run.checkpoint import CheckpointError
 from dtlab.models.run.metrics import MetricsLog
 from dtlab.models.run.progress import Progress
@@ -51,6 +52,7 @@ class Summary:
     samples_per_s: float
     stopped_by: str = ""  # the signal that stopped the run early, agreed by every rank
     exit_code: int = 0  # 0, or 130 after SIGINT
+    extra_lines: list[str] = dataclasses.field(default_factory=list)  # e.g. the MoE table
 
     @property
     def gap(self) -> float | None:
@@ -76,7 +78,7 @@ class Summary:
         loss = f"final training loss {self.final_loss:.4f} ({last})"
         if self.floor is not None:
             loss += f"  floor {self.floor:.4f}  gap {self.gap:+.4f} nats"
-        return [speed, loss]
+        return [speed, loss, *self.extra_lines]
 
 
 class Trainer:
@@ -137,7 +139,7 @@ class Trainer:
             self.trace.span(name, start, end, "pipeline")
         return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                 "step_s": t3 - t0, "compute_s": (t1 - t0) + (t3 - t2), **comm,
-                **s.replica.timing, **extra}
+                **s.replica.timing, **extra, **moe_report.step_record(s.model.moe)}
 
     def run(self) -> Summary:
         """Train to --steps, or until SIGTERM / SIGINT: then every rank stops after the
@@ -167,6 +169,7 @@ class Trainer:
         summary = Summary.of(self.losses, time.perf_counter() - start, self.s.dataset.floor,
                              self.samples_per_step)
         summary.stopped_by, summary.exit_code = stop.name, stop.exit_code
+        summary.extra_lines = moe_report.summary_lines(self.s.model.moe)
         return summary
 
     def _stopped(self, signal_name: str, steps: int, saved: bool) -> None:
@@ -187,7 +190,8 @@ class Trainer:
         arrays.update({f"opt.{k}": v for k, v in s.optimizer.state_dict().items() if k != "steps"})
         meta = {"config": s.setup.as_dict(), "n_params": s.params.size, **self.grid,
                 "optimizer_steps": s.optimizer.steps, "loader": s.loader.state_dict(),
-                "dp": s.world, "global_batch": self.samples_per_step}
+                "dp": s.world, "global_batch": self.samples_per_step,
+                "moe_noise_steps": [m.noise_step for m in s.model.moe]}
         return checkpoint.save(self.root, next_step, arrays, meta, keep=s.setup.run.keep or None)
 
     def _resume(self) -> int:
@@ -211,6 +215,8 @@ class Trainer:
         state = {k[len("opt."):]: v for k, v in arrays.items() if k.startswith("opt.")}
         s.optimizer.load_state_dict({**state, "steps": meta["optimizer_steps"]})
         s.loader.load_state_dict(meta["loader"])
+        for m, noise_step in zip(s.model.moe, meta.get("moe_noise_steps", []), strict=False):
+            m.noise_step = noise_step  # the router noise goes on where it stopped
         step, saved_steps = int(meta["step"]), saved["run"]["steps"]
         self._say(f"resumed from step {step} of {run.checkpoint_dir}")
         if saved_steps != run.steps:

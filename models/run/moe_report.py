@@ -1,0 +1,52 @@
+"""What a trainer logs of its Mixture-of-Experts layers: per step, and a table at the end.
+
+Each step's metrics record gets "moe": one object per MoE layer with the last
+forward's tokens per expert, load imbalance (max / mean), dropped tokens,
+router entropy, experts per token (dynamic k), the balancing terms and the
+selection bias, and "moe_aux_loss" (coefficient x balancing terms, summed
+over layers). The run's summary ends with a table per layer: the means over
+every forward and p50/p95/p99 of the router, dispatch, expert compute and
+combine times (models/moe_stats.py).
+"""
+
+from __future__ import annotations
+
+from dtlab.models.moe_stats import PHASES
+
+PER_STEP = ("imbalance", "dropped_tokens", "dropped_pairs", "entropy", "experts_per_token",
+            "aux_switch", "aux_z")
+
+
+def step_record(layers: list) -> dict:
+    """{"moe": [...], "moe_aux_loss": x} for a step's metrics record ({} without MoE)."""
+    if not layers:
+        return {}
+    out = []
+    for m in layers:
+        last = m.stats.last if m.stats is not None else {}
+        rec = {"layer": m.name, **{k: last[k] for k in PER_STEP if k in last}}
+        for key in ("tokens_per_expert", "bias"):
+            if key in last:
+                rec[key] = [float(v) for v in last[key]]
+        out.append(rec)
+    return {"moe": out, "moe_aux_loss": sum(m.last_aux_loss for m in layers)}
+
+
+def summary_lines(layers: list) -> list[str]:
+    """The end-of-run table, one row per MoE layer ([] without MoE)."""
+    rows = [(m.name, m.stats.summary()) for m in layers if m.stats is not None]
+    if not rows:
+        return []
+    lines = ["MoE layers (means over every forward; times p50/p95/p99 in ms):",
+             f"  {'layer':<10} {'fwd':>6} {'imbal':>6} {'drop tok':>8} {'entropy':>7} "
+             f"{'k/tok':>5} " + " ".join(f"{p:>16}" for p in PHASES)]
+    for name, s in rows:
+        if not s["forwards"]:
+            continue
+        times = " ".join("{:>16}".format("/".join(f"{1e3 * s[f'{p}_s'][q]:.2f}"
+                                                 for q in ("p50", "p95", "p99")))
+                         for p in PHASES)
+        lines.append(f"  {name:<10} {s['forwards']:>6} {s['imbalance']:>6.2f} "
+                     f"{s['dropped_tokens']:>8.1f} {s['entropy']:>7.3f} "
+                     f"{s['experts_per_token']:>5.2f} {times}")
+    return lines

@@ -1,0 +1,295 @@
+"""The cost model at scale: step time and time to target of ring, naive and parameter-server
+training, predicted by alpha-beta-gamma formulas, calibrated on this host, validated on it.
+
+    python scripts/simulate.py --calibrate --bench runs/allreduce.json runs/rounds.json \\
+        runs/model.json                                      # -> runs/calibration.json
+    python scripts/simulate.py --link 400gbit --intra-link nvlink --gpus-per-node 8 \\
+        --tflops 400 --steps-to-target 5000 --d-model 4096 --n-layers 32 --json pred.json
+    python scripts/simulate.py --link local                  # N ranks on this host
+    flock /tmp/dtlab-bench.lock python scripts/simulate.py --validate --ranks 2,3,4 \\
+        --val-steps 200 --out runs/sim-val               # or --measured DIR: earlier runs
+
+Predictions (the default): for N = 1, 2, 4, ... 1024 (--workers) ranks or
+workers, the model of --config (default scripts/configs/transformer.json)
+and model/run flags, one row each: compute (models/cost.py FLOPs over the
+calibrated rate, or --tflops), our ring family's exposed all-reduce and
+step, the naive reduce + broadcast's, the parameter server's with --shards
+S, and step x --steps-to-target (a measured run's statistical efficiency;
+the same K at every N: how K falls with a larger global batch is not
+modelled, McCandlish et al. 2018). The formulas are in
+simulate_lib/formulas.py, the overlap and core-sharing rules in
+simulate_lib/step.py.
+
+Links: --link (between nodes) and --intra-link (within one, default the
+same) name a preset (simulate_lib/links.py: nvlink, 400gbit, 200gbit,
+100gbit, 25gbit, 10gbit, 1gbit) or `local`, this host as --calibration
+measured it (every rank on it, sharing its cores). --alpha-us / --gbit
+replace the inter-node link's figures (a cluster measured elsewhere, an
+emulated one at a set rate).
+
+--calibrate fits the constants to benchmark JSON (simulate_lib/calibrate.py)
+and writes them to --calibration with their fit errors. --validate runs
+scripts/compare.py at each N of --ranks (or reads --measured DIR) and
+prints predicted against measured step time per run, the relative error
+and whether it is within 25% (simulate_lib/validate.py). Exit status: 0, 1
+when a validated run is off by more than the bound, 2 for a bad flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+from simulate_lib import calibrate, links, scale, table, validate
+from simulate_lib.calibrated import host_network, host_server, preset_server
+from simulate_lib.formulas import Network
+from simulate_lib.step import ComputeRate, Host, compute_rate
+
+from dtlab.models.config import ConfigError
+from dtlab.models.run.cli import run_cli
+from dtlab.models.run.session import parse, replica_cost
+
+ROOT = Path(__file__).resolve().parent.parent
+PROG = "python scripts/simulate.py"
+DEFAULT_CONFIG = ROOT / "scripts" / "configs" / "transformer.json"
+DEFAULT_CALIBRATION = "runs/calibration.json"
+BUCKET_MB = 25.0  # dtlab-sync's --bucket-mb default
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} must be comma-separated integers (got {text!r})") from None
+    if not values or min(values) < 1:
+        raise ConfigError(f"{flag} must name N >= 1 (got {text!r})")
+    return values
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("simulation")
+    g.add_argument("--link", default=links.LOCAL,
+                   help=f"link between nodes: {', '.join(links.NAMES)} (default local: this "
+                        "host, from --calibration)")
+    g.add_argument("--intra-link", default="", help="link within a node (default: --link)")
+    g.add_argument("--gpus-per-node", type=int, default=1,
+                   help="ranks per node: a two-level all-reduce above it (default 1)")
+    g.add_argument("--alpha-us", type=float, default=None,
+                   help="latency of the link between nodes, in place of the preset's")
+    g.add_argument("--gbit", type=float, default=None,
+                   help="bandwidth of the link between nodes in Gbit/s, in place of the preset's")
+    g.add_argument("--tflops", type=float, default=None,
+                   help="a rank's sustained TFLOP/s (default: this host's calibrated rate)")
+    g.add_argument("--workers", default=",".join(map(str, scale.DEFAULT_WORKERS)),
+                   help="N to predict, comma-separated (default 1,2,4,...,1024)")
+    g.add_argument("--shards", type=int, default=8,
+                   help="parameter-server shards S of the predictions (default 8)")
+    g.add_argument("--steps-to-target", type=int, default=None,
+                   help="steps to the target loss (from a measured run) for time to target")
+    g.add_argument("--bucket-mb", type=float, default=BUCKET_MB,
+                   help=f"gradient bucket size in MB, as dtlab-sync's (default {BUCKET_MB:g})")
+    g.add_argument("--calibration", default=DEFAULT_CALIBRATION,
+                   help=f"the calibration JSON read, or written by --calibrate "
+                        f"(default {DEFAULT_CALIBRATION})")
+    g.add_argument("--calibrate", action="store_true",
+                   help="fit the constants to --bench files and write --calibration")
+    g.add_argument("--bench", nargs="+", default=[], metavar="FILE",
+                   help="benchmark JSON (bench_allreduce, bench_pserver, bench_model) to fit")
+    g.add_argument("--validate", action="store_true",
+                   help="predicted vs measured step time of compare.py runs on this host")
+    g.add_argument("--measured", default="", metavar="DIR",
+                   help="--validate: read compare.py folders under DIR instead of running")
+    g.add_argument("--ranks", default="2,3,4", help="--validate: N of the runs (default 2,3,4)")
+    g.add_argument("--val-runs", default="sync-ring,sync-naive,async-bsp",
+                   help="--validate: compare.py runs at every N (default "
+                        "sync-ring,sync-naive,async-bsp)")
+    g.add_argument("--val-shards", type=int, default=2,
+                   help="--validate: shards of the async runs (default 2)")
+    g.add_argument("--val-steps", type=int, default=200,
+                   help="--validate: steps of every run (default 200)")
+    g.add_argument("--out", default="", metavar="DIR",
+                   help="--validate: a new or empty folder for the runs (default "
+                        "runs/simulate-DATE-TIME)")
+    g.add_argument("--launches", type=int, default=3,
+                   help="--validate: launches of every run, N interleaved; the median is "
+                        "compared (default 3)")
+    g.add_argument("--timeout", type=float, default=600.0,
+                   help="--validate: seconds a run may take (default 600)")
+    g.add_argument("--json", default="", metavar="PATH", help="write the rows here")
+
+
+def parse_args(argv: list[str]):
+    named = any(a.split("=", 1)[0] in ("--config", "--model") for a in argv)
+    setup = parse(argv if named else ["--config", str(DEFAULT_CONFIG), *argv], prog=PROG,
+                  description=__doc__.split("\n\n")[0], add_extra=add_flags,
+                  flags={"optim": ("optimizer",), "run": ("batch_size", "grad_accum", "dtype")},
+                  why="the simulation runs no training of its own")
+    o = setup.extra
+    for flag, value in (("--link", o.link), ("--intra-link", o.intra_link)):
+        if value and value != links.LOCAL:
+            links.preset(value, flag)  # an unknown name is a ConfigError
+    if o.link == links.LOCAL and (o.alpha_us is not None or o.gbit is not None):
+        raise ConfigError("--alpha-us and --gbit replace a preset's figures; with --link local "
+                          "they come from --calibration")
+    if o.intra_link == links.LOCAL and o.link != links.LOCAL:
+        raise ConfigError("--intra-link local needs --link local: the host's calibration is "
+                          "one host")
+    for flag, value in (("--gpus-per-node", o.gpus_per_node), ("--shards", o.shards),
+                        ("--val-shards", o.val_shards), ("--val-steps", o.val_steps),
+                        ("--launches", o.launches)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1 (got {value})")
+    if o.steps_to_target is not None and o.steps_to_target < 1:
+        raise ConfigError(f"--steps-to-target must be at least 1 (got {o.steps_to_target})")
+    if o.tflops is not None and not o.tflops > 0:
+        raise ConfigError(f"--tflops must be positive (got {o.tflops})")
+    if not o.bucket_mb > 0:
+        raise ConfigError(f"--bucket-mb must be positive (got {o.bucket_mb})")
+    if o.calibrate and o.validate:
+        raise ConfigError("--calibrate and --validate are separate steps: calibrate first")
+    o.workers_list = int_list(o.workers, "--workers")
+    o.ranks_list = int_list(o.ranks, "--ranks")
+    return setup
+
+
+def write_json(path: str, data: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def do_calibrate(o) -> int:
+    cal = calibrate.calibrate(o.bench, os.cpu_count() or 1)
+    write_json(o.calibration, cal)
+    print(f"# calibration of this host ({cal['cores']} cores) from "
+          f"{', '.join(s['path'] for s in cal['sources'])} -> {o.calibration}")
+    print(table.fits(cal))
+    write_json(o.json, cal)
+    return 0
+
+
+def new_folder(given: str) -> Path:
+    if given:
+        out = Path(given)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ConfigError(f"--out {given}: exists and is not an empty folder; give a new one")
+    else:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        out = Path("runs") / f"simulate-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def do_validate(setup, o) -> int:
+    cal = calibrate.load(o.calibration)
+    host = Host(os.cpu_count() or 1)
+    if o.measured:
+        folders = validate.measured_dirs(o.measured)
+        out = Path(o.measured)
+        config = str(folders[0] / "config.json")
+    else:
+        out = new_folder(o.out)
+        config = str(out / "config.json")
+        Path(config).write_text(json.dumps(setup.as_dict(), indent=1) + "\n")
+        folders = None
+    n_list = o.ranks_list
+    threads = sorted({host.threads(n) for n in n_list})
+    benches = []
+    if folders is None:
+        folders = []
+        for k in range(o.launches):  # the compute benchmark beside each launch's runs
+            launch = out / f"launch{k}"
+            launch.mkdir()
+            before = os.getloadavg()[0]
+            benches += validate.bench_compute(config, threads, launch)
+            folders += validate.run_comparisons(config, n_list, o.val_runs, o.val_shards,
+                                                o.val_steps, launch, o.timeout)
+            (launch / "load.json").write_text(json.dumps(
+                {"before": before, "after": os.getloadavg()[0]}))
+    else:
+        benches = sorted(out.glob("**/model-t*.json"))
+        if not benches:
+            bench_dir = out / "model-bench"
+            bench_dir.mkdir(exist_ok=True)
+            benches = validate.bench_compute(config, threads, bench_dir)
+    cal["compute_rows"] = [*cal.get("compute_rows", []), *validate.compute_rows(benches)]
+    rows = validate.validate(folders, cal, host, o.bucket_mb * 1e6)
+    print(f"# validation on this host: {host.cores} cores; calibration {o.calibration}; "
+          f"compute: {len(benches)} benchmark(s) of the model in one process "
+          f"({', '.join(str(p) for p in benches[:3])}{' ...' if len(benches) > 3 else ''}); "
+          f"runs in {out}, {len(folders)} compare.py folder(s)")
+    loads = [r["max_load"] for r in rows if r["max_load"] is not None]
+    if loads and max(loads) > host.cores:
+        print(f"# warning: the host's 1-minute load average reached {max(loads):.1f} on "
+              f"{host.cores} cores around the launches: other processes took cores from the "
+              "runs, which the model does not know of (rerun on a quiet host)")
+    if any(r["share"] > 1 for r in rows):
+        print(f"# N > {host.cores} ranks or workers oversubscribe the {host.cores} cores: the "
+              "model divides each one's compute rate by N / cores (they share cores, "
+              "models/run/threads.py) and hides no communication behind backward")
+    print(table.validation(rows, host.cores))
+    write_json(o.json, {"calibration": o.calibration, "cores": host.cores, "bound": validate.BOUND,
+                        "rows": rows})
+    return 0 if all(r["within"] for r in rows) else 1
+
+
+def do_predict(setup, o) -> int:
+    cost = replica_cost(setup)
+    w = validate.workload_of(setup)
+    local = o.link == links.LOCAL
+    need_cal = local or o.tflops is None
+    # a preset with --tflops needs none, but takes the servers' apply rate from one there is
+    cal = calibrate.load(o.calibration) if need_cal or Path(o.calibration).exists() else None
+    if local:
+        host = Host(os.cpu_count() or 1)
+        net = host_network(cal, max(o.workers_list))
+        ps = host_server(cal, w.optimizer)
+    else:
+        host = Host(0)
+        inter = links.custom(links.preset(o.link), o.alpha_us, o.gbit)
+        intra = links.preset(o.intra_link) if o.intra_link else inter
+        net = Network(intra, inter, o.gpus_per_node)
+        ps = preset_server(inter, cal, w.optimizer)
+
+    def rate_at(threads: int) -> ComputeRate:
+        if o.tflops is not None:
+            return ComputeRate(o.tflops * 1e12, source=f"--tflops {o.tflops:g}")
+        try:
+            return compute_rate(cal, w, threads if local else cal["cores"])
+        except LookupError as e:
+            raise ConfigError(f"--calibration {o.calibration}: {e}") from None
+
+    rows = scale.rows(w, o.workers_list, net, ps, o.shards, rate_at, host, o.bucket_mb * 1e6)
+    where = ("this host (all ranks on it, sharing its cores)" if local else
+             f"{net.gpus_per_node} per node; within: {net.intra.describe()}; between: "
+             f"{net.inter.describe()}")
+    print(f"# {w.model}: {cost.params_total:,} parameters, {cost.flops_step / 1e9:.4g} GFLOP a "
+          f"step of batch {w.batch_size} a rank; gradient {w.grad_bytes / 1e6:.4g} MB in "
+          f"{o.bucket_mb:g} MB buckets; {where}; parameter server: {o.shards} shards; compute "
+          f"{rows[0]['compute_source']}; steps to target "
+          f"{o.steps_to_target if o.steps_to_target else 'not given'}")
+    print(table.predictions(rows, o.steps_to_target))
+    write_json(o.json, {"model": w.model, "config": w.config, "params": cost.params_total,
+                        "flops_step": w.flops_step, "grad_bytes": w.grad_bytes,
+                        "link": o.link, "intra_link": o.intra_link or o.link,
+                        "gpus_per_node": o.gpus_per_node, "shards": o.shards,
+                        "steps_to_target": o.steps_to_target, "rows": rows})
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    setup = parse_args(argv)
+    o = setup.extra
+    if o.calibrate:
+        return do_calibrate(o)
+    if o.validate:
+        return do_validate(setup, o)
+    return do_predict(setup, o)
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, PROG))

@@ -1,0 +1,47 @@
+"""A calibration (calibrate.py's JSON) as the model's links: the measured host's all-reduce
+constants by algorithm and its parameter server's pull and push."""
+
+from __future__ import annotations
+
+from dtlab.models.config import ConfigError
+from simulate_lib.formulas import Network, ServerLink
+from simulate_lib.links import Link
+
+# the parameter-server data path a worker takes to shards on its own host (pserver/config.py)
+LOCAL_PATH = "shm"
+APPLY_NAME = {"adamw": "adam", "sgd-momentum": "sgd"}
+
+
+def fitted(name: str, f: dict) -> Link:
+    # the fits take gamma = beta (calibrate.py): the add is one more pass over memory
+    return Link(name, f["alpha_s"], f["beta_s_per_byte"], f["beta_s_per_byte"])
+
+
+def host_network(cal: dict, ranks: int) -> Network:
+    """Up to `ranks` ranks, all on the calibrated host."""
+    per_algo = {name: fitted(f"local {name}", f) for name, f in cal["allreduce"].items()}
+    if not per_algo:
+        raise ConfigError("the calibration has no all-reduce fit: add a bench_allreduce.py JSON")
+    base = per_algo.get("ring") or per_algo.get("halving") or next(iter(per_algo.values()))
+    return Network(base, base, ranks, per_algo)
+
+
+def host_server(cal: dict, optimizer: str, path: str = LOCAL_PATH) -> ServerLink:
+    """Pull and push as bench_pserver's rounds measured them (the shard's SGD apply in the
+    push), plus the apply time `optimizer` adds over SGD (its sweep rows), when measured."""
+    fits = cal["pserver"].get(path)
+    if fits is None:
+        raise ConfigError(f"the calibration has no parameter-server fit for path {path!r}: add "
+                          "a bench_pserver.py --mode rounds JSON")
+    apply = cal.get("apply_s_per_byte", {})
+    name = APPLY_NAME.get(optimizer, optimizer)
+    extra = max(0.0, apply[name] - apply["sgd"]) if name in apply and "sgd" in apply else 0.0
+    return ServerLink(fitted(f"ps {path} pull", fits["pull"]),
+                      fitted(f"ps {path} push", fits["push"]), extra)
+
+
+def preset_server(link: Link, cal: dict | None, optimizer: str) -> ServerLink:
+    """Shards on hosts of their own behind `link`; the apply time of `optimizer` from the
+    calibration when it has one (the servers' CPUs), else 0."""
+    apply = (cal or {}).get("apply_s_per_byte", {})
+    return ServerLink(link, link, apply.get(APPLY_NAME.get(optimizer, optimizer), 0.0))

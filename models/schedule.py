@@ -201,14 +201,18 @@ class Timeline:
         return sum(self.idle) / (len(self.busy) * self.makespan)
 
 
-def simulate(ops: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> Timeline:
+def simulate(ops: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0,
+             stage_times: list[dict[str, float]] | None = None) -> Timeline:
     """Run the lists with fixed pass times and free communication: an op starts
     when its stage is free and its input has arrived (F: the previous stage's F
     of the micro-batch; B or BW: the input gradient from the next stage's B or BW,
-    or on the last stage its own F; W: its own B)."""
+    or on the last stage its own F; W: its own B). `stage_times[s]` ({"F", "B",
+    "W"}: seconds) gives stage s its own times (measured ones), else all stages
+    take t_f, t_b, t_w."""
     p = len(ops)
-    times = {"F": t_f, "B": t_b, "W": t_w}
-    cost = {kind: sum(times[x] for x in parts) for kind, parts in PASS_TIMES.items()}
+    times = stage_times or [{"F": t_f, "B": t_b, "W": t_w}] * p
+    cost = [{kind: sum(times[s][x] for x in parts) for kind, parts in PASS_TIMES.items()}
+            for s in range(p)]
     done: dict[tuple[int, str, int], float] = {}  # (stage, "F" / "B", micro) -> end
     start = [[0.0] * len(stage) for stage in ops]
     pos, free = [0] * p, [0.0] * p
@@ -227,12 +231,12 @@ def simulate(ops: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0
             if need is not None and need not in done:
                 continue
             t0 = max(free[s], done[need] if need else 0.0)
-            start[s][pos[s]], free[s] = t0, t0 + cost[kind]
+            start[s][pos[s]], free[s] = t0, t0 + cost[s][kind]
             done[(s, "F" if kind == "F" else "B", i)] = free[s]
             pos[s] += 1
             progressed = True
         if not progressed:
             waiting = [f"stage {s}: {ops[s][pos[s]]}" for s in range(p) if pos[s] < len(ops[s])]
             raise ValueError("schedule deadlocks: " + "; ".join(waiting))
-    busy = [sum(cost[op.kind] for op in stage) for stage in ops]
+    busy = [sum(cost[s][op.kind] for op in stage) for s, stage in enumerate(ops)]
     return Timeline(start, busy, max(free))

@@ -87,3 +87,14 @@ def test_bad_sizes_and_names():
         gpipe(2, 0)
     with pytest.raises(ValueError, match="unknown pipeline schedule 'pipedream'"):
         make("pipedream", 2, 2)
+
+
+def test_stage_times_replay_unequal_stages():
+    """A slow last stage sets the pace: with per-stage times the replay's makespan is the
+    slow stage's work plus its wait for the first forward."""
+    times = [{"F": 1.0, "B": 1.0, "W": 1.0}, {"F": 2.0, "B": 2.0, "W": 2.0}]
+    timeline = simulate(one_f_one_b(2, 4), stage_times=times)
+    assert timeline.busy == [12.0, 24.0]
+    assert timeline.makespan == 1.0 + 24.0 + 2.0  # F0 arrives at 1; stage 0's last B waits
+    uniform = simulate(one_f_one_b(2, 4), stage_times=[times[0]] * 2)
+    assert uniform.bubble == pytest.approx(bubble_formula("1f1b", 2, 4))

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dtlab.models.cost import OPTIMIZER_STATES
 from dtlab.models.parts import FLOAT_BYTES, TOKEN_BYTES, Part
 from dtlab.models.pipeline import MAX_NDIM
-from dtlab.models.schedule import PASS_TIMES, Op
+from dtlab.models.schedule import Op
 
 HEADER_BYTES = (MAX_NDIM + 1) * 8  # the int64 shape header before every activation
 
@@ -122,32 +122,3 @@ def peak_held(ops: list[Op], context: float, queue: float) -> float:
             held.pop(i)
         most = max(most, sum(held.values()))
     return most
-
-
-def replay_bubble(ops: list[list[Op]], times: list[dict[str, float]]) -> float:
-    """The idle fraction of `ops` run with stage s's measured pass times times[s]
-    ({"F", "B", "W"} seconds; BW costs B + W) and free communication, as
-    models.schedule.simulate replays uniform ones."""
-    p = len(ops)
-    cost = [{k: sum(times[s][x] for x in parts) for k, parts in PASS_TIMES.items()}
-            for s in range(p)]
-    done: dict[tuple[int, str, int], float] = {}
-    pos, free = [0] * p, [0.0] * p
-    while any(pos[s] < len(ops[s]) for s in range(p)):
-        moved = False
-        for s in range(p):
-            if pos[s] == len(ops[s]):
-                continue
-            kind, i = ops[s][pos[s]]
-            need = {"F": (s - 1, "F", i) if s else None, "W": (s, "B", i)}.get(
-                kind, (s + 1, "B", i) if s < p - 1 else (s, "F", i))
-            if need is not None and need not in done:
-                continue
-            free[s] = max(free[s], done[need] if need else 0.0) + cost[s][kind]
-            done[(s, "F" if kind == "F" else "B", i)] = free[s]
-            pos[s] += 1
-            moved = True
-        if not moved:
-            raise ValueError("schedule deadlocks")
-    busy = [sum(cost[s][op.kind] for op in ops[s]) for s in range(p)]
-    return 1 - sum(busy) / (p * max(free))

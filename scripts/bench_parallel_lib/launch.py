@@ -20,7 +20,7 @@ from dtlab.models.memory import context_bytes
 from dtlab.models.partition import module_parts
 from dtlab.models.run.session import PipelineSpec, build_session, parse
 from dtlab.models.run.threads import share_cores
-from dtlab.models.schedule import bubble_formula, make
+from dtlab.models.schedule import bubble_formula, make, simulate
 
 _COMMON = ["--model", "transformer", "--vocab", "64", "--seq-len", "64", "--n-layers", "4"]
 SIZES = {  # name -> (model flags, samples per micro-batch)
@@ -168,7 +168,7 @@ def row(size, setup, b, tp, pp, schedule, m, bounds, every) -> dict:
                                         if r["pp_rank"] == s for t in r["timed"])
                   for kind in "FBW"} for s in range(pp)]
         out["pass_ms"] = [{k: 1e3 * v for k, v in t.items()} for t in times]
-        out["bubble_expected"] = formulas.replay_bubble(ops, times)
+        out["bubble_expected"] = simulate(ops, stage_times=times).bubble
     acts, act_est = [], []
     for r in every:
         s = r["pp_rank"]

@@ -60,20 +60,32 @@ class Trailer(_message.Message):
     def __init__(self, chunks: _Optional[int] = ..., adler32: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "model", "model_size", "layout_crc32", "registration", "run_config")
+    __slots__ = ("worker_id", "model", "model_size", "layout_crc32", "registration", "run_config", "partition")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_CRC32_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     model: str
     model_size: int
     layout_crc32: int
     registration: int
     run_config: str
-    def __init__(self, worker_id: _Optional[int] = ..., model: _Optional[str] = ..., model_size: _Optional[int] = ..., layout_crc32: _Optional[int] = ..., registration: _Optional[int] = ..., run_config: _Optional[str] = ...) -> None: ...
+    partition: PartitionLayout
+    def __init__(self, worker_id: _Optional[int] = ..., model: _Optional[str] = ..., model_size: _Optional[int] = ..., layout_crc32: _Optional[int] = ..., registration: _Optional[int] = ..., run_config: _Optional[str] = ..., partition: _Optional[_Union[PartitionLayout, _Mapping]] = ...) -> None: ...
+
+class PartitionLayout(_message.Message):
+    __slots__ = ("id", "count", "specs")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    SPECS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    count: int
+    specs: str
+    def __init__(self, id: _Optional[int] = ..., count: _Optional[int] = ..., specs: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("shard", "num_shards", "model_size", "meta", "consistency", "staleness_bound", "next_step", "max_message_bytes", "worker_id", "num_workers", "optim_config", "schedule_steps", "staleness_lr", "then_pull")
@@ -108,32 +120,36 @@ class RegisterReply(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., model_size: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., staleness_bound: _Optional[int] = ..., next_step: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., optim_config: _Optional[str] = ..., schedule_steps: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., then_pull: _Optional[bool] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
-    __slots__ = ("worker_id", "registration")
+    __slots__ = ("worker_id", "registration", "partition")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     registration: int
-    def __init__(self, worker_id: _Optional[int] = ..., registration: _Optional[int] = ...) -> None: ...
+    partition: int
+    def __init__(self, worker_id: _Optional[int] = ..., registration: _Optional[int] = ..., partition: _Optional[int] = ...) -> None: ...
 
 class DeregisterReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "shard", "known_version", "wait_timeout_s", "registration", "whole_bytes")
+    __slots__ = ("worker_id", "shard", "known_version", "wait_timeout_s", "registration", "whole_bytes", "partition")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     WHOLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     shard: int
     known_version: int
     wait_timeout_s: float
     registration: int
     whole_bytes: int
-    def __init__(self, worker_id: _Optional[int] = ..., shard: _Optional[int] = ..., known_version: _Optional[int] = ..., wait_timeout_s: _Optional[float] = ..., registration: _Optional[int] = ..., whole_bytes: _Optional[int] = ...) -> None: ...
+    partition: int
+    def __init__(self, worker_id: _Optional[int] = ..., shard: _Optional[int] = ..., known_version: _Optional[int] = ..., wait_timeout_s: _Optional[float] = ..., registration: _Optional[int] = ..., whole_bytes: _Optional[int] = ..., partition: _Optional[int] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("meta", "not_modified")
@@ -154,18 +170,20 @@ class PullReply(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "step", "shard", "meta", "registration")
+    __slots__ = ("worker_id", "step", "shard", "meta", "registration", "partition")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     step: int
     shard: int
     meta: TensorMeta
     registration: int
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., shard: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., registration: _Optional[int] = ...) -> None: ...
+    partition: int
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., shard: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., registration: _Optional[int] = ..., partition: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk", "trailer")
@@ -270,10 +288,12 @@ class SessionReply(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ..., pushed: _Optional[_Union[PushReply, _Mapping]] = ..., shm_offer: _Optional[_Union[ShmOffer, _Mapping]] = ..., shm_ready: _Optional[_Union[ShmReady, _Mapping]] = ..., shm_pulled: _Optional[_Union[ShmPulled, _Mapping]] = ..., pulled_whole: _Optional[_Union[WholePull, _Mapping]] = ..., push_pulled: _Optional[_Union[PushPulled, _Mapping]] = ...) -> None: ...
 
 class ShmRequest(_message.Message):
-    __slots__ = ("boot_id",)
+    __slots__ = ("boot_id", "partition")
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
     boot_id: str
-    def __init__(self, boot_id: _Optional[str] = ...) -> None: ...
+    partition: int
+    def __init__(self, boot_id: _Optional[str] = ..., partition: _Optional[int] = ...) -> None: ...
 
 class ShmOffer(_message.Message):
     __slots__ = ("path", "size", "data_offset", "refused")
@@ -320,8 +340,10 @@ class ShmPulled(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., adler32: _Optional[int] = ..., pushed: _Optional[_Union[PushReply, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("partition",)
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    partition: int
+    def __init__(self, partition: _Optional[int] = ...) -> None: ...
 
 class Histogram(_message.Message):
     __slots__ = ("counts", "total", "sum", "max")

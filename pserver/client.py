@@ -122,6 +122,14 @@ class ShardClient:
         self._health = health_pb2_grpc.HealthStub(ch)
         self.info: pb.RegisterReply | None = None
         self.registration = 0  # PSClient's number, sent on every call
+        # a worker group's rank: its partition, named at Register and on every call
+        self.partition: pb.PartitionLayout | None = None
+
+    def _named(self, message):
+        """`message` with this rank's partition id set (a group's rank), else as it is."""
+        if self.partition is not None:
+            message.partition = self.partition.id
+        return message
 
     def _failed(self, e: grpc.RpcError) -> StatusError:
         """`e` as its status and message, naming this shard's address."""
@@ -179,17 +187,20 @@ class ShardClient:
                                  registration=self.registration, run_config=run_config)
         if worker is not None:
             req.worker_id = worker
+        if self.partition is not None:
+            req.partition.CopyFrom(self.partition)
         self.info = self._retry(lambda: self._register(
             req, timeout=self.cfg.rpc_timeout_s, metadata=self._metadata), "Register")
         return self.info
 
     def deregister(self, worker: int) -> None:
-        req = pb.DeregisterRequest(worker_id=worker, registration=self.registration)
+        req = self._named(pb.DeregisterRequest(worker_id=worker, registration=self.registration))
         self._retry(lambda: self._deregister(req, timeout=self.cfg.rpc_timeout_s,
                                              metadata=self._metadata), "Deregister")
 
     def stats(self) -> pb.StatsReply:
-        return self._retry(lambda: self._stats(pb.StatsRequest(), timeout=self.cfg.rpc_timeout_s,
+        req = self._named(pb.StatsRequest())
+        return self._retry(lambda: self._stats(req, timeout=self.cfg.rpc_timeout_s,
                                                metadata=self._metadata), "Stats")
 
     def save_checkpoint(self) -> pb.CheckpointReply:
@@ -231,8 +242,8 @@ class ShardClient:
         return self._retry(attempt, "Pull")
 
     def _pull_request(self, worker: int, known_version: int | None) -> pb.PullRequest:
-        req = pb.PullRequest(worker_id=worker, shard=self.info.shard,
-                             registration=self.registration)
+        req = self._named(pb.PullRequest(worker_id=worker, shard=self.info.shard,
+                                         registration=self.registration))
         if known_version is not None:
             req.known_version = known_version
         if self.transport == "session":
@@ -307,8 +318,8 @@ class ShardClient:
                      version: int) -> pb.PushHeader:
         meta = pb.TensorMeta(dtype=wire.dtype_code(grad.dtype), shape=list(grad.shape),
                              offset=self.info.meta.offset, version=version)
-        return pb.PushHeader(worker_id=worker, step=step, shard=self.info.shard, meta=meta,
-                             registration=self.registration)
+        return self._named(pb.PushHeader(worker_id=worker, step=step, shard=self.info.shard,
+                                         meta=meta, registration=self.registration))
 
     def _chunk_bytes(self) -> int:
         return min(self.cfg.chunk_bytes, self.info.max_message_bytes - 1024)
@@ -398,7 +409,8 @@ class ShardClient:
 
     def _share_memory(self, s: Session) -> None:
         nbytes = self.info.meta.shape[0] * wire.dtype_of(self.info.meta.dtype).itemsize
-        self.shm_refused = s.share_memory(nbytes)
+        self.shm_refused = s.share_memory(
+            nbytes, None if self.partition is None else self.partition.id)
         if self.shm_refused:
             log.info("%s: tensors over gRPC (no shared memory: %s)", self.address,
                      self.shm_refused)
@@ -426,12 +438,16 @@ class PSClient:
     transport: "session" (one stream per shard) or "calls" (a call per pull and push);
     shm: use shared memory with shards on this host; codec: wire.HAND, or
     wire.CODECS["generated"] (the benchmark's baseline); registration: the number this
-    client registers with (default: the process's, PROCESS_REGISTRATION).
+    client registers with (default: the process's, PROCESS_REGISTRATION); partition:
+    this process is one rank of a model-parallel worker group and pulls and pushes
+    only this partition of it (pserver.partitions; the model size and layout given to
+    `connect` are the partition's).
     """
 
     def __init__(self, cfg: ClientConfig, transport: str = "session", shm: bool = True,
                  codec: wire.HandCodec | wire.GeneratedCodec = wire.HAND,
-                 registration: int = PROCESS_REGISTRATION):
+                 registration: int = PROCESS_REGISTRATION,
+                 partition: pb.PartitionLayout | None = None):
         self.cfg = cfg
         self._watchdog = Watchdog(min(1.0, cfg.rpc_timeout_s / 4))
         self.shards = [ShardClient(a, cfg, transport=transport, shm=shm, codec=codec,
@@ -441,7 +457,7 @@ class PSClient:
         self.worker = -1
         self.registration = registration
         for s in self.shards:
-            s.registration = self.registration
+            s.registration, s.partition = self.registration, partition
 
     def _each(self, fn) -> list:
         return self._map(fn, self.shards)

@@ -9,6 +9,11 @@ that wait on the consistency policy with UNAVAILABLE, lets in-flight pushes
 finish (up to --grace-s), ends the workers' sessions once no operation is
 in progress on them, writes a checkpoint when configured and returns.
 
+Model-parallel worker groups bring their partitions at Register; the daemon
+then makes one store per partition (pserver.partitions, store_of) from the
+record's model and optimizer, and routes every call by the partition it
+names. A daemon holding partitions writes no checkpoint.
+
 With shared memory allowed (`shm`), the daemon first sweeps segments that
 servers killed before unlinking them left in /dev/shm (pserver.shm).
 """
@@ -23,6 +28,7 @@ import socket
 import threading
 import time
 from concurrent import futures
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -30,18 +36,20 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from dtlab.models.config import ConfigError
+from dtlab.models.config import ConfigError, build
 from dtlab.models.data import DataConfig
 from dtlab.models.optim import OptimConfig, Schedule
 from dtlab.models.params import FlatParams
 from dtlab.models.run.checkpoint import CheckpointError
-from dtlab.models.zoo import build_model
+from dtlab.models.zoo import build_model, config_class
 from dtlab.pserver import auth, checkpoint, shm, wire
 from dtlab.pserver.allocator import huge_empty
 from dtlab.pserver.blocked import BlockedOptimizer
 from dtlab.pserver.config import ServerConfig
 from dtlab.pserver.consistency import Consistency
+from dtlab.pserver.errors import FailedPrecondition
 from dtlab.pserver.metrics import MetricsServer
+from dtlab.pserver.partitions import NOT_CHECKPOINTED, Partitions
 from dtlab.pserver.servicer import ParameterServerServicer, handler
 from dtlab.pserver.store import ShardLayout, ShardStore
 from dtlab.pserver.wire import SERVICE
@@ -58,6 +66,13 @@ def build_store(cfg: ServerConfig, model_name: str, model_cfg,
     """The shard's store at its seeded initial values (host NumPy, whatever the device)."""
     model = build_model(model_name, model_cfg)
     flat = FlatParams(model.specs(), seed=cfg.seed, dtype=cfg.dtype, xp=np)
+    return store_of(cfg, model_name, flat, optim_cfg)
+
+
+def store_of(cfg: ServerConfig, model_name: str, flat: FlatParams,
+             optim_cfg: OptimConfig) -> ShardStore:
+    """The store of this shard's slice of `flat`: a dense model's parameters, or one
+    partition of a model-parallel worker group's (pserver.partitions)."""
     if cfg.num_shards > flat.size:
         raise ConfigError(f"--num-shards {cfg.num_shards} exceeds the model's {flat.size} "
                           "parameters")
@@ -135,7 +150,9 @@ class Daemon:
             self.store, cfg.max_message_bytes,
             checkpoint=self.save_checkpoint if cfg.checkpoint_dir else None, shm=shm,
             codec=codec, config=config)
-        self.server.add_generic_rpc_handlers((handler(self.servicer), *handlers))
+        self.partitions = Partitions(self.servicer, partial(self._partition, shm, codec),
+                                     self._dense_specs, cfg.seed, cfg.dtype)
+        self.server.add_generic_rpc_handlers((handler(self.partitions), *handlers))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if cfg.reflection:
@@ -161,6 +178,27 @@ class Daemon:
                 self.metrics = MetricsServer(cfg.bind, cfg.metrics_port, self.servicer.stats)
             except OSError as e:
                 raise ConfigError(f"--metrics-port {cfg.metrics_port}: {e.strerror}") from None
+
+    def _record(self) -> tuple[str, object, OptimConfig]:
+        """The model name, model config and optimizer config of the config record."""
+        rec = self.config_record
+        if "model" not in rec or "optim" not in rec:
+            raise FailedPrecondition("this server has no model record: it holds no "
+                                     "partitions", reason="partition")
+        name = rec["model_name"]
+        return name, build(config_class(name), dict(rec["model"])), build(OptimConfig,
+                                                                          dict(rec["optim"]))
+
+    def _dense_specs(self) -> list:
+        name, model_cfg, _ = self._record()
+        return build_model(name, model_cfg).specs()
+
+    def _partition(self, shm: bool, codec, flat: FlatParams) -> ParameterServerServicer:
+        """A servicer over a new store for this shard's slice of partition `flat`."""
+        name, _, optim_cfg = self._record()
+        store = store_of(self.cfg, name, flat, optim_cfg)
+        return ParameterServerServicer(store, self.cfg.max_message_bytes, checkpoint=None,
+                                       shm=shm, codec=codec, config=self.config_record)
 
     def start(self) -> None:
         if self.servicer.shm:
@@ -200,13 +238,16 @@ class Daemon:
         log.info("shutting down: finishing in-flight calls (up to %.1f s)", self.cfg.grace_s)
         self.health.enter_graceful_shutdown()
         self.store.close()
+        self.partitions.close()
         stopped = self.server.stop(self.cfg.grace_s)
         deadline = time.monotonic() + self.cfg.grace_s
-        while self.servicer.busy and time.monotonic() < deadline:
+        while self.partitions.busy and time.monotonic() < deadline:
             time.sleep(0.02)
         self.server.stop(None)  # what is left are sessions idle between operations
         stopped.wait()
-        if self.cfg.checkpoint_dir:
+        if self.cfg.checkpoint_dir and self.partitions.held:
+            log.error("no checkpoint written: %s", NOT_CHECKPOINTED)
+        elif self.cfg.checkpoint_dir:
             self.save_checkpoint()
         if self.metrics is not None:
             self.metrics.stop()

@@ -162,12 +162,16 @@ class Session:
 
     # -- shared memory --------------------------------------------------------------------
 
-    def share_memory(self, nbytes: int) -> str:
-        """Agree on a segment of `nbytes` with the server; "" if agreed, else why not."""
+    def share_memory(self, nbytes: int, partition: int | None = None) -> str:
+        """Agree on a segment of `nbytes` with the server; "" if agreed, else why not.
+        `partition`: a worker group's rank names its partition (the session's)."""
         boot = shm.boot_id()
         if not boot or not shm.SHM_DIR.is_dir():
             return "this host has no boot id or no /dev/shm"
-        self.send((wire.wrap(SHM_REQUEST, pb.ShmRequest(boot_id=boot)),))
+        request = pb.ShmRequest(boot_id=boot)
+        if partition is not None:
+            request.partition = partition
+        self.send((wire.wrap(SHM_REQUEST, request),))
         offer = self.expect("shm_offer")
         if not offer.path:
             return offer.refused

@@ -21,6 +21,11 @@ One step (Dean et al. 2012, Downpour SGD; Li et al. 2014, ps-lite):
            answers both at once, so a step costs one round trip per shard;
            the last step pushes alone
 
+With --tp and/or --pp above 1 the worker is a model-parallel group of MPI
+ranks, one worker to the servers, each rank pulling and pushing only its own
+partition (pserver.group_worker; `mpiexec -n 8 ... --tp 2 --pp 2` makes 2
+groups); the rest of this text is about dense workers.
+
 The worker's id: --worker-id, else the launcher's rank (PMI_RANK,
 OMPI_COMM_WORLD_RANK, SLURM_PROCID; MPI itself is not used), else one the
 servers assign at Register (pserver.store: a fresh id, never one that ran
@@ -80,6 +85,7 @@ from dtlab.models.run.straggler import Straggler
 from dtlab.models.run.threads import share_cores
 from dtlab.models.run.trace import Trace
 from dtlab.models.run.trainer import Summary
+from dtlab.models.schedule import SCHEDULES
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver import runconfig, wire
 from dtlab.pserver.allocator import keep_freed_memory
@@ -154,6 +160,29 @@ def start_logging() -> WorkerName:
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, WorkerConfig, "worker")
     add_flags(parser, ClientConfig, "parameter servers")
+    add_group_flags(parser)
+
+
+def add_group_flags(parser: argparse.ArgumentParser) -> None:
+    """--tp, --pp, --pp-schedule, --stages: the worker is a model-parallel group of
+    ranks (pserver.group_worker)."""
+    grid = parser.add_argument_group("model-parallel worker group (mpiexec; tp x pp ranks "
+                                     "per worker)")
+    grid.add_argument("--tp", type=int, default=1,
+                      help="tensor-parallel ranks per worker group (Megatron-LM split)")
+    grid.add_argument("--pp", type=int, default=1,
+                      help="pipeline stages per worker group; a step's micro-batches are "
+                           "--grad-accum")
+    grid.add_argument("--pp-schedule", choices=sorted(SCHEDULES), default=None,
+                      help="pipeline schedule: GPipe, 1F1B (PipeDream-Flush, the default) "
+                           "or ZB-H1")
+    grid.add_argument("--stages", default="",
+                      help="modules per stage, e.g. 3,2 (default: balanced by FLOPs)")
+
+
+def is_group(setup) -> bool:
+    """Whether the worker is a model-parallel group (--tp or --pp above 1)."""
+    return setup.extra.tp * setup.extra.pp > 1
 
 
 def skip_to(session: Session, step: int) -> None:
@@ -256,7 +285,8 @@ class Worker:
         return loss
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]):
+    """The worker's flags (a group's too) as a Setup; ConfigError where they do not fit."""
     setup = parse(argv, prog=command_name("dtlab.pserver.worker"),
                   description=__doc__.split("\n\n")[0], add_extra=add_worker_flags,
                   flags={"data": None, "run": None, "optim": ("clip",)},
@@ -264,7 +294,25 @@ def main(argv: list[str]) -> int:
     if setup.run.checkpoint_every or setup.run.resume:
         raise ConfigError("the servers keep the checkpoints (pserver --checkpoint-dir); the "
                           "worker takes no --checkpoint-every or --resume")
+    return setup
+
+
+def main(argv: list[str]) -> int:
+    setup = parse_args(argv)
     wcfg = from_namespace(WorkerConfig, setup.extra)
+    if setup.extra.tp < 1 or setup.extra.pp < 1:
+        raise ConfigError(f"--tp {setup.extra.tp} and --pp {setup.extra.pp} must be positive")
+    if is_group(setup):  # an MPI program: imports mpi4py only here
+        from dtlab.pserver import group_worker
+
+        name = start_logging()
+        keep_freed_memory()
+        return group_worker.main(setup, from_namespace(ClientConfig, setup.extra),
+                                 on_name=lambda who: setattr(name, "who", who))
+    for flag, value in (("--stages", setup.extra.stages),
+                        ("--pp-schedule", setup.extra.pp_schedule)):
+        if value:
+            raise ConfigError(f"{flag} {value} has no effect without --pp")
     launched = wcfg.worker_id < 0 and (wcfg.given_world() or 1) > 1
     if launched and "{worker}" not in setup.run.metrics and setup.run.metrics:
         raise ConfigError(f"--metrics {setup.run.metrics}: {wcfg.given_world()} launcher ranks "
@@ -335,9 +383,13 @@ def leave(client: PSClient) -> None:
 
 
 def cli() -> int:
-    return run_cli(main, command_name("dtlab.pserver.worker"),
-                   user_errors=(FloatingPointError, TimeoutError, PSError, grpc.RpcError),
-                   describe=describe_error)
+    rc = run_cli(main, command_name("dtlab.pserver.worker"),
+                 user_errors=(FloatingPointError, TimeoutError, PSError, grpc.RpcError),
+                 describe=describe_error)
+    group = sys.modules.get("dtlab.pserver.group_worker")  # imported by a group's ranks only
+    if rc and group is not None:
+        group.end_job(rc)  # the other ranks of the job may wait on this one: end them too
+    return rc
 
 
 def describe_error(error: BaseException) -> str:

@@ -25,7 +25,10 @@ others go on. OUT (--out, default runs/compare-DATE-TIME) gets each run's
 metrics and logs, summary.json, report.md and PNG plots (compare_lib/report.py):
 hardware efficiency (s/step) and statistical efficiency (steps to the target
 loss) multiplied into time to target (Hadjis et al. 2016, Omnivore). The
-target is the data's loss floor + 0.1 nats, or --target-loss. The exit
+target is the data's loss floor + 0.1 nats, or --target-loss. --trace merges
+each run's process traces into OUT/NAME.trace.json (compare_lib/traces.py);
+--calibration FILE sets the cost model's step beside each run's measured one
+(compare_lib/predict.py). The exit
 status is 0 when every run finished, 1 when one failed, 2 for a bad config
 (named before anything starts), 130 on Ctrl-C.
 """
@@ -37,13 +40,14 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import shlex
 import signal
 import sys
 import time
 from pathlib import Path
 
-from compare_lib import analysis, cluster, launch, report, sweep
+from compare_lib import analysis, cluster, launch, predict, report, sweep, traces
 from compare_lib.launch import Bench, Outcome, Processes, RunSpec
 
 from dtlab.models.config import ConfigError
@@ -85,6 +89,12 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
                         "1: this host, shared memory (default)")
     g.add_argument("--link-gbit", type=float, default=1.0,
                    help="each emulated host's link rate in Gbit/s (default 1)")
+    g.add_argument("--trace", action="store_true",
+                   help="every process of every run writes a Chrome trace into OUT; after "
+                        "each run they are merged into OUT/NAME.trace.json (opens in Perfetto)")
+    g.add_argument("--calibration", metavar="FILE", default="",
+                   help="a simulate.py --calibrate JSON: benchmark the model first and set "
+                        "the cost model's predicted step beside each run's measured one")
     g.add_argument("--sweep", choices=["model-size"], default=None,
                    help="instead of comparing topologies, train --sweep-sizes under the first "
                         "of --runs for one compute budget (--steps steps of the smallest) and "
@@ -117,6 +127,10 @@ def parse_args(argv: list[str]) -> tuple[Setup, list[RunSpec]]:
     if opts.hosts > 1 and cluster.check():
         raise ConfigError(f"--hosts {opts.hosts}: {cluster.check()}; without --hosts the "
                           "comparison runs on this host")
+    if opts.calibration and opts.sweep:
+        raise ConfigError("--calibration predicts the runs of a comparison, not a --sweep")
+    opts.cal = predict.load(opts.calibration, opts.ranks, opts.hosts) if opts.calibration \
+        else None
     names = [n.strip() for n in opts.runs.split(",") if n.strip()]
     if not names:
         raise ConfigError("--runs names no run")
@@ -262,7 +276,8 @@ def setup_record(setup: Setup, argv: list[str], session, target: float, rule: st
             "target_rule": rule, "smooth_window": analysis.window_for(run.steps),
             "ranks": opts.ranks, "shards": opts.shards, "batch_size": run.batch_size,
             "global_batch": opts.ranks * run.batch_size * run.grad_accum, "steps": run.steps,
-            "hardware": hardware(), "versions": versions(), "cluster": None,
+            "hardware": hardware(), "versions": versions(), "cluster": None, "emulated": None,
+            "calibration": opts.calibration or None, "load_avg": None,
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -324,8 +339,12 @@ def main(argv: list[str]) -> int:
     data = setup_record(setup, argv, session, target, rule)
     config = out / "config.json"
     config.write_text(json.dumps(data["config"], indent=1) + "\n")
+    if opts.cal is not None:
+        print("benchmarking the model for --calibration", file=sys.stderr)
+        predict.bench_compute(opts.cal, config.resolve(), opts.ranks, out)
     board = Board(specs, setup.run.steps)
     print(f"{len(specs)} runs of {setup.model_name} into {out}", file=sys.stderr)
+    load_before = os.getloadavg()
     procs = Processes()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # cleaned up as Ctrl-C is
     results = []
@@ -334,11 +353,14 @@ def main(argv: list[str]) -> int:
         if opts.hosts > 1:
             hosts = cluster.EmulatedCluster(opts.hosts, opts.link_gbit, out).__enter__()
             data["cluster"] = hosts.describe()
+            data["emulated"] = {"hosts": opts.hosts, "link_gbit": opts.link_gbit}
             print(hosts.describe(), file=sys.stderr)
         bench = Bench(out, config.resolve(), opts.ranks, opts.shards, setup.run.steps,
-                      opts.timeout, mpiexec, hosts)
+                      opts.timeout, mpiexec, hosts, opts.trace)
         for i, spec in enumerate(specs):
             outcome = launch.run(spec, bench, procs, board.watch(i, spec.name))
+            if opts.trace:
+                traces.merge_run(outcome, out)
             results.append(analyse(outcome, bench, data["global_batch"], floor, target))
             board.done(i, results[-1])
     finally:
@@ -353,7 +375,10 @@ def main(argv: list[str]) -> int:
     plots, note = report.plot(out, results, floor, target)
     if note:
         print(note, file=sys.stderr)
+    data["load_avg"] = {"before": list(load_before), "after": list(os.getloadavg())}
     summary = report.summary(data, results, plots, note)
+    if opts.cal is not None:
+        predict.predict(opts.cal, out, summary)
     report.write_summary(out, summary)
     report.write_report(out, summary, results, describe(setup, data))
     print(f"report: {out / 'report.md'}")

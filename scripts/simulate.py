@@ -8,6 +8,8 @@ training, predicted by alpha-beta-gamma formulas, calibrated on this host, valid
     python scripts/simulate.py --link local                  # N ranks on this host
     flock /tmp/dtlab-bench.lock python scripts/simulate.py --validate --ranks 2,3,4 \\
         --val-steps 200 --out runs/sim-val               # or --measured DIR: earlier runs
+    flock /tmp/dtlab-bench.lock python scripts/simulate.py --validate --hosts 2 \\
+        --link-gbit 1,0.1 --ranks 2 --val-runs sync-ring,async-bsp --config run.json
 
 Predictions (the default): for N = 1, 2, 4, ... 1024 (--workers) ranks or
 workers, the model of --config (default scripts/configs/transformer.json)
@@ -31,7 +33,10 @@ emulated one at a set rate).
 and writes them to --calibration with their fit errors. --validate runs
 scripts/compare.py at each N of --ranks (or reads --measured DIR) and
 prints predicted against measured step time per run, the relative error
-and whether it is within 25% (simulate_lib/validate.py). Exit status: 0, 1
+and whether it is within 25% (simulate_lib/validate.py); with --hosts H the
+runs go across H emulated hosts (compare.py --hosts H --link-gbit X, at every
+rate of --link-gbit) and are predicted with that link (simulate_lib/emulated.py:
+one rank or worker per host). Exit status: 0, 1
 when a validated run is off by more than the bound, 2 for a bad flag.
 """
 
@@ -40,12 +45,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import sys
 from pathlib import Path
 
+from compare_lib import cluster
 from simulate_lib import calibrate, links, scale, table, validate
 from simulate_lib.calibrated import host_network, host_server, preset_server
+from simulate_lib.emulated import Cluster
 from simulate_lib.formulas import Network
 from simulate_lib.step import ComputeRate, Host, compute_rate
 
@@ -67,6 +75,16 @@ def int_list(text: str, flag: str) -> list[int]:
         raise ConfigError(f"{flag} must be comma-separated integers (got {text!r})") from None
     if not values or min(values) < 1:
         raise ConfigError(f"{flag} must name N >= 1 (got {text!r})")
+    return values
+
+
+def float_list(text: str, flag: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{flag} must be comma-separated numbers (got {text!r})") from None
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise ConfigError(f"{flag} must name positive rates (got {text!r})")
     return values
 
 
@@ -109,6 +127,13 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "sync-ring,sync-naive,async-bsp)")
     g.add_argument("--val-shards", type=int, default=2,
                    help="--validate: shards of the async runs (default 2)")
+    g.add_argument("--hosts", type=int, default=1,
+                   help="--validate: run compare.py across this many emulated hosts (root; "
+                        "one rank or worker per host) and predict with their shaped links "
+                        "(simulate_lib/emulated.py); 1: this host (default)")
+    g.add_argument("--link-gbit", default="1,0.1",
+                   help="--validate --hosts H: the link rates in Gbit/s, comma-separated, "
+                        "each measured and predicted (default 1,0.1)")
     g.add_argument("--val-steps", type=int, default=200,
                    help="--validate: steps of every run (default 200)")
     g.add_argument("--out", default="", metavar="DIR",
@@ -151,6 +176,14 @@ def parse_args(argv: list[str]):
         raise ConfigError(f"--bucket-mb must be positive (got {o.bucket_mb})")
     if o.calibrate and o.validate:
         raise ConfigError("--calibrate and --validate are separate steps: calibrate first")
+    if o.hosts < 1:
+        raise ConfigError(f"--hosts must be at least 1 (got {o.hosts})")
+    o.rates = float_list(o.link_gbit, "--link-gbit")
+    if o.hosts > 1 and o.validate and not o.measured and cluster.check():
+        raise ConfigError(f"--hosts {o.hosts}: {cluster.check()}")
+    if o.hosts > 1 and not o.measured and max(int_list(o.ranks, "--ranks")) > o.hosts:
+        raise ConfigError(f"--hosts {o.hosts}: the emulated-cluster model takes one rank or "
+                          f"worker per host; give --ranks of at most {o.hosts}")
     o.workers_list = int_list(o.workers, "--workers")
     o.ranks_list = int_list(o.ranks, "--ranks")
     return setup
@@ -207,7 +240,8 @@ def do_validate(setup, o) -> int:
             before = os.getloadavg()[0]
             benches += validate.bench_compute(config, threads, launch)
             folders += validate.run_comparisons(config, n_list, o.val_runs, o.val_shards,
-                                                o.val_steps, launch, o.timeout)
+                                                o.val_steps, launch, o.timeout, o.hosts,
+                                                o.rates)
             (launch / "load.json").write_text(json.dumps(
                 {"before": before, "after": os.getloadavg()[0]}))
     else:
@@ -222,6 +256,10 @@ def do_validate(setup, o) -> int:
           f"compute: {len(benches)} benchmark(s) of the model in one process "
           f"({', '.join(str(p) for p in benches[:3])}{' ...' if len(benches) > 3 else ''}); "
           f"runs in {out}, {len(folders)} compare.py folder(s)")
+    for gbit in sorted({r["link_gbit"] for r in rows if r["link_gbit"]}, reverse=True):
+        hosts = next(r["hosts"] for r in rows if r["link_gbit"] == gbit)
+        print(f"# emulated: {Cluster(hosts, gbit).describe(cal)}; rank, worker or shard i on "
+              "host i mod H; gRPC on the calibration's session path (TCP), plus the link")
     loads = [r["max_load"] for r in rows if r["max_load"] is not None]
     if loads and max(loads) > host.cores:
         print(f"# warning: the host's 1-minute load average reached {max(loads):.1f} on "

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -26,7 +28,7 @@ FAST = ["--lr", "0.1", "--warmup", "0"]  # reaches the floor + 0.1 in a few doze
 SUMMARY_KEYS = {"command", "config", "model", "n_params", "dataset", "floor", "target_loss",
                 "target_rule", "smooth_window", "ranks", "shards", "batch_size", "global_batch",
                 "steps", "hardware", "versions", "started", "runs", "plots", "plots_note",
-                "cluster"}
+                "cluster", "emulated", "calibration", "load_avg"}
 STATS_KEYS = {"steps", "time_s", "s_per_step", "steps_to_target", "time_to_target_s",
               "measured_time_to_target_s", "samples_to_target", "final_loss", "gap",
               "samples_per_s", "updates_per_s", "split_ms", "allreduce_ms", "staleness",
@@ -156,6 +158,64 @@ def test_ctrl_c_stops_every_process_it_started(tmp_path):
     assert not left_behind(tmp_path)
 
 
+CALIBRATION = {"cores": 2, "allreduce": {"ring": {"alpha_s": 1e-3, "beta_s_per_byte": 1e-9}},
+               "pserver": {"shm": {op: {"alpha_s": 2e-3, "beta_s_per_byte": 1e-9}
+                                   for op in ("pull", "push")}},
+               "apply_s_per_byte": {}, "compute": []}
+
+
+def expected_max_of_two(samples: list[float]) -> float:
+    """E[slowest of 2] - median for a normal of the samples' robust spread (IQR / 1.349)."""
+    q1, _, q3 = statistics.quantiles(samples, n=4)
+    return (q3 - q1) / 1.349 / math.sqrt(math.pi)
+
+
+@pytest.mark.mpi
+def test_traces_merged_and_the_cost_model_beside_each_run(tmp_path):
+    out, steps = tmp_path / "out", 12
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps(CALIBRATION))
+    r = compare(*TINY, "--steps", str(steps), "--runs", "sync-ring,async-bsp", "--trace",
+                "--calibration", str(cal), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert not left_behind(tmp_path)
+    summary = json.loads((out / "summary.json").read_text())
+    report = (out / "report.md").read_text()
+    names = {"sync-ring": "sync rank", "async-bsp": "async worker"}
+    for run in summary["runs"]:
+        # one trace of both processes, each its own pid, every step's compute span in it
+        assert run["trace"] == f"{run['name']}.trace.json"
+        assert f"[{run['name']}]({run['trace']})" in report
+        events = json.loads((out / run["trace"]).read_text())["traceEvents"]
+        procs = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+        assert procs == {0: f"{names[run['name']]} 0", 1: f"{names[run['name']]} 1"}
+        for pid in (0, 1):
+            compute = [e for e in events if e["pid"] == pid and e["name"] == "compute"]
+            assert sorted(e["args"]["step"] for e in compute) == list(range(1, steps + 1))
+    # the model's step beside the measured median step after warm-up
+    cores = os.cpu_count()
+    share, threads = max(1.0, 2 / cores), max(1, cores // 2)
+    bench = json.loads((out / f"model-t{threads}.json").read_text())["rows"][0]
+    samples = bench["step_s_samples"]
+    sync, bsp = summary["runs"]
+    rank0 = read_metrics(str(out / "sync-ring.jsonl"))[1]
+    assert sync["measured_median_s_per_step"] == pytest.approx(
+        statistics.median(x["step_s"] for x in rank0[2:]))
+    # 268 bytes of gradient: recursive doubling (alpha + n beta + n gamma), nothing hidden
+    allreduce = 1e-3 + 67 * 4 * 2e-9
+    assert sync["predicted_s_per_step"] == pytest.approx(
+        share * (statistics.median(samples) + expected_max_of_two(samples) + allreduce))
+    for run in (sync, bsp):
+        assert run["predicted_s_per_step"] > 0
+        assert run["prediction_error"] == pytest.approx(
+            run["predicted_s_per_step"] / run["measured_median_s_per_step"] - 1)
+        cells = rows(report, run["name"])[0].split("|")[-4:-1]
+        assert float(cells[1]) == pytest.approx(1e3 * run["predicted_s_per_step"], abs=0.006)
+        assert cells[2].strip() == f"{100 * run['prediction_error']:+.1f}%"
+    assert "median ms/step | predicted ms/step | error |" in report
+    assert "Host load average" in report
+
+
 @pytest.mark.parametrize("args, named", [
     (["--runs", "sync-ring,async-foo"], "unknown run 'async-foo'"),
     (["--runs", "async-ssp"], "unknown run 'async-ssp'"),  # SSP needs its bound: async-ssp2
@@ -168,6 +228,7 @@ def test_ctrl_c_stops_every_process_it_started(tmp_path):
     (["--target-loss", "0.01"], "below the data's floor"),
     (["--config", "no/such.json"], "--config no/such.json"),
     (["--metrics", "m.jsonl"], "--metrics has no effect"),
+    (["--calibration", "no/cal.json"], "--calibration no/cal.json: no such file"),
 ])
 def test_a_bad_config_is_named_before_anything_starts(tmp_path, args, named):
     out = tmp_path / "out"

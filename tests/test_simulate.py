@@ -15,10 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dtlab.models.config import ConfigError
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from simulate_lib import calibrate  # noqa: E402 - scripts/ is put on the path just above
+from simulate_lib.emulated import Cluster, ps_step_on, sync_step_on  # noqa: E402
 from simulate_lib.formulas import (  # noqa: E402
     Network,
     ServerLink,
@@ -136,6 +139,40 @@ def test_straggler_is_the_expected_slowest_of_n():
     assert s.comm_s == pytest.approx(0.625 + allreduce_s("doubling", 4e3, 2, LINK))
 
 
+def test_emulated_cluster_by_hand():
+    cal = {"allreduce": {"ring": {"beta_s_per_byte": G}},
+           "pserver": {"session": {op: {"alpha_s": 1e-4, "beta_s_per_byte": 1e-9}
+                                   for op in ("pull", "push")}},
+           "apply_s_per_byte": {}}
+    c = Cluster(hosts=2, gbit=0.1)
+    link = c.link(cal)
+    # tbf counts whole frames: 1448 payload bytes in 1514 of the qdisc's
+    assert link.beta_s_per_byte == pytest.approx(8 / 0.1e9 * 1514 / 1448)
+    assert link.alpha_s == 50e-6 and link.gamma_s_per_byte == G
+    # shard k and worker w on host k mod 2, w mod 2: half of each gradient crosses a link
+    assert c.crossing(workers=2, shards=2) == (0.5, 0.5)
+    assert c.crossing(workers=2, shards=1) == (1.0, 1.0)  # host 0's shard serves host 1
+    # 4 hosts, 2 shards: host 0 answers 3 workers elsewhere with n/2 each; host 2's worker
+    # pushes n/2 to each of the 2 shards, both elsewhere
+    assert Cluster(4, 1.0).crossing(workers=4, shards=2) == (1.5, 1.0)
+    w = Workload("mlp", {}, 1, 1.0, grad_bytes=4e6, optimizer="sgd")
+    # sync, 2 ranks, a rank per host: halving of the gradient on the link, nothing hidden
+    s = sync_step_on(c, "ring", w, 2, cal, compute_s=0.01, bucket_bytes=25e6, host=Host(2))
+    assert s.algo == "halving"
+    assert s.comm_s == pytest.approx(allreduce_s("halving", 4e6, 2, link))
+    # async: the calibrated gRPC round (W/S = 1: n beta) plus the crossing half on the link;
+    # 2 workers on 2 cores: the critical path is the longer
+    p = ps_step_on(c, w, 2, 2, cal, compute_s=0.01, host=Host(2))
+    cpu = 1e-4 + 4e6 * 1e-9
+    wire = 50e-6 + 0.5 * 4e6 * link.beta_s_per_byte
+    assert p.comm_s == pytest.approx(2 * (cpu + wire)) and not p.parts["cpu_bound"]
+    # 2 workers on 1 core: the CPU work (2 x (compute + pull + push)) sets the round
+    p = ps_step_on(c, w, 2, 2, cal, compute_s=0.01, host=Host(1))
+    assert p.step_s == pytest.approx(max(2 * (0.01 + 2 * cpu), 0.01 + 2 * (cpu + wire)))
+    with pytest.raises(ConfigError, match="one rank or worker per host"):
+        sync_step_on(c, "ring", w, 3, cal, 0.01, 25e6, Host(2))
+
+
 def synthetic_bench(tmp: Path) -> list[str]:
     """bench_allreduce, bench_pserver and bench_model JSON made from known constants on a host
     of this one's cores."""
@@ -150,8 +187,9 @@ def synthetic_bench(tmp: Path) -> list[str]:
                 rows.append({"algo": algo, "n": n, "bytes": size, "time_us": t * 1e6,
                              "via": via})
     (tmp / "ar.json").write_text(json.dumps({"meta": {"n": 4}, "rows": rows}))
-    ps = [{"mode": "rounds", "path": "shm", "bytes": b, "pull_ms": 1e3 * (3e-4 + b / 2e9),
-           "push_ms": 1e3 * (4e-4 + b / 1e9)} for b in (1 << 16, 1 << 20, 1 << 24)]
+    ps = [{"mode": "rounds", "path": path, "bytes": b, "pull_ms": 1e3 * (3e-4 + b / 2e9),
+           "push_ms": 1e3 * (4e-4 + b / 1e9)} for b in (1 << 16, 1 << 20, 1 << 24)
+          for path in ("shm", "session")]
     ps += [{"op": "push", "bytes": 1 << 20, "shards": 2, "optimizer": o,
             "apply_ms": 1e3 * (1 << 19) * g} for o, g in (("sgd", 1e-10), ("adam", 3e-10))]
     (tmp / "ps.json").write_text(json.dumps({"config": {}, "env": {}, "rows": ps}))
@@ -233,12 +271,57 @@ def test_tiny_validation_against_real_runs(tmp_path):
     assert again.stdout.count("sync-ring") == done.stdout.count("sync-ring")
 
 
+EMULATED_MLP = ["--model", "mlp", "--d-in", "16", "--d-hidden", "1024", "--n-layers", "2",
+                "--n-classes", "4", "--batch-size", "8"]
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root")
+def test_emulated_validation_at_two_link_rates(tmp_path):
+    """compare.py across 2 emulated hosts at 1 and 0.1 Gbit/s, predicted with their links:
+    one row per run and rate, the link's time in the 0.1 Gbit/s prediction."""
+    cal = tmp_path / "cal.json"
+    assert simulate("--calibrate", "--bench", *synthetic_bench(tmp_path),
+                    "--calibration", str(cal)).returncode == 0
+    out, report = tmp_path / "val", tmp_path / "val.json"
+    done = simulate("--validate", *EMULATED_MLP, "--calibration", str(cal), "--hosts", "2",
+                    "--link-gbit", "1,0.1", "--ranks", "2", "--val-runs", "sync-ring,async-bsp",
+                    "--val-steps", "10", "--launches", "1", "--out", str(out),
+                    "--json", str(report), timeout=240)
+    assert done.returncode in (0, 1), done.stderr
+    assert "# emulated: 2 emulated hosts at 0.1 Gbit/s" in done.stdout
+    rows = json.loads(report.read_text())["rows"]
+    assert [(r["run"], r["link_gbit"]) for r in rows] == [
+        ("sync-ring", 1.0), ("async-bsp", 1.0), ("sync-ring", 0.1), ("async-bsp", 0.1)]
+    grad_bytes = 4 * (16 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 4 + 4)
+    for r in rows:
+        assert r["hosts"] == 2 and r["n"] == 2 and r["meas_step_s"] > 0
+        assert r["rel_err"] == pytest.approx((r["pred_step_s"] - r["meas_step_s"])
+                                             / r["meas_step_s"])
+        assert r["within"] == (abs(r["rel_err"]) <= 0.25)
+    # halving over 2 hosts: each rank's link carries the gradient once a step; async: half
+    # of it each way (a worker's own-host shard never crosses)
+    wire = grad_bytes * 8 / 0.1e9 * 1514 / 1448
+    sync, bsp = rows[2], rows[3]
+    parts = sync["pred_parts"][0]
+    # halving, 2 ranks: 2 alpha + n beta + n/2 gamma (the adds at the calibration's rate)
+    assert parts["allreduce_s"] == pytest.approx(2 * 50e-6 + wire + grad_bytes / 2 / 5e9)
+    assert sync["pred_comm_s"] == pytest.approx(parts["allreduce_s"] + parts["straggler_s"])
+    assert bsp["pred_comm_s"] >= wire + 2 * 50e-6
+    assert bsp["pred_parts"][0]["link_pull_s"] == pytest.approx(50e-6 + wire / 2)
+    again = simulate("--validate", "--calibration", str(cal), "--measured", str(out))
+    assert again.returncode == done.returncode, again.stderr
+    assert again.stdout.count("sync-ring") == done.stdout.count("sync-ring")
+
+
 @pytest.mark.parametrize("args,message", [
     (["--link", "warp"], "--link: unknown link 'warp'"),
     (["--intra-link", "carrier-pigeon", "--link", "1gbit"], "--intra-link: unknown link"),
     (["--workers", "0,4"], "--workers must name N >= 1"),
     (["--validate", "--ranks", "0"], "--ranks must name N >= 1"),
     (["--shards", "0"], "--shards must be at least 1"),
+    (["--validate", "--hosts", "2", "--ranks", "3"], "give --ranks of at most 2"),
+    (["--validate", "--hosts", "2", "--link-gbit", "1,0"], "--link-gbit must name positive"),
     (["--calibration", "/nonexistent/cal.json"], "no such file"),
 ])
 def test_bad_flags_are_named(args, message):

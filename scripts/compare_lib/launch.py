@@ -7,6 +7,9 @@
               --consistency C [--staleness S] --staleness-lr none|divide --ready-file ...
         mpiexec -n N dtlab-worker --config CFG --servers ... --metrics OUT/NAME.w{worker}.jsonl
 
+With --trace, every rank adds --trace OUT/NAME.trace.{rank}.json and every
+worker --trace OUT/NAME.trace.w{worker}.json (compare_lib/traces.py merges them).
+
 The processes are started, tracked and stopped by processes.Processes.
 The servers of an async run are fresh for every run (port 0: each picks a
 free loopback port and writes it to its ready file).
@@ -89,6 +92,7 @@ class Bench:
     timeout_s: float
     mpiexec: str
     cluster: EmulatedCluster | None = None
+    trace: bool = False  # every process writes a Chrome trace into `out`
 
 
 @dataclass
@@ -100,6 +104,7 @@ class Outcome:
     tail: str = ""  # the end of the failed run's log(s)
     wall_s: float = 0.0
     link_bytes: list[int] | None = None  # per emulated host, sent during the run
+    trace: Path | None = None  # the run's merged Chrome trace (compare_lib/traces.py)
 
 
 def find_mpiexec() -> str:
@@ -179,6 +184,8 @@ def run_sync(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
     cmd = [bench.mpiexec, *mpiexec_args(bench), "-n", str(bench.ranks), str(BIN / "dtlab-sync"),
            "--config", str(bench.config), "--allreduce", spec.allreduce,
            "--metrics", str(metrics)]
+    if bench.trace:
+        cmd += ["--trace", str(bench.out / f"{spec.name}.trace.{{rank}}.json")]
     outcome = Outcome(spec, [metrics], [cmd])
     main = procs.start(cmd, log, bench.cluster.env if bench.cluster else None)
     try:
@@ -226,6 +233,8 @@ def run_async(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
                "--metrics", str(out / f"{name}.w{{worker}}.jsonl")]
         if bench.cluster:
             cmd.append("--no-shm")
+        if bench.trace:
+            cmd += ["--trace", str(out / f"{name}.trace.w{{worker}}.json")]
         outcome.commands.append(cmd)
         main = procs.start(cmd, log, bench.cluster.env if bench.cluster else None)
         outcome.error = _wait(procs, main, servers, deadline, bench.timeout_s, metrics, watch)

@@ -7,6 +7,10 @@
     loss_vs_samples.png   ... against samples seen
     time_split.png     ms per step: compute, comm, pull, other, per run
 
+With --calibration the efficiency table gets the measured median step, the
+cost model's and the error (compare_lib/predict.py); with --trace the report
+links each run's merged Chrome trace (compare_lib/traces.py).
+
 The plots need matplotlib (the `plot` extra); without it the report says so.
 """
 
@@ -47,7 +51,8 @@ def summary(setup: dict, results: list[Result], plots: list[str], plots_note: st
         runs.append({"name": r.name, "topology": o.spec.topology, "what": o.spec.describe(),
                      "status": "ok" if r.ok else "failed", "error": o.error, "log_tail": o.tail,
                      "wall_s": o.wall_s, "metrics": [p.name for p in o.metrics],
-                     "commands": o.commands, "stats": r.stats, "link_bytes": o.link_bytes})
+                     "commands": o.commands, "stats": r.stats, "link_bytes": o.link_bytes,
+                     "trace": o.trace.name if o.trace else None})
     return {**setup, "runs": runs, "plots": plots, "plots_note": plots_note}
 
 
@@ -59,22 +64,75 @@ def _f(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def efficiency_table(results: list[Result]) -> list[str]:
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def efficiency_table(results: list[Result], runs: list[dict], predicted: bool) -> list[str]:
+    """runs: summary.json's, in the order of `results`; predicted: with the cost model's
+    columns (compare.py --calibration)."""
     base = results[0]
     base_t = base.stats["time_to_target_s"] if base.stats else None
+    extra = " median ms/step | predicted ms/step | error |" if predicted else ""
     rows = ["| run | what | ms/step (HE) | steps to target (SE) | time to target (s) "
-            f"| vs {base.name} | samples to target | wall (s) | status |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
+            f"| vs {base.name} | samples to target | wall (s) | status |{extra}",
+            "|---|---|---|---|---|---|---|---|---|" + "---|" * (3 if predicted else 0)]
+    for r, run in zip(results, runs, strict=True):
         s = r.stats or {}
         t = s.get("time_to_target_s")
         ratio = t / base_t if t and base_t else None
         per_step = s["s_per_step"] * 1e3 if s else None
-        rows.append(f"| {r.name} | {r.outcome.spec.describe()} | {_f(per_step, '.2f')} "
-                    f"| {_f(s.get('steps_to_target'), 'd')} | {_f(t, '.2f')} "
-                    f"| {_f(ratio, '.2f')} | {_f(s.get('samples_to_target'), ',d')} "
-                    f"| {r.outcome.wall_s:.1f} | {'ok' if r.ok else 'FAILED'} |")
+        row = (f"| {r.name} | {r.outcome.spec.describe()} | {_f(per_step, '.2f')} "
+               f"| {_f(s.get('steps_to_target'), 'd')} | {_f(t, '.2f')} "
+               f"| {_f(ratio, '.2f')} | {_f(s.get('samples_to_target'), ',d')} "
+               f"| {r.outcome.wall_s:.1f} | {'ok' if r.ok else 'FAILED'} |")
+        if predicted:
+            err = run["prediction_error"]
+            row += (f" {_f(_ms(run['measured_median_s_per_step']), '.2f')} "
+                    f"| {_f(_ms(run['predicted_s_per_step']), '.2f')} "
+                    f"| {_f(None if err is None else 100 * err, '+.1f')}"
+                    f"{'' if err is None else '%'} |")
+        rows.append(row)
     return rows
+
+
+def prediction_lines(data: dict) -> list[str]:
+    """The legend of the predicted columns and the load the runs shared the host with."""
+    if not data.get("calibration"):
+        return []
+    bound = sum(1 for r in data["runs"] if r["prediction_error"] is not None
+                and abs(r["prediction_error"]) <= 0.25)
+    done = sum(1 for r in data["runs"] if r["prediction_error"] is not None)
+    notes = [f"{r['name']}: no prediction ({r['prediction_note']})" for r in data["runs"]
+             if r.get("prediction_note")]
+    return [f"median ms/step: median step after warm-up (the first tenth, at least 2); "
+            f"predicted: the cost model (scripts/simulate.py, calibration "
+            f"{data['calibration']}, the model benchmarked in one process before the runs); "
+            f"error: (predicted - median) / median; {bound} of {done} within 25%."
+            + "".join(f" {n}." for n in notes), ""]
+
+
+def load_line(data: dict) -> list[str]:
+    load = data.get("load_avg")
+    if not load:
+        return []
+    return [f"Host load average (1, 5, 15 min) before the runs: "
+            f"{', '.join(f'{x:.2f}' for x in load['before'])}; after: "
+            f"{', '.join(f'{x:.2f}' for x in load['after'])} "
+            f"({data['hardware']['cpu_count']} cores).", ""]
+
+
+def trace_lines(results: list[Result]) -> list[str]:
+    """With --trace: a link to each run's merged trace."""
+    merged = [r for r in results if r.outcome.trace]
+    if not merged:
+        return []
+    return ["## Traces", "", *(f"- [{r.name}]({r.outcome.trace.name})" for r in merged), "",
+            "Each run's processes (sync ranks; async workers) merged into one Chrome trace, one "
+            "track per process, rows compute / comm / wait / optimizer / eval: open it in "
+            "Perfetto (ui.perfetto.dev) or chrome://tracing. The servers write no trace: one "
+            "would add each shard's apply of every push and the time a pull waits there for "
+            "the round (BSP/SSP), which the workers' comm spans hold undivided.", ""]
 
 
 def detail_table(results: list[Result]) -> list[str]:
@@ -113,7 +171,8 @@ def write_report(out: Path, data: dict, results: list[Result], lines: list[str])
     base = results[0].name
     text = ["# Sync vs async training, one model, one budget", "", *lines, "",
             "## Time to target = hardware efficiency x statistical efficiency", "",
-            *efficiency_table(results), "",
+            *efficiency_table(results, data["runs"], bool(data.get("calibration"))), "",
+            *prediction_lines(data), *load_line(data),
             "ms/step (HE): ms of training / steps; steps to target (SE): first step whose "
             f"trailing mean loss over {data['smooth_window']} step(s) is <= the target; time to "
             f"target: HE x SE (Hadjis et al. 2016, Omnivore); vs {base}: time to target / "
@@ -136,6 +195,7 @@ def write_report(out: Path, data: dict, results: list[Result], lines: list[str])
         text += ["## Failed runs", ""]
         for r in failed:
             text += [f"### {r.name}", "", r.outcome.error, "", "```", r.outcome.tail, "```", ""]
+    text += trace_lines(results)
     text += ["## Plots", ""]
     text += ([f"![{PLOTS[p]}]({p})" for p in data["plots"]] if data["plots"]
              else [data["plots_note"]])

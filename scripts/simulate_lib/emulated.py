@@ -88,8 +88,9 @@ def sync_step_on(cluster: Cluster, kind: str, w: Workload, n: int, cal: dict,
                  straggler_s: float = 0.0) -> Step:
     cluster.check(n)
     link = cluster.link(cal)
-    # every rank on a host of its own: the flat algorithms on the shaped link
-    return sync_step(kind, w, n, Network(link, link), compute_s, bucket_bytes,
+    # every rank on a host of its own: the flat algorithms on the shaped link (one level:
+    # the ranks as one group on it, no shared memory between them)
+    return sync_step(kind, w, n, Network(link, link, gpus_per_node=n), compute_s, bucket_bytes,
                      host, straggler_s)
 
 

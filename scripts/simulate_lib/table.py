@@ -70,13 +70,16 @@ def fits(cal: dict) -> str:
 
 
 def validation(rows: list[dict], cores: int) -> str:
-    out = [f"#{'run':>12}{'N':>3}{'S':>3}{'L':>3}{'threads':>8}{'share':>6}{'pred':>9}{'meas':>9}"
+    out = [f"#{'run':>12}{'N':>3}{'S':>3}{'link':>6}{'L':>3}{'threads':>8}{'share':>6}"
+           f"{'pred':>9}{'meas':>9}"
            f"{'err':>8}{'ok':>4}{'pred cmp':>10}{'meas cmp':>10}{'pred comm':>10}"
            f"{'meas comm':>10}{'pred TTT':>9}{'meas TTT':>9}{'load':>6}",
-           f"#{'':>12}{'':>3}{'':>3}{'':>3}{'':>8}{'':>6}{'(ms)':>9}{'(ms)':>9}{'':>8}{'':>4}"
+           f"#{'':>12}{'':>3}{'':>3}{'Gbit':>6}{'':>3}{'':>8}{'':>6}{'(ms)':>9}{'(ms)':>9}{'':>8}{'':>4}"
            f"{'(ms)':>10}{'(ms)':>10}{'(ms)':>10}{'(ms)':>10}{'(s)':>9}{'(s)':>9}{'':>6}"]
     for r in rows:
-        out.append(f" {r['run']:>12}{r['n']:>3}{r['shards'] or '-':>3}{r['launches']:>3}"
+        link = format(r["link_gbit"], "g") if r["link_gbit"] else "local"
+        out.append(f" {r['run']:>12}{r['n']:>3}{r['shards'] or '-':>3}{link:>6}"
+                   f"{r['launches']:>3}"
                    f"{r['threads']:>8}"
                    f"{r['share']:>6.2f}{fmt_ms(r['pred_step_s']):>9}{fmt_ms(r['meas_step_s']):>9}"
                    f"{100 * r['rel_err']:>+7.1f}%{'yes' if r['within'] else 'NO':>4}"
@@ -89,9 +92,10 @@ def validation(rows: list[dict], cores: int) -> str:
     out.append(f"# legend: pred/meas = predicted / measured median step time after warm-up "
                "(each a median over the launches, a launch's prediction from its own compute "
                "benchmark); err "
-               f"= (pred - meas) / meas; ok = |err| within the bound; L = launches (meas: their "
-               f"median); threads = BLAS threads a process gets; share = ranks or workers over "
-               f"the host's {cores} cores (> 1: "
+               f"= (pred - meas) / meas; ok = |err| within the bound; link = local (every process "
+               "on this host, shared memory) or the emulated hosts' link rate; L = launches "
+               "(meas: their median); threads = BLAS threads a process gets; share = ranks or "
+               f"workers over the host's {cores} cores (> 1: "
                "they take turns on the cores, each computes at 1/share of a core); cmp = "
                "compute; comm = exposed communication (sync: the wait after backward; async: "
                "pull + push); TTT = step x measured steps to target (-: not reached); load = the "

@@ -10,6 +10,8 @@ N interleaved) the median over the launches. The model's compute comes from a be
 the very model and batch in one process at the thread counts the runs get
 (written as bench_model.py JSON beside the runs), its communication from
 the calibration; nothing measured in the runs goes into the prediction.
+A folder run across emulated hosts (its summary's `emulated`: hosts and link
+rate) is predicted with that cluster's link (simulate_lib/emulated.py).
 """
 
 from __future__ import annotations
@@ -110,20 +112,27 @@ def compute_rows(paths: list[Path]) -> list[dict]:
 
 
 def run_comparisons(config_path: str, ranks: list[int], runs: str, shards: int, steps: int,
-                    folder: Path, timeout_s: float) -> list[Path]:
-    """compare.py at every N of `ranks` into FOLDER/nN; the folders."""
+                    folder: Path, timeout_s: float, hosts: int = 1,
+                    rates: tuple[float, ...] = ()) -> list[Path]:
+    """compare.py at every N of `ranks` into FOLDER/nN (on `hosts` emulated hosts: at every
+    link rate of `rates`, into FOLDER/nN-gX); the folders."""
     dirs = []
     for n in ranks:
-        d = folder / f"n{n}"
-        cmd = [sys.executable, str(SCRIPTS / "compare.py"), "--config", config_path,
-               "--runs", runs, "--ranks", str(n), "--shards", str(shards), "--steps", str(steps),
-               "--log-every", str(steps), "--out", str(d), "--timeout", str(timeout_s)]
-        print(f"# measuring N={n}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
-        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if done.returncode not in (0, 1):  # 1: a run failed, which the table leaves out
-            raise RuntimeError(f"compare.py at N={n} exited with {done.returncode}: "
-                               f"{done.stderr.strip()[-2000:]}")
-        dirs.append(d)
+        for gbit in rates if hosts > 1 else (None,):
+            d = folder / (f"n{n}" + (f"-g{gbit:g}" if gbit else ""))
+            cmd = [sys.executable, str(SCRIPTS / "compare.py"), "--config", config_path,
+                   "--runs", runs, "--ranks", str(n), "--shards", str(shards),
+                   "--steps", str(steps), "--log-every", str(steps), "--out", str(d),
+                   "--timeout", str(timeout_s)]
+            if gbit:
+                cmd += ["--hosts", str(hosts), "--link-gbit", f"{gbit:g}"]
+            print(f"# measuring N={n}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+            done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True)
+            if done.returncode not in (0, 1):  # 1: a run failed, which the table leaves out
+                raise RuntimeError(f"compare.py at N={n} exited with {done.returncode}: "
+                                   f"{done.stderr.strip()[-2000:]}")
+            dirs.append(d)
     return dirs
 
 
@@ -179,6 +188,12 @@ def predict_run(name: str, w: Workload, n: int, shards: int, cal: dict, host: Ho
     return ps_step(w, n, shards, host_server(cal, w.optimizer), own, host, late), rate
 
 
+def cluster_of(summary: dict) -> Cluster | None:
+    """The emulated cluster a compare.py folder ran on (its summary's `emulated`), if any."""
+    e = summary.get("emulated")
+    return Cluster(e["hosts"], e["link_gbit"]) if e else None
+
+
 def launch_calibration(cal: dict, folder: Path) -> dict:
     """`cal` with the compute benchmark of `folder`'s launch (its parent's model-t*.json,
     measured just before its runs) in place of the pooled one, when there is one."""
@@ -186,10 +201,14 @@ def launch_calibration(cal: dict, folder: Path) -> dict:
     return {**cal, "compute_rows": compute_rows(own)} if own else cal
 
 
-def load_of(folder: Path) -> float | None:
-    """The host's highest 1-minute load average around `folder`'s launch, if recorded."""
+def load_of(folder: Path, summary: dict) -> float | None:
+    """The host's highest 1-minute load average around `folder`'s launch (its load.json), or
+    around its runs (compare.py's summary), if recorded."""
     path = folder.parent / "load.json"
-    return max(json.loads(path.read_text()).values()) if path.exists() else None
+    if path.exists():
+        return max(json.loads(path.read_text()).values())
+    load = summary.get("load_avg")
+    return max(load["before"][0], load["after"][0]) if load else None
 
 
 def validate(folders: list[Path], cal: dict, host: Host, bucket_bytes: float) -> list[dict]:
@@ -201,17 +220,21 @@ def validate(folders: list[Path], cal: dict, host: Host, bucket_bytes: float) ->
         n, shards = summary["ranks"], summary["shards"]
         w = workload(str(folder / "config.json"))
         launch_cal = launch_calibration(cal, folder)
+        cluster = cluster_of(summary)
+        gbit = cluster.gbit if cluster else None
         for run in summary["runs"]:
             if run["status"] != "ok":
                 continue
             shards_of = shards if run["topology"] == "async" else None
             step, rate = predict_run(run["name"], w, n, shards or 1, launch_cal, host,
-                                     bucket_bytes)
-            found.setdefault((run["name"], n, shards_of), []).append(
+                                     bucket_bytes, cluster)
+            found.setdefault((run["name"], n, shards_of, gbit), []).append(
                 {"m": measure(run, folder), "stats": run["stats"], "step": step, "rate": rate,
-                 "load": load_of(folder)})
+                 "load": load_of(folder, summary), "hosts": cluster.hosts if cluster else 1})
     rows = []
-    for (name, n, shards), got in sorted(found.items(), key=lambda kv: kv[0][1]):  # by N
+    # by link (this host first, then the fastest), then N
+    for (name, n, shards, gbit), got in sorted(
+            found.items(), key=lambda kv: (-(kv[0][3] or float("inf")), kv[0][1])):
         def med(values):
             return statistics.median(list(values))
 
@@ -223,7 +246,8 @@ def validate(folders: list[Path], cal: dict, host: Host, bucket_bytes: float) ->
         err = (pred - m["step_s"]) / m["step_s"]
         loads = [g["load"] for g in got if g["load"] is not None]
         rows.append({
-            "run": name, "n": n, "shards": shards, "launches": len(got),
+            "run": name, "n": n, "shards": shards, "link_gbit": gbit,
+            "hosts": got[0]["hosts"], "launches": len(got),
             "threads": host.threads(n), "share": host.share(n),
             "pred_step_s": pred, "meas_step_s": m["step_s"], "rel_err": err,
             "within": abs(err) <= BOUND,

@@ -50,7 +50,7 @@ from dtlab.collective.choose import OURS, allreduce_algorithm
 from dtlab.collective.doubling import bind_doubling
 from dtlab.collective.failure import install_abort_handler, resolve_timeout
 from dtlab.collective.halving import bind_halving
-from dtlab.collective.link import Link, byte_view, mpi_sum
+from dtlab.collective.link import TAG_ALLTOALL, Link, byte_view, mpi_sum
 from dtlab.collective.naive import naive_allreduce
 from dtlab.collective.ring import (
     ring_allgather,
@@ -116,6 +116,22 @@ class SendRequest:
         if self._req is not None:
             self._link.wait(self._req, self._what, self._dest)
             self._req = self._buf = None
+
+
+class AlltoallvRequest:
+    """An all-to-all(v) in flight (Communicator.ialltoallv): holds its buffers; wait()
+    completes it under the stall watchdog, once, and returns (out, recv_counts)."""
+
+    def __init__(self, link: Link, reqs: list, send, buf, device, out, recv_counts: list[int]):
+        self._link, self._reqs, self._held = link, reqs, (send, buf, device)
+        self.out, self.recv_counts = out, recv_counts
+
+    def wait(self):
+        if self._reqs is not None:
+            self._link.waitall(self._reqs, "ialltoallv", None)
+            gpu.unplace(self._held[1], self._held[2])
+            self._reqs = self._held = None
+        return self.out, self.recv_counts
 
 
 class Communicator:
@@ -336,6 +352,71 @@ class Communicator:
         send = self._place(_flat(x), "stage_in")[0]
         buf, xp, sync, device = self._place(_flat(out, "out"), "stage", copy_in=False)
         pairwise_alltoallv(self._link, send, sb, buf, rb, xp=xp, sync=sync)
+        gpu.unplace(buf, device)
+        return out, recv_counts
+
+    def ialltoallv(self, x, send_counts, out=None, recv_counts=None) -> AlltoallvRequest:
+        """Start alltoallv (the same arguments; without recv_counts they are exchanged
+        first, blocking); the request's wait() completes it and returns (out, recv_counts).
+        Every receive and send is posted at once, in pairwise-exchange order (from r - k,
+        to r + k), and one wait completes them: no step waits for the one before, which
+        matters when ranks outnumber cores. x and out must not be touched before wait()."""
+        send_counts = [int(c) for c in send_counts]
+        if len(send_counts) != self.size or sum(send_counts) != x.shape[0]:
+            raise ValueError(
+                f"ialltoallv on {self.name!r}: rank {self.rank} has {x.shape[0]} rows but "
+                f"send_counts {send_counts} (need {self.size} counts summing to the rows)"
+            )
+        row = _row_elems(x)
+        self._agree.check("alltoallv", row, x.dtype, row)
+        if recv_counts is None:
+            theirs, _ = self.alltoallv(np.asarray(send_counts, dtype=np.int64),
+                                       [1] * self.size, recv_counts=[1] * self.size)
+            recv_counts = theirs.tolist()
+        recv_counts = [int(c) for c in recv_counts]
+        out = _output(x, out, sum(recv_counts), "ialltoallv")
+        sb = [b * row for b in np.cumsum([0, *send_counts]).tolist()]
+        rb = [b * row for b in np.cumsum([0, *recv_counts]).tolist()]
+        send = self._place(_flat(x), "stage_in")[0]
+        buf, _, sync, device = self._place(_flat(out, "out"), "stage", copy_in=False)
+        n, r = self.size, self.rank
+        buf[rb[r]:rb[r + 1]] = send[sb[r]:sb[r + 1]]
+        if sync is not None:
+            sync()
+        reqs = [self.mpi.Irecv(byte_view(buf[rb[s]:rb[s + 1]]), s, TAG_ALLTOALL)
+                for s in ((r - k) % n for k in range(1, n))]
+        reqs += [self.mpi.Isend(byte_view(send[sb[d]:sb[d + 1]]), d, TAG_ALLTOALL)
+                 for d in ((r + k) % n for k in range(1, n))]
+        return AlltoallvRequest(self._link, reqs, send, buf, device, out, recv_counts)
+
+    def mpi_alltoallv(self, x, send_counts, out=None, recv_counts=None):
+        """alltoallv by MPI's own Alltoallv (the baseline ours is measured against, and
+        `--moe-alltoall mpi`); the same arguments and result. Moves raw bytes."""
+        send_counts = [int(c) for c in send_counts]
+        if len(send_counts) != self.size or sum(send_counts) != x.shape[0]:
+            raise ValueError(
+                f"mpi_alltoallv on {self.name!r}: rank {self.rank} has {x.shape[0]} rows but "
+                f"send_counts {send_counts} (need {self.size} counts summing to the rows)"
+            )
+        row = _row_elems(x)
+        self._agree.check("alltoallv", row, x.dtype, row)
+        if recv_counts is None:
+            theirs = np.empty(self.size, dtype=np.int64)  # (N,)
+            self.mpi.Alltoall(np.asarray(send_counts, dtype=np.int64), theirs)
+            recv_counts = theirs.tolist()
+        recv_counts = [int(c) for c in recv_counts]
+        out = _output(x, out, sum(recv_counts), "mpi_alltoallv")
+        unit = row * x.dtype.itemsize  # bytes per row
+        sc = [c * unit for c in send_counts]
+        rc = [c * unit for c in recv_counts]
+        sd = np.cumsum([0, *sc[:-1]]).tolist()
+        rd = np.cumsum([0, *rc[:-1]]).tolist()
+        send = self._place(_flat(x), "stage_in")[0]
+        buf, _, sync, device = self._place(_flat(out, "out"), "stage", copy_in=False)
+        if sync is not None:
+            sync()
+        req = self.mpi.Ialltoallv([send, (sc, sd), MPI.BYTE], [buf, (rc, rd), MPI.BYTE])
+        self._link.wait(req, "alltoallv(mpi)", None)
         gpu.unplace(buf, device)
         return out, recv_counts
 

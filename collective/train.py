@@ -5,8 +5,10 @@
     mpiexec -n 4 python -m dtlab.collective.train --dp 2 --tp 2 --model transformer
     mpiexec -n 8 python -m dtlab.collective.train --dp 2 --pp 2 --tp 2 --grad-accum 4 \
         --pp-schedule zb-h1 --model transformer
+    mpiexec -n 4 python -m dtlab.collective.train --model transformer --moe-experts 8 \
+        --dp 2 --ep 2 [--moe-alltoall ours|mpi] [--moe-chunks 2]
 
-The world is a dp x pp x tp grid (collective/grid.py, tp fastest). With --tp 1
+The world is a dp x pp x ep x tp grid (collective/grid.py, tp fastest). With --tp 1
 every rank holds a full replica; with --tp b each group of b consecutive
 ranks holds one replica split Megatron-style (models/tensor_parallel.py:
 heads, FFN columns / rows, vocabulary), each rank only its shard. With --pp c
@@ -24,6 +26,18 @@ as backward has produced it unless --no-overlap), so every replica takes
 the same optimizer step. With N ranks of per-rank batch B this is the same
 computation as one process with batch N*B (Goyal et al. 2017), up to the
 order of floating-point sums.
+
+With --ep e (a transformer with --moe-experts N, N divisible by e) each group of e ranks
+holds the N experts of every MoE layer split e ways (models/moe_ep.py) and everything
+else whole; the e ranks read their own data (data rank dp_rank * e + ep_rank of dp * e)
+and exchange the routed tokens by all-to-all(v), ours (every exchange posted at once,
+then one wait) or MPI's Alltoallv (--moe-alltoall), in --moe-chunks chunks that overlap
+the exchange with the experts' compute. The parameters are laid out dense first, experts
+after (models/transformer.py), and reduced in two groups:
+the dense range averaged over the dp x ep ranks (dp_ep_comm), the expert range over the
+dp ranks holding the same experts (dp_comm) and divided by e, since each expert's
+gradient already sums the e ranks' tokens: both are then the gradient of the mean loss of
+all dp x e ranks, that of one process on the global batch with the same token groups.
 
 Rank 0 writes the metrics (per-step time split into compute, communication
 and waiting) and checkpoints. An exception on any rank aborts the whole job.
@@ -46,6 +60,7 @@ from dtlab.collective.failure import FORWARD_S
 from dtlab.collective.grid import GridError, ProcessGrid
 from dtlab.models.config import ConfigError
 from dtlab.models.data.dataset import in_words
+from dtlab.models.moe_ep import ExpertParallel
 from dtlab.models.run.checkpoint import CheckpointError
 from dtlab.models.run.cli import command_name, run_cli
 from dtlab.models.run.metrics import MetricsLog, run_header
@@ -66,7 +81,8 @@ INTERRUPTED = 130
 
 
 def add_sync_flags(parser: argparse.ArgumentParser) -> None:
-    grid = parser.add_argument_group("process grid (dp x pp x tp = the ranks of mpiexec -n)")
+    grid = parser.add_argument_group(
+        "process grid (dp x pp x ep x tp = the ranks of mpiexec -n)")
     grid.add_argument("--dp", type=int, default=None,
                       help="data-parallel replicas (default: the ranks --pp and --tp leave)")
     grid.add_argument("--tp", type=int, default=1,
@@ -75,6 +91,15 @@ def add_sync_flags(parser: argparse.ArgumentParser) -> None:
     grid.add_argument("--pp", type=int, default=1,
                       help="pipeline stages per replica (at most the model's layers: embedding, "
                            "blocks, final norm, head); a step's micro-batches are --grad-accum")
+    grid.add_argument("--ep", type=int, default=1,
+                      help="expert-parallel ranks: the MoE layers' experts split over them "
+                           "(must divide --moe-experts); they read their own data")
+    grid.add_argument("--moe-alltoall", choices=("ours", "mpi"), default="ours",
+                      help="the expert-parallel all-to-all(v): ours (every pairwise "
+                           "exchange posted at once) or MPI's Alltoallv")
+    grid.add_argument("--moe-chunks", type=int, default=1,
+                      help="split each MoE layer's routed tokens into this many chunks, one "
+                           "chunk's all-to-all overlapping another's expert compute")
     grid.add_argument("--pp-schedule", choices=sorted(SCHEDULES), default="1f1b",
                       help="pipeline schedule: GPipe, 1F1B (PipeDream-Flush) or zero-bubble ZB-H1")
     grid.add_argument("--stages", default="",
@@ -96,19 +121,34 @@ def add_sync_flags(parser: argparse.ArgumentParser) -> None:
 
 
 class DataParallelReducer:
-    """Adapts BucketReducer to the trainer: averages gradients and logged scalars."""
+    """Adapts BucketReducer to the trainer: averages gradients and logged scalars.
+
+    With `experts` (comm, lo, divide) the buffer holds two parameter groups: [0, lo) is
+    averaged over `comm` in overlapped buckets, [lo, end) (the experts) over the experts'
+    comm once backward is done, then divided by `divide`."""
 
     def __init__(self, comm: Communicator, grad, bucket_bytes: int, algo: str, overlap: bool,
-                 wire: str = "fp32"):
-        self.comm = comm
-        self.buckets = BucketReducer(comm, grad, bucket_bytes=bucket_bytes, algo=algo,
-                                     overlap=overlap, wire=wire)
+                 wire: str = "fp32", experts: tuple[Communicator, int, int] | None = None):
+        self.comm, self.grad = comm, grad
+        self.lo = grad.size if experts is None else experts[1]
+        self.buckets = BucketReducer(comm, grad[:self.lo], bucket_bytes=bucket_bytes,
+                                     algo=algo, overlap=overlap, wire=wire)
+        self.experts = None
+        if experts is not None:
+            self.experts = BucketReducer(experts[0], grad[self.lo:], bucket_bytes=bucket_bytes,
+                                         algo=algo, overlap=False, wire=wire)
+            self.divide = experts[2]
         self.ready = self.buckets.ready
         self._scalar = np.zeros(1)
 
     def wait(self) -> dict:
         t = self.buckets.wait()
-        return {"comm_s": t.comm_s, "wait_s": t.wait_s, "wire_bytes": t.wire_bytes}
+        comm_s, wait_s, wire = t.comm_s, t.wait_s, t.wire_bytes
+        if self.experts is not None:
+            e = self.experts.wait()
+            self.grad[self.lo:] /= self.divide
+            comm_s, wait_s, wire = comm_s + e.comm_s, wait_s + e.wait_s, wire + e.wire_bytes
+        return {"comm_s": comm_s, "wait_s": wait_s, "wire_bytes": wire}
 
     def average(self, value: float) -> float:
         self._scalar[0] = value
@@ -116,6 +156,8 @@ class DataParallelReducer:
 
     def close(self) -> None:
         self.buckets.close()
+        if self.experts is not None:
+            self.experts.close()
 
 
 def check_replicas_agree(comm: Communicator, params, when: str) -> None:
@@ -132,7 +174,8 @@ def memory_split(session: Session, grid: ProcessGrid) -> dict:
     params = session.params
     slots = [v for k, v in session.optimizer.state_dict().items() if k != "steps"]
     dense = dense_param_count(session.setup) * params.dtype.itemsize  # bytes of one copy
-    return {"tp": grid.tp_size, "pp": grid.pp_size, "param_bytes": params.nbytes,
+    return {"tp": grid.tp_size, "pp": grid.pp_size, "ep": grid.ep_size,
+            "param_bytes": params.nbytes,
             "grad_bytes": params.grad.nbytes,
             "optimizer_bytes": sum(v.nbytes for v in slots), "dense_param_bytes": dense,
             "dense_grad_bytes": dense, "dense_optimizer_bytes": len(slots) * dense}
@@ -146,15 +189,45 @@ def parse_args(argv: list[str]) -> Setup:
         raise ConfigError(f"--bucket-mb must be positive (got {opts.bucket_mb})")
     if opts.stages and opts.pp == 1:
         raise ConfigError(f"--stages {opts.stages} has no effect without --pp")
+    check_ep_flags(setup)
     return setup
 
 
+def check_ep_flags(setup: Setup) -> None:
+    """ConfigError naming the flags when --ep, --moe-alltoall or --moe-chunks cannot act."""
+    opts = setup.extra
+    if opts.ep < 1:
+        raise ConfigError(f"--ep must be a positive integer (got {opts.ep})")
+    if opts.moe_chunks < 1:
+        raise ConfigError(f"--moe-chunks must be at least 1 (got {opts.moe_chunks})")
+    if opts.ep == 1:
+        for flag, value, default in (("--moe-alltoall", opts.moe_alltoall, "ours"),
+                                     ("--moe-chunks", opts.moe_chunks, 1)):
+            if value != default:
+                raise ConfigError(f"{flag} {value} has no effect without --ep")
+        return
+    experts = getattr(setup.model, "moe_experts", 0)
+    if not experts:
+        raise ConfigError(f"--ep {opts.ep} needs a model with experts (--model transformer "
+                          "--moe-experts N)")
+    if experts % opts.ep:
+        raise ConfigError(f"--moe-experts {experts} is not divisible by --ep {opts.ep}")
+    if setup.model.moe_groups != 1:
+        raise ConfigError(f"--moe-groups {setup.model.moe_groups} with --ep {opts.ep}: each "
+                          "rank's tokens are one group")
+    if opts.pp > 1 or opts.tp > 1:
+        raise ConfigError(f"--ep {opts.ep} with --pp {opts.pp} --tp {opts.tp}: not yet "
+                          "(expert parallelism combines with --dp only)")
+
+
 def make_grid(opts: argparse.Namespace) -> ProcessGrid:
-    """The dp x pp x tp grid the flags ask for, or a ConfigError naming them."""
+    """The dp x pp x ep x tp grid the flags ask for, or a ConfigError naming them."""
     try:
-        return ProcessGrid(dp=opts.dp, pp=opts.pp, tp=opts.tp, timeout=opts.collective_timeout)
+        return ProcessGrid(dp=opts.dp, pp=opts.pp, tp=opts.tp, ep=opts.ep,
+                           timeout=opts.collective_timeout)
     except GridError as e:
-        raise ConfigError(f"--dp {opts.dp} --pp {opts.pp} --tp {opts.tp}: {e}") from None
+        ep = f" --ep {opts.ep}" if opts.ep > 1 else ""
+        raise ConfigError(f"--dp {opts.dp} --pp {opts.pp} --tp {opts.tp}{ep}: {e}") from None
 
 
 def main(argv: list[str]) -> int:
@@ -177,21 +250,28 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
     comm, rank = grid.dp_comm, grid.rank
     pipeline = PipelineSpec(grid.pp_comm, opts.pp_schedule, opts.stages) if grid.pp_size > 1 \
         else None
-    session = build_session(setup, rank=grid.dp_rank, world=grid.dp_size,
-                            tp=grid.tp_comm if grid.tp_size > 1 else None, pipeline=pipeline)
+    ep = expert_parallel(grid, opts)
+    session = build_session(setup, rank=grid.dp_rank * grid.ep_size + grid.ep_rank,
+                            world=grid.dp_size * grid.ep_size,
+                            tp=grid.tp_comm if grid.tp_size > 1 else None, pipeline=pipeline,
+                            ep=ep)
     params = session.params
     split = memory_split(session, grid)
 
-    flops_per_step = replica_cost(setup).flops_step * grid.dp_size
-    reducer = DataParallelReducer(comm, params.grad, int(opts.bucket_mb * 1e6),
-                                  opts.allreduce, opts.overlap, opts.wire)
+    flops_per_step = replica_cost(setup).flops_step * grid.dp_size * grid.ep_size
+    reducer = DataParallelReducer(grid.dp_ep_comm, params.grad, int(opts.bucket_mb * 1e6),
+                                  opts.allreduce, opts.overlap, opts.wire,
+                                  experts=expert_group(grid, params))
     processes = grid.world.mpi.allgather(f"{os.getpid()}@{socket.gethostname()}")
     header = run_header(session, "sync", flops_per_step=flops_per_step,
                         allreduce=opts.allreduce, bucket_mb=opts.bucket_mb, wire=opts.wire,
                         overlap=reducer.buckets.overlap, threads=threads.as_dict(),
-                        dp=grid.dp_size, processes=processes, **split)
+                        dp=grid.dp_size,
+                        **({"moe_alltoall": opts.moe_alltoall, "moe_chunks": opts.moe_chunks}
+                           if grid.ep_size > 1 else {}),
+                        processes=processes, **split)
     log = MetricsLog(setup.run.metrics if rank == 0 else "", header, append=setup.run.resume)
-    # loads a checkpoint on --resume; dp rank 0 of every tp rank saves that rank's shard
+    # loads a checkpoint on --resume; dp rank 0 of every (pp, ep, tp) rank saves its shard
     trainer = Trainer(session, log, reducer, is_main=rank == 0, saves=grid.dp_rank == 0,
                       agree=lambda counts: grid.world.allreduce(counts, algo="mpi"),
                       rank=rank, role="sync")
@@ -199,7 +279,8 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
     check_replicas_agree(comm, params, "after the initial broadcast")
     if rank == 0:
         print(f"{setup.model_name}: {dense_param_count(setup):,} parameters on dp "
-              f"{grid.dp_size} x {pipe_words(session, opts)}tp {grid.tp_size} ranks, "
+              f"{grid.dp_size} x {pipe_words(session, opts)}{ep_words(opts)}tp {grid.tp_size} "
+              f"ranks, "
               f"{shard_words(split)}; allreduce {opts.allreduce} ({opts.wire} on the wire), "
               f"{len(reducer.buckets.buckets)} bucket(s); data {in_words(header['dataset'])}; "
               f"{threads.describe()} per rank", file=sys.stderr)
@@ -217,6 +298,39 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
     return session, grid, summary
 
 
+def expert_parallel(grid: ProcessGrid, opts: argparse.Namespace) -> ExpertParallel | None:
+    """The MoE layers' expert-parallel group (None without --ep): the exchange --moe-alltoall
+    names, --moe-chunks, the bias balancing's loads summed over dp x ep, this rank's data
+    group."""
+    if grid.ep_size == 1:
+        return None
+    comm = grid.ep_comm
+    exchange = comm.mpi_alltoallv if opts.moe_alltoall == "mpi" else posted_alltoallv(comm)
+    return ExpertParallel(comm, exchange, chunks=opts.moe_chunks, loads=grid.dp_ep_comm,
+                          group=grid.dp_rank * grid.ep_size + grid.ep_rank)
+
+
+def posted_alltoallv(comm: Communicator):
+    """Our all-to-all(v) as the MoE layers call it: every exchange posted at once and
+    completed by one wait (Communicator.ialltoallv), which beats the step-by-step pairwise
+    exchange when ranks outnumber cores (scripts/bench_moe.py)."""
+    def alltoallv(x, send_counts, out=None, recv_counts=None):
+        return comm.ialltoallv(x, send_counts, out, recv_counts).wait()
+    return alltoallv
+
+
+def expert_group(grid: ProcessGrid, params) -> tuple[Communicator, int, int] | None:
+    """(dp_comm, first expert offset, ep) for the reducer's expert group, None without ep.
+    The experts must be the buffer's last contiguous range (models/transformer.py)."""
+    if grid.ep_size == 1:
+        return None
+    ranges = sorted(params.ranges("ep"))
+    lo = ranges[0][0]
+    if ranges[-1][1] != params.size or sum(hi - a for a, hi in ranges) != params.size - lo:
+        raise RuntimeError("the expert parameters are not the end of the flat buffer")
+    return grid.dp_comm, lo, grid.ep_size
+
+
 def rank_table(processes: list[str], most: int = 32) -> str:
     """'0 2853@vm, 1 2854@vm, ...' (the first `most`; the metrics header keeps all)."""
     shown = ", ".join(f"{r} {p}" for r, p in enumerate(processes[:most]))
@@ -230,6 +344,14 @@ def pipe_words(session: Session, opts: argparse.Namespace) -> str:
         return ""
     return (f"pp {opts.pp} ({opts.pp_schedule}, {session.setup.run.grad_accum} micro-batches, "
             f"modules {session.model.bounds}) x ")
+
+
+def ep_words(opts: argparse.Namespace) -> str:
+    """'ep 2 (all-to-all ours, 1 chunk) x ', or '' without expert parallelism."""
+    if opts.ep == 1:
+        return ""
+    return (f"ep {opts.ep} (all-to-all {opts.moe_alltoall}, {opts.moe_chunks} "
+            f"chunk{'s' if opts.moe_chunks > 1 else ''}) x ")
 
 
 def shard_words(split: dict) -> str:

@@ -18,6 +18,13 @@ runs n_heads / tp heads: the q, k and v columns of its heads (a
 ColumnParallelLinear of 3 groups) and the matching rows of W_o (a
 RowParallelLinear, whose all-reduce sums the heads' contributions).
 
+With `recompute_scores` (selective activation recomputation, Korthikanti et
+al. 2022, "Reducing Activation Recomputation in Large Transformer Models")
+the (B, heads, T, T) softmax A is not kept: backward rebuilds it from the
+kept q and k by the same operations, so the gradients are bit-identical,
+for 2 B T^2 d more FLOPs and B heads T^2 fewer floats held per layer; the
+linear layers' inputs and outputs stay kept.
+
 The row sum is taken over (T, d_head) rather than (T, T) through the
 identity sum_j dA_ij A_ij = dY_i . sum_j A_ij V_j = dY_i . Y_i (as in
 FlashAttention, Dao et al. 2022). The per-head products are written straight
@@ -39,10 +46,10 @@ class CausalSelfAttention(Module):
     """n_heads heads over d_model; with `tp`, this rank's n_heads / tp.size of them."""
 
     def __init__(self, name: str, d_model: int, n_heads: int, std: float = 0.02,
-                 out_std: float = 0.02, tp: Comm | None = None):
+                 out_std: float = 0.02, tp: Comm | None = None, recompute_scores: bool = False):
         if d_model % n_heads:
             raise ValueError(f"d_model {d_model} is not divisible by n_heads {n_heads}")
-        self.name, self.d = name, d_model
+        self.name, self.d, self.recompute_scores = name, d_model, recompute_scores
         self.hs = d_model // n_heads
         if tp is None:
             self.h = n_heads
@@ -67,19 +74,27 @@ class CausalSelfAttention(Module):
         C = nh * hs
         qkv, qkv_ctx = self.qkv.forward(P, x)  # (B, T, 3C)
         q, k, v = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)  # 3 x (B, nh, T, hs)
-        a = (q * (1.0 / math.sqrt(hs))) @ k.swapaxes(-1, -2)  # (B, nh, T, T) scores S
-        a += _causal_mask(xp, T, a.dtype)
-        a -= a.max(axis=-1, keepdims=True)
-        xp.exp(a, out=a)
-        a *= 1.0 / a.sum(axis=-1, keepdims=True)  # A = softmax(S)
+        a = self._softmax(xp, q, k)  # (B, nh, T, T)
         y = xp.empty((B, T, nh, hs), dtype=a.dtype)
         xp.matmul(a, v, out=y.transpose(0, 2, 1, 3))  # (B, nh, T, hs) view: Y = A V
         out, proj_ctx = self.proj.forward(P, y.reshape(B, T, C))
-        return out, (qkv_ctx, q, k, v, a, proj_ctx)
+        return out, (qkv_ctx, q, k, v, None if self.recompute_scores else a, proj_ctx)
+
+    def _softmax(self, xp, q, k):
+        """A = softmax(Q K^T / sqrt(d_head) + M), (B, nh, T, T), in place in one buffer."""
+        T = q.shape[2]
+        a = (q * (1.0 / math.sqrt(self.hs))) @ k.swapaxes(-1, -2)  # (B, nh, T, T) scores S
+        a += _causal_mask(xp, T, a.dtype)
+        a -= a.max(axis=-1, keepdims=True)
+        xp.exp(a, out=a)
+        a *= 1.0 / a.sum(axis=-1, keepdims=True)
+        return a
 
     def backward(self, P, ctx, dout):
         xp = array_module(dout)
         qkv_ctx, q, k, v, a, proj_ctx = ctx
+        if a is None:  # selective recomputation: rebuild A exactly as forward made it
+            a = self._softmax(xp, q, k)
         B, nh, T, hs = q.shape
         dy = self.proj.backward(P, proj_ctx, dout)  # (B, T, C)
         dy = dy.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # (B, nh, T, hs) dY

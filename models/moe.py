@@ -18,9 +18,18 @@ runs in four phases, each timed into the layer's MoEStats (models/moe_stats.py):
               and summed over k; plus the shared experts on every row
 
 "Rows grouped by destination expert, counts per expert" is the form an all-to-all
-(Comm.alltoallv(xs, send_counts)) takes for expert parallelism: between dispatch and
-compute, and back between compute and combine. Experts' parameters are named per expert
-(`h0.moe.e3.w1`, `h0.moe.e3.fc.W`) so that a rank can own a subset (`experts=range(a, b)`).
+takes for expert parallelism (models/moe_ep.py): with `ep` the layer holds the experts
+`ep.owned(N)` only (parameters named per expert, `h0.moe.e3.w1`, marked split "ep"), and
+between dispatch and compute the rows go to their experts' ranks, and back between compute
+and combine (forward and backward).
+
+Token groups and capacity. Capacity applies per token group, as in GShard: a layer with
+`groups` G splits its n rows into G equal contiguous groups and dispatches each on its
+own (C_g = ceil(factor A_g / N)), the Switch term being the mean over groups
+(models/router.py). Under expert parallelism every rank is one group (its own tokens), so
+e ranks of n rows each compute exactly what one process with G = e computes on their
+n e rows concatenated in rank order: the single-process twin of an ep run. The rows of an
+expert are the groups' rows for it in group order, on one rank as across ranks.
 
 Backward: dout_a = g_a dy_t; dg_a = dy_t . out_a; the experts' backward on their rows;
 dx_t = sum of the rows' dx back in their slots + the router's dx (models/router.py, which
@@ -31,6 +40,7 @@ models/parts.py's moe_ffn predicts.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import NamedTuple
 
@@ -39,6 +49,7 @@ import numpy as np
 from dtlab.models.backend import array_module, to_host
 from dtlab.models.comm import Comm
 from dtlab.models.layers import GELU, Linear, Module, Sequential, SwiGLU
+from dtlab.models.moe_ep import ExpertParallel, source_to_expert
 from dtlab.models.moe_stats import MoEStats
 from dtlab.models.router import Router, RouterOptions, capacity, entropy
 
@@ -81,6 +92,29 @@ def dispatch(sel, valid, n_experts: int, cap: int | None) -> Dispatch:
     return Dispatch(slot[kept], xp.minimum(load, cap), load)
 
 
+def dispatch_groups(sel, valid, n_experts: int, factor: float | None, groups: int) -> Dispatch:
+    """dispatch() on each of `groups` equal contiguous groups of the rows of sel (n, k),
+    with each group's own capacity (None: dropless); the rows grouped by expert, each
+    expert's rows in group order."""
+    xp = array_module(sel)
+    n, k = sel.shape
+    m = n // groups
+    slots, counts, load = [], [], 0
+    for g in range(groups):
+        gsel = sel[g * m:(g + 1) * m]
+        gvalid = None if valid is None else valid[g * m:(g + 1) * m]
+        chosen = gsel.size if gvalid is None else int(gvalid.sum())
+        cap = None if factor is None else capacity(factor, chosen, n_experts)
+        d = dispatch(gsel, gvalid, n_experts, cap)
+        slots.append(d.slots + g * m * k)
+        counts.append(to_host(d.counts))
+        load = load + d.load
+    if groups == 1:
+        return Dispatch(slots[0], d.counts, d.load)
+    order = xp.asarray(source_to_expert(np.stack(counts)))  # group-major -> expert-major
+    return Dispatch(xp.concatenate(slots)[order], xp.asarray(np.sum(counts, axis=0)), load)
+
+
 def to_slots(rows, slots, n: int, k: int):
     """sum_j of rows (A, d) placed at their slots t k + j: (n, d); empty slots add 0."""
     xp = array_module(rows)
@@ -94,11 +128,13 @@ class MoE(Module):
     the same shape, a linear router (RouterOptions), a capacity factor (None: dropless).
 
     `comm`: the ranks whose loads the bias balancing sums (None: this process only).
-    `experts`: the experts this layer holds (default all; a subset needs the expert-
-    parallel all-to-all, not yet implemented). `stats`: the MoEStats each forward fills
-    (None: none kept). Attributes the caller may set: `training` (False: no router noise),
-    `aux_scale` (multiplies the balancing terms' gradients; set it to the loss's scale
-    under gradient accumulation), `noise_step` (advances by one per backward). After each
+    `ep`: the expert-parallel group (models/moe_ep.py; None: every expert here); the layer
+    then holds `ep.owned(N)`, which `experts` (default: those) must equal. `groups`: token
+    groups (capacity and Switch term per group; an ep rank is one group). `stats`: the
+    MoEStats each forward fills (None: none kept). Attributes the caller may set:
+    `training` (False: no router noise), `groups`, `aux_scale` (multiplies the balancing
+    terms' gradients; set it to the loss's scale under gradient accumulation),
+    `noise_step` (advances by one per backward). After each
     forward `last_aux_loss` holds the balancing terms times their coefficients (what a
     Model adds to the loss it reports; also in the context as `moe_aux_loss`, but
     Recompute keeps no context).
@@ -107,14 +143,21 @@ class MoE(Module):
     def __init__(self, name: str, d: int, d_ff: int, router: RouterOptions, kind: str = "gelu",
                  capacity_factor: float | None = 1.25, shared: int = 0, out_std: float = 0.02,
                  comm: Comm | None = None, experts: range | None = None,
-                 stats: MoEStats | None = None):
+                 stats: MoEStats | None = None, ep: ExpertParallel | None = None,
+                 groups: int = 1):
         N = router.n_experts
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"{name}: capacity factor {capacity_factor} must be positive")
-        self.owned = range(N) if experts is None else experts
-        if self.owned != range(N):
-            raise NotImplementedError(f"{name}: experts={self.owned} of {N} needs the "
-                                      "expert-parallel all-to-all (not yet)")
+        if groups < 1:
+            raise ValueError(f"{name}: groups {groups} must be at least 1")
+        held = range(N) if ep is None else ep.owned(N)
+        self.owned = held if experts is None else experts
+        if self.owned != held:
+            raise ValueError(f"{name}: experts={self.owned} of {N}, but "
+                             + ("a subset needs an ep group to reach the others by "
+                                "all-to-all (ep=ExpertParallel)" if ep is None
+                                else f"ep rank {ep.comm.rank} of {ep.comm.size} holds {held}"))
+        self.ep, self.groups = ep, groups
         self.name, self.d, self.n_experts, self.k = name, d, N, router.slots
         self.capacity_factor, self.comm, self.stats = capacity_factor, comm, stats
         self.router = Router(name, d, router)
@@ -124,31 +167,37 @@ class MoE(Module):
         self.last_aux_loss = 0.0  # coefficient x balancing terms of the latest forward
 
     def specs(self):
-        return self.router.specs() + [s for m in self.experts + self.shared for s in m.specs()]
+        split = "" if self.ep is None else "ep"  # expert gradients average over dp only
+        experts = [dataclasses.replace(s, split=split) for m in self.experts for s in m.specs()]
+        return self.router.specs() + experts + [s for m in self.shared for s in m.specs()]
 
     def forward(self, P, x):
         xp = array_module(x)
         n, k, o = x.size // self.d, self.k, self.router.opts
+        if n % self.groups:
+            raise ValueError(f"{self.name}: {n} token rows are not divisible into "
+                             f"{self.groups} groups")
         x2 = x.reshape(n, self.d)  # (n, d)
         t0 = time.perf_counter()
-        r = self.router.route(P, x2, self.noise_step if self.training else None)
+        group = 0 if self.ep is None else self.ep.group
+        r = self.router.route(P, x2, self.noise_step if self.training else None,
+                              self.groups, group)
         r["sel"] = xp.ascontiguousarray(r["sel"])  # (n, k) its own buffer, not a view
         t1 = time.perf_counter()
-        chosen = n * k if r["valid"] is None else int(r["valid"].sum())
-        cap = None if self.capacity_factor is None \
-            else capacity(self.capacity_factor, chosen, self.n_experts)
-        plan = dispatch(r["sel"], r["valid"], self.n_experts, cap)
+        plan = dispatch_groups(r["sel"], r["valid"], self.n_experts, self.capacity_factor,
+                               self.groups)
         xs = x2.take(plan.slots // k, axis=0)  # (A, d) rows grouped by expert
         t2 = time.perf_counter()
         counts = [int(c) for c in to_host(plan.counts)]
-        out = xp.empty_like(xs)  # (A, d)
-        ectx, lo = [], 0
-        for expert, c in zip(self.experts, counts, strict=True):
-            ctx = None
-            if c:
-                out[lo:lo + c], ctx = expert.forward(P, xs[lo:lo + c])
-            ectx.append(ctx)
-            lo += c
+        if self.ep is None:
+            ectx = [None]
+            out = self._experts_forward(P, ectx, 0, xs, counts)
+            chunks = None
+        else:
+            chunks = self.ep.plan(counts, xp)
+            ectx = [None] * len(chunks)
+            out = self.ep.run(chunks, xs, lambda c, rows, cc:
+                              self._experts_forward(P, ectx, c, rows, cc))
         t3 = time.perf_counter()
         w = r["gates"].reshape(-1).take(plan.slots)  # (A,)
         y = to_slots(out * w[:, None], plan.slots, n, k)  # (n, d)
@@ -160,11 +209,33 @@ class MoE(Module):
         t4 = time.perf_counter()
         aux = {"switch": r.pop("aux_switch"), "z": r.pop("aux_z")}
         self.last_aux_loss = o.aux_coef * aux["switch"] + o.z_coef * aux["z"]
-        ctx = {"route": r, "slots": plan.slots, "counts": counts, "out": out, "experts": ectx,
-               "shared": sctx, "moe_aux": aux, "moe_aux_loss": self.last_aux_loss}
+        ctx = {"route": r, "slots": plan.slots, "counts": counts, "chunks": chunks, "out": out,
+               "experts": ectx, "shared": sctx, "moe_aux": aux,
+               "moe_aux_loss": self.last_aux_loss}
         if self.stats is not None:
             self._record(P, r, plan, counts, aux, (t0, t1, t2, t3, t4))
         return y.reshape(x.shape), ctx
+
+    def _experts_forward(self, P, ectx: list, c: int, xs, counts: list[int]):
+        """The held experts on their contiguous rows of xs (A, d); contexts into ectx[c]."""
+        out = array_module(xs).empty_like(xs)  # (A, d)
+        ectx[c], lo = [], 0
+        for expert, n in zip(self.experts, counts, strict=True):
+            ctx = None
+            if n:
+                out[lo:lo + n], ctx = expert.forward(P, xs[lo:lo + n])
+            ectx[c].append(ctx)
+            lo += n
+        return out
+
+    def _experts_backward(self, P, ectx: list, dyr, counts: list[int]):
+        """dx of the held experts' rows from their output gradients dyr (A, d)."""
+        dxs, lo = array_module(dyr).empty_like(dyr), 0  # (A, d)
+        for expert, n, ctx in zip(self.experts, counts, ectx, strict=True):
+            if n:
+                dxs[lo:lo + n] = expert.backward(P, ctx, dyr[lo:lo + n])
+            lo += n
+        return dxs
 
     def backward(self, P, ctx, dy):
         xp = array_module(dy)
@@ -175,11 +246,12 @@ class MoE(Module):
         dgates = xp.zeros(n * k, dtype=dy.dtype)
         dgates[slots] = xp.einsum("ad,ad->a", dyr, out)  # dg_a = dy_t . out_a
         dyr *= r["gates"].reshape(-1).take(slots)[:, None]  # dout_a = g_a dy_t
-        dxs, lo = xp.empty_like(dyr), 0
-        for expert, c, ectx in zip(self.experts, ctx["counts"], ctx["experts"], strict=True):
-            if c:
-                dxs[lo:lo + c] = expert.backward(P, ectx, dyr[lo:lo + c])
-            lo += c
+        ectx = ctx["experts"]
+        if ctx["chunks"] is None:
+            dxs = self._experts_backward(P, ectx[0], dyr, ctx["counts"])
+        else:
+            dxs = self.ep.run(ctx["chunks"], dyr, lambda c, rows, cc:
+                              self._experts_backward(P, ectx[c], rows, cc))
         dx = to_slots(dxs, slots, n, k)  # (n, d)
         dx += self.router.backward(P, r, dgates.reshape(n, k), self.aux_scale)
         for s, sctx in zip(self.shared, ctx["shared"], strict=True):

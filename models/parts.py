@@ -59,16 +59,19 @@ def norm(name: str, kind: str, N: int, d: int) -> Part:
     return Part(name, params=2 * d if kind == "layernorm" else d, act_floats=N * d + N)
 
 
-def attention(name: str, B: int, T: int, d: int, n_heads: int) -> Part:
+def attention(name: str, B: int, T: int, d: int, n_heads: int, selective: bool = False) -> Part:
     """Causal self-attention, full (T, T) scores per head.
 
     Forward 2 N d 3d (qkv) + 2 B T^2 d (Q K^T) + 2 B T^2 d (A V) + 2 N d^2 (proj);
-    backward twice that. Keeps x, qkv (3 N d), A (B h T^2) and the heads' output.
+    backward twice that. Keeps x, qkv (3 N d), A (B h T^2) and the heads' output;
+    `selective` (Korthikanti et al. 2022) keeps no A and recomputes Q K^T in backward.
     """
     N = B * T
     f = 2 * N * d * 3 * d + 4 * B * T * T * d + 2 * N * d * d
+    scores = 0 if selective else B * n_heads * T * T
     return Part(name, params=3 * d * d + 3 * d + d * d + d, flops_forward=f,
-                flops_backward=2 * f, act_floats=N * d + 3 * N * d + B * n_heads * T * T + N * d)
+                flops_backward=2 * f, flops_recompute=2 * B * T * T * d if selective else 0,
+                act_floats=N * d + 3 * N * d + scores + N * d)
 
 
 def gelu_ffn(name: str, N: int, d: int, d_ff: int) -> Part:
@@ -134,7 +137,7 @@ def transformer_parts(c: TransformerConfig, B: int) -> list[Part]:
     L_moe = moe_blocks(c)
     layer = [
         norm("ln1", c.norm, N, d),
-        attention("attention", B, c.seq_len, d, c.n_heads),
+        attention("attention", B, c.seq_len, d, c.n_heads, c.selective_recompute),
         norm("ln2", c.norm, N, d),
     ]
     counts = [L] * len(layer)
@@ -171,7 +174,7 @@ def transformer_modules(c: TransformerConfig, B: int) -> list[list[Part]]:
         ffn = moe_ffn(f"h.moe ({c.ffn})", c, N) if moe else \
             (swiglu_ffn if c.ffn == "swiglu" else gelu_ffn)(f"h.ffn ({c.ffn})", N, d, c.d_ff)
         parts = [norm("h.ln1", c.norm, N, d), attention("h.attention", B, c.seq_len, d,
-                                                         c.n_heads),
+                                                         c.n_heads, c.selective_recompute),
                  norm("h.ln2", c.norm, N, d), ffn]
         if c.recompute:
             parts = [recomputed(p) for p in parts] + [Part("h.block input", act_floats=N * d)]

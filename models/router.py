@@ -4,7 +4,9 @@ For n token rows x (n, d) and N experts (Shazeer et al. 2017; Fedus et al. 2021)
 
     z = x Wr                              (n, N) logits, Wr (d, N), no bias
     z <- z + tau eps  (training only)     eps ~ Gumbel(0, 1) ("gumbel") or U(-1, 1) ("jitter"),
-                                          drawn from (seed, layer name, noise step): deterministic
+                                          drawn from (seed, layer name, noise step, token
+                                          group): deterministic, the same for a group's
+                                          rows on any number of ranks
     p = softmax(z)                        (n, N)
     choice by s = p + b                   b: per-expert bias used for the choice only
                                           (auxiliary-loss-free balancing, DeepSeek-V3 2024)
@@ -19,6 +21,9 @@ its coefficient by the MoE layer's backward:
     Switch (Fedus et al. 2021, eq. 4): L_aux = N sum_e f_e P_e,
         f_e = share of the chosen (token, expert) pairs going to e (constant), P_e = mean_t p_te
         dL_aux/dp_te = N f_e / n
+      with G token groups (the rows split into G equal contiguous groups, as G data-parallel
+      ranks each see their own; GShard's groups) the mean over groups of each group's
+      L_aux, so dL_aux/dp_te = N f_ge / (n_g G) for t in group g
     router z-loss (Zoph et al. 2022, eq. 5): L_z = mean_t (logsumexp_e z_te)^2
         dL_z/dz_te = 2 lse_t p_te / n
     bias: after each backward, b_e += rate sign(mean_e' load_e' - load_e), load_e the pairs
@@ -93,15 +98,23 @@ class Router:
             out.append(ParamSpec(f"{self.name}.bias", (N,), init="zeros", decay=False))
         return out
 
-    def noise(self, shape, dtype, step: int, xp):
-        """tau eps for noise step `step`, the same on every call with that step."""
-        rng = np.random.default_rng([self.opts.seed, self.key, step])
-        eps = rng.gumbel(size=shape) if self.opts.noise == "gumbel" \
-            else rng.uniform(-1.0, 1.0, size=shape)
-        return xp.asarray(eps * self.opts.temperature, dtype=dtype)
+    def noise(self, shape, dtype, step: int, xp, groups: int = 1, group: int = 0):
+        """tau eps for noise step `step`, the same on every call with that step: the rows
+        of shape (n, N) in `groups` equal groups numbered from `group`, each drawn from
+        (seed, layer, step, its number) (group 0 from (seed, layer, step))."""
+        n, N = shape
+        eps = []
+        for g in range(group, group + groups):
+            rng = np.random.default_rng([self.opts.seed, self.key, step, *([g] if g else [])])
+            size = (n // groups, N)
+            eps.append(rng.gumbel(size=size) if self.opts.noise == "gumbel"
+                       else rng.uniform(-1.0, 1.0, size=size))
+        return xp.asarray(np.concatenate(eps) * self.opts.temperature, dtype=dtype)
 
-    def route(self, P, x2, noise_step: int | None) -> dict:
+    def route(self, P, x2, noise_step: int | None, groups: int = 1, group: int = 0) -> dict:
         """Choose experts for rows x2 (n, d); noise_step None: no noise (evaluation).
+        `groups`: the rows' token groups (the Switch term per group), numbered from `group`
+        (the noise's seed).
 
         Returns the routing: x (n, d), p (n, N), lse (n,), sel (n, slots) expert ids in
         choice order, valid (n, slots) bool or None (fixed k: all valid), gates (n, slots)
@@ -111,7 +124,7 @@ class Router:
         o, n = self.opts, x2.shape[0]
         z = x2 @ P[f"{self.name}.W"]  # (n, N)
         if o.noise != "none" and noise_step is not None:
-            z += self.noise(z.shape, z.dtype, noise_step, xp)
+            z += self.noise(z.shape, z.dtype, noise_step, xp, groups, group)
         lse = z.max(axis=1)  # (n,)
         z -= lse[:, None]
         p = xp.exp(z, out=z)  # (n, N) unnormalised, in z's buffer
@@ -128,12 +141,22 @@ class Router:
             valid = before < o.dynamic_p  # (n, k): slot 0 always, then until the mass is reached
             chosen *= valid
         gates = chosen / chosen.sum(axis=1, keepdims=True)  # (n, k) renormalised
-        load = self.load(sel, valid)
-        assigned = float(load.sum())
-        aux_switch = o.n_experts * float((load / assigned * p.mean(axis=0)).sum())
+        f = self.shares(sel, valid, groups)  # (G, N)
+        P_mean = p.reshape(groups, n // groups, -1).mean(axis=1)  # (G, N)
+        aux_switch = o.n_experts * float((f * P_mean).sum()) / groups
         aux_z = float((lse * lse).mean())
         return {"x": x2, "p": p, "lse": lse, "sel": sel, "valid": valid, "gates": gates,
-                "aux_switch": aux_switch, "aux_z": aux_z, "n": n}
+                "aux_switch": aux_switch, "aux_z": aux_z, "n": n, "groups": groups}
+
+    def shares(self, sel, valid, groups: int):
+        """(G, N) f_ge: each group's share of its chosen pairs going to each expert."""
+        xp = array_module(sel)
+        n = sel.shape[0] // groups
+        loads = [self.load(sel[g * n:(g + 1) * n],
+                           None if valid is None else valid[g * n:(g + 1) * n])
+                 for g in range(groups)]
+        load = xp.stack(loads)  # (G, N)
+        return load / load.sum(axis=1, keepdims=True)
 
     def load(self, sel, valid):
         """(N,) float: (token, expert) pairs choosing each expert, before any drop."""
@@ -158,9 +181,10 @@ class Router:
         dp = xp.zeros_like(p)  # (n, N)
         dp[xp.arange(n)[:, None], sel] = dchosen  # the chosen of a row are distinct
         if o.aux_coef:
-            load = self.load(sel, valid)
-            f = (load / load.sum()).astype(p.dtype)  # (N,)
-            dp += (aux_scale * o.aux_coef * o.n_experts / n) * f
+            G = r["groups"]
+            f = self.shares(sel, valid, G).astype(p.dtype)  # (G, N)
+            dp.reshape(G, n // G, -1)[...] += (aux_scale * o.aux_coef * o.n_experts
+                                               / n) * f[:, None, :]
         dz = dp
         dz -= xp.einsum("te,te->t", dp, p)[:, None]
         dz *= p  # (n, N) through the softmax

@@ -18,8 +18,19 @@ attention layer and its columns / rows of every FFN (models/
 tensor_parallel.py); the norms are replicated. Parameter names and initial
 values are the dense model's, sliced.
 
+With an expert-parallel group `ep` (models/moe_ep.py) each rank holds its
+--moe-experts / ep experts of every MoE layer and everything else whole. Its
+parameters are laid out dense first, in forward order, then the held experts
+(split "ep") in forward order: the dense gradients and the expert gradients
+are each one contiguous range, averaged over different communicators
+(dense over dp x ep, experts over dp), and a bucket reducer's readiness
+offsets (the lowest dense offset of each finished module) stay valid for
+the dense range. Initial values depend on (seed, name) only, so they are
+the single-process model's whatever the layout.
+
     python -m dtlab.models.run.train --model transformer --d-model 128 --n-heads 4 --n-layers 2
     mpiexec -n 4 python -m dtlab.collective.train --dp 2 --tp 2 --model transformer
+    mpiexec -n 4 python -m dtlab.collective.train --dp 2 --ep 2 --moe-experts 8
 """
 
 from __future__ import annotations
@@ -46,7 +57,10 @@ from dtlab.models.layers import (
 )
 from dtlab.models.model import Model
 from dtlab.models.moe import MoE
+from dtlab.models.moe_ep import ExpertParallel
 from dtlab.models.moe_stats import MoEStats
+from dtlab.models.optim import clip_grad_norm
+from dtlab.models.params import FlatParams
 from dtlab.models.router import RouterOptions
 from dtlab.models.tensor_parallel import (
     ColumnParallelLinear,
@@ -68,6 +82,9 @@ class TransformerConfig:
     ffn: str = choice("gelu", "gelu", "swiglu", help="feed-forward type")
     norm: str = choice("layernorm", "layernorm", "rmsnorm", help="normalisation")
     recompute: bool = described(False, "recompute each block's activations in backward")
+    selective_recompute: bool = described(
+        False, "keep the linear layers' outputs, recompute attention scores and softmax in "
+               "backward (Korthikanti et al. 2022); --recompute recomputes the whole block")
     moe_experts: int = described(0, "experts per Mixture-of-Experts FFN (0: dense FFN)")
     moe_top_k: int = described(2, "experts each token uses (1..--moe-experts)")
     moe_every: int = described(1, "MoE FFN in every k-th block (blocks k, 2k, ...; 1: all)")
@@ -85,18 +102,25 @@ class TransformerConfig:
     moe_bias_rate: float = described(
         0.0, "auxiliary-loss-free balancing: selection-bias step per backward (0: off)")
     moe_shared_experts: int = described(0, "always-on shared experts per MoE FFN")
+    moe_groups: int = described(
+        1, "token groups per micro-batch, capacity and balancing loss per group (one "
+           "process's twin of that many data ranks, each a group)")
 
     def validate(self):
         positive(self, "vocab", "seq_len", "d_model", "n_heads", "n_layers", "d_ff")
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"--d-model {self.d_model} is not divisible by --n-heads {self.n_heads}")
+        if self.recompute and self.selective_recompute:
+            raise ConfigError("--selective-recompute has no effect with --recompute (the whole "
+                              "block is recomputed)")
         self.validate_moe()
 
     def validate_moe(self):
         non_negative(self, "moe_experts", "moe_k_max", "moe_aux_coef", "moe_z_coef",
                      "moe_bias_rate", "moe_shared_experts")
-        positive(self, "moe_every", "moe_capacity_factor", "moe_noise_temperature")
+        positive(self, "moe_every", "moe_capacity_factor", "moe_noise_temperature",
+                 "moe_groups")
         if not self.moe_experts:
             changed = [f.name for f in dataclasses.fields(self) if f.name.startswith("moe_")
                        and getattr(self, f.name) != f.default]
@@ -137,10 +161,12 @@ def norm_layer(c: TransformerConfig, name: str) -> Module:
     return LayerNorm(name, c.d_model) if c.norm == "layernorm" else RMSNorm(name, c.d_model)
 
 
-def moe_layer(c: TransformerConfig, name: str, out_std: float) -> MoE:
+def moe_layer(c: TransformerConfig, name: str, out_std: float,
+              ep: ExpertParallel | None = None) -> MoE:
     return MoE(name, c.d_model, c.d_ff, c.router_options(), kind=c.ffn,
                capacity_factor=None if c.moe_dropless else c.moe_capacity_factor,
-               shared=c.moe_shared_experts, out_std=out_std, stats=MoEStats())
+               shared=c.moe_shared_experts, out_std=out_std, stats=MoEStats(),
+               comm=None if ep is None else ep.loads, ep=ep, groups=c.moe_groups)
 
 
 def ffn_layer(c: TransformerConfig, name: str, out_std: float, tp: Comm | None = None) -> Module:
@@ -159,12 +185,13 @@ def ffn_layer(c: TransformerConfig, name: str, out_std: float, tp: Comm | None =
                        Linear(f"{name}.proj", c.d_ff, c.d_model, std=out_std)])
 
 
-def block(c: TransformerConfig, i: int, tp: Comm | None = None) -> Module:
+def block(c: TransformerConfig, i: int, tp: Comm | None = None,
+          ep: ExpertParallel | None = None) -> Module:
     out_std = 0.02 / math.sqrt(2 * c.n_layers)
     attn = Sequential([norm_layer(c, f"h{i}.ln1"),
                        CausalSelfAttention(f"h{i}.attn", c.d_model, c.n_heads, out_std=out_std,
-                                           tp=tp)])
-    ffn = moe_layer(c, f"h{i}.moe", out_std) if c.is_moe(i) and tp is None \
+                                           tp=tp, recompute_scores=c.selective_recompute)])
+    ffn = moe_layer(c, f"h{i}.moe", out_std, ep) if c.is_moe(i) and tp is None \
         else ffn_layer(c, f"h{i}.ffn", out_std, tp)
     ffn = Sequential([norm_layer(c, f"h{i}.ln2"), ffn])
     b = Sequential([Residual(attn), Residual(ffn)])
@@ -178,14 +205,45 @@ def check_split(c: TransformerConfig, tp: Comm) -> None:
             raise ConfigError(f"{flag} {value} is not divisible by --tp {tp.size}")
 
 
+def check_ep(c: TransformerConfig, ep: int, tp: Comm | None = None) -> None:
+    """ConfigError naming the flags when --ep cannot spread this model's experts."""
+    if not c.moe_experts:
+        raise ConfigError(f"--ep {ep} needs --moe-experts (a dense model has no experts to "
+                          "spread)")
+    if c.moe_experts % ep:
+        raise ConfigError(f"--moe-experts {c.moe_experts} is not divisible by --ep {ep}")
+    if tp is not None and tp.size > 1:
+        raise ConfigError(f"--ep {ep} with --tp {tp.size}: not yet (MoE layers are not "
+                          "tensor-split)")
+
+
 class Transformer(Model):
     name = "transformer"
+    ep: Comm | None = None  # the expert-parallel group (None: every expert here)
 
-    def __init__(self, config: TransformerConfig, tp: Comm | None = None):
+    def specs(self):
+        """The body's parameters; under ep the held experts moved after the dense ones."""
+        specs = self.body.specs()
+        if self.ep is None:
+            return specs
+        return [s for s in specs if s.split != "ep"] + [s for s in specs if s.split == "ep"]
+
+    def clip_grad_norm(self, P: FlatParams, max_norm: float) -> float:
+        """Under ep the global norm counts the dense (replicated) gradients once and every
+        rank's experts: norm^2 = sum over ep of |g_experts|^2 + |g_dense|^2."""
+        if self.ep is None:
+            return super().clip_grad_norm(P, max_norm)
+        return clip_grad_norm(P.grad, max_norm, split=P.ranges("ep"), comm=self.ep)
+
+    def __init__(self, config: TransformerConfig, tp: Comm | None = None,
+                 ep: ExpertParallel | None = None):
         c = config
+        if ep is not None:
+            check_ep(c, ep.comm.size, tp)
+            self.ep = ep.comm  # a model-parallel dimension: checkpoints per ep rank
         if tp is None:
             modules = [Embedding("wte", c.vocab, c.d_model, max_len=c.seq_len)]
-            modules += [block(c, i) for i in range(c.n_layers)]
+            modules += [block(c, i, ep=ep) for i in range(c.n_layers)]
             modules += [norm_layer(c, "ln_f"), Linear("head", c.d_model, c.vocab, bias=False)]
             super().__init__(config, Sequential(modules))
             return

@@ -13,6 +13,11 @@ transformer, (batch, d_hidden) @ (d_hidden, d_hidden) for the MLP.
     GFLOP/s = models/cost.py FLOPs per step (matmuls as executed) / step time
     ratio   = GFLOP/s / matmul GFLOP/s
 
+The medium transformer runs three ways: activations kept (medium), selective
+recomputation (medium-sel: attention scores and softmax rebuilt in backward,
+Korthikanti et al. 2022) and whole-block recomputation (medium-full); their
+act MB and step time columns are the memory / time trade.
+
 Best-of-N timings because the machine is shared: other processes only ever
 add time. Activation bytes are measured on the forward context
 (models/memory.py) and compared with models/cost.py; a mismatch counts in #wrong,
@@ -22,6 +27,7 @@ as does a non-finite loss, and makes the exit status 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -42,6 +48,8 @@ from dtlab.models.run.threads import share_cores
 from dtlab.models.transformer import TransformerConfig
 from dtlab.models.zoo import build_model
 
+MEDIUM = TransformerConfig(vocab=4096, seq_len=128, d_model=512, n_heads=8, n_layers=4,
+                           d_ff=2048)
 # (model, size, config, batch size)
 SIZES = [
     ("mlp", "small", MLPConfig(d_in=32, d_hidden=256, n_layers=2, n_classes=8), 256),
@@ -49,8 +57,10 @@ SIZES = [
     ("mlp", "large", MLPConfig(d_in=1024, d_hidden=2048, n_layers=4, n_classes=100), 1024),
     ("transformer", "small", TransformerConfig(vocab=256, seq_len=64, d_model=128, n_heads=4,
                                                n_layers=2, d_ff=512), 8),
-    ("transformer", "medium", TransformerConfig(vocab=4096, seq_len=128, d_model=512,
-                                                n_heads=8, n_layers=4, d_ff=2048), 8),
+    ("transformer", "medium", MEDIUM, 8),
+    # activation recomputation at the same size: none (above), selective, full
+    ("transformer", "medium-sel", dataclasses.replace(MEDIUM, selective_recompute=True), 8),
+    ("transformer", "medium-full", dataclasses.replace(MEDIUM, recompute=True), 8),
     ("transformer", "d1024", TransformerConfig(vocab=8192, seq_len=256, d_model=1024,
                                                n_heads=16, n_layers=2, d_ff=4096), 4),
 ]
@@ -66,6 +76,8 @@ TINY = [
                                                norm="rmsnorm"), 2),
     ("transformer", "tiny3", TransformerConfig(vocab=16, seq_len=8, d_model=16, n_heads=2,
                                                n_layers=2, d_ff=32, recompute=True), 2),
+    ("transformer", "tiny4", TransformerConfig(vocab=16, seq_len=8, d_model=16, n_heads=2,
+                                               n_layers=2, d_ff=32, selective_recompute=True), 2),
 ]
 
 

@@ -1,8 +1,9 @@
 """Mixture-of-Experts layer benchmark: step time against a dense FFN of the same active
 parameters, the four phases' latencies, and load balancing on a skewed input.
 
-    python scripts/bench_moe.py --json bench-moe.json      # ~1 min on 2 cores
+    python scripts/bench_moe.py --json bench-moe.json      # ~2 min on 2 cores
     python scripts/bench_moe.py --tiny                     # seconds; run by the test suite
+    python scripts/bench_moe.py --only-ep --ep-ranks 2 4 --ep-bytes 1000000 4000000
 
 Timing rows: one layer step (zero grads, forward, backward) of the MoE layer (models/moe.py:
 N experts of hidden d_ff, top-k, dropless so that every token uses k experts) and of the
@@ -19,6 +20,20 @@ favours two experts, the router alone trained by its balancing term for --balanc
 per expert, at the first step and the mean of the last tenth of the steps. #wrong counts
 non-finite outputs and a balancing method that does not lower the imbalance; it makes the
 exit status 1.
+
+Expert-parallel rows (scripts/bench_moe_ep.py, one mpiexec launch per --ep-ranks n): our
+all-to-all(v) as the MoE layers call it (every pairwise exchange posted at once), our
+step-by-step pairwise exchange, and MPI's Alltoallv on the same buffers of B bytes per
+rank, taking turns,
+the slowest rank's time, median of --reps; bus bandwidth as nccl-tests defines it for
+all-to-all, busbw = (B / t) (n - 1) / n:
+
+    ratio = our busbw / MPI's busbw          floor: at least 0.9 at B >= 1 MB, n = 2 and 4
+
+and one expert-parallel MoE layer step over the n ranks with each exchange, without and
+with --ep-chunks overlap chunks (models/moe_ep.py): overlap speedup = step with 1 chunk /
+step with k. #wrong counts all-to-all results that differ from the blocks sent and layer
+outputs that differ between the four variants.
 """
 
 from __future__ import annotations
@@ -28,8 +43,11 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -38,9 +56,12 @@ from dtlab.models.moe import MoE, expert_ffn
 from dtlab.models.moe_stats import PHASES, MoEStats
 from dtlab.models.params import FlatParams
 from dtlab.models.router import RouterOptions
+from dtlab.models.run.launcher import mpiexec_path
 from dtlab.models.run.threads import share_cores
 
 FLOOR = 1.5  # MoE top-2 of 8 step / dense FFN step of equal active parameters
+EP_FLOOR = 0.9  # our all-to-all busbw / MPI Alltoallv busbw, at >= EP_FLOOR_BYTES per rank
+EP_FLOOR_BYTES = 1_000_000
 # (kind, d, d_ff per expert, experts, top_k, token rows)
 SIZES = [("gelu", 128, 256, 8, 2, 4096), ("swiglu", 128, 256, 8, 2, 4096),
          ("gelu", 256, 512, 8, 2, 4096), ("swiglu", 256, 512, 8, 2, 4096)]
@@ -145,37 +166,76 @@ def row_line(r: dict) -> str:
             + "".join(f"{ms(r['phases_s'][p]):>26}" for p in PHASES) + f"{r['wrong']:>7}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json", metavar="PATH", help="write the rows and the run's header here")
-    p.add_argument("--tiny", action="store_true", help="tiny sizes, few reps: a smoke run")
-    p.add_argument("--reps", type=int, default=None, help="timed steps per size (default 10)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3)")
-    p.add_argument("--balance-steps", type=int, default=None,
-                   help="router steps of the balance rows (default 100)")
-    args = p.parse_args(argv)
-    reps = args.reps if args.reps is not None else (3 if args.tiny else 10)
-    warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
-    steps = args.balance_steps if args.balance_steps is not None else (30 if args.tiny else 100)
-    if reps < 1 or warmup < 0 or steps < 2:
-        p.error("--reps must be at least 1, --warmup not negative, --balance-steps at least 2")
+def run_ep(ranks: int, nbytes: list[int], layer: tuple[int, int, int], chunks: int, reps: int,
+           warmup: int) -> dict:
+    """scripts/bench_moe_ep.py on `ranks` ranks: its JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ep.json"
+        cmd = [mpiexec_path(), "-n", str(ranks), sys.executable,
+               str(Path(__file__).with_name("bench_moe_ep.py")), str(out),
+               "--bytes", *map(str, nbytes), "--reps", str(reps), "--warmup", str(warmup),
+               "--layer", *map(str, layer), "--chunks", str(chunks)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+        return json.loads(out.read_text())
 
-    threads = share_cores()
-    try:
-        device = backend.device_name()
-    except backend.DeviceError as e:
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
-        return 2
-    header = {"device": device, "numpy": np.__version__, "python": platform.python_version(),
-              "machine": platform.machine(), "cpus": os.cpu_count(),
-              "load_average": os.getloadavg(), "reps": reps, "warmup": warmup,
-              "timing": "median of reps", "floor": FLOOR, "threads": threads.as_dict()}
-    print(f"# dtlab MoE layer benchmark on {device}: median of {reps} after {warmup} warm-up, "
-          f"{threads.describe()}; ratio = MoE step / dense FFN step (hidden k d_ff: the "
-          f"same active expert parameters); floor: ratio <= {FLOOR} for top-2 of 8")
-    print("# legend: step = zero grads + forward + backward of one layer on `rows` tokens; "
-          "MoE dropless; phases = the MoE forward's router / dispatch / expert compute / "
-          "combine, p50/p95/p99 over the timed steps; #wrong = non-finite outputs")
+
+EP_HEADER = (f"{'ranks':>6}{'bytes':>11}{'ours us':>10}{'busbw GB/s':>12}{'pairwise us':>13}"
+             f"{'busbw GB/s':>12}{'MPI us':>10}{'busbw GB/s':>12}{'ours/MPI':>10}{'floor':>7}"
+             f"{'#wrong':>7}")
+LAYER_HEADER = (f"{'ranks':>6}{'d':>5}{'d_ff':>6}{'N':>4}{'rows':>7}{'k':>3}"
+                f"{'ours 1 ms':>11}{'ours k ms':>11}{'speedup':>9}{'MPI 1 ms':>10}"
+                f"{'MPI k ms':>10}{'speedup':>9}{'#wrong':>7}")
+
+
+def ep_line(r: dict) -> str:
+    floor = "-" if r["bytes"] < EP_FLOOR_BYTES else ("ok" if r["ratio"] >= EP_FLOOR else
+                                                       "under")
+    return (f"{r['ranks']:>6}{r['bytes']:>11}{r['ours_s'] * 1e6:>10.1f}{r['ours_busbw']:>12.3f}"
+            f"{r['pairwise_s'] * 1e6:>13.1f}{r['pairwise_busbw']:>12.3f}"
+            f"{r['mpi_s'] * 1e6:>10.1f}{r['mpi_busbw']:>12.3f}{r['ratio']:>10.2f}{floor:>7}"
+            f"{r['wrong']:>7}")
+
+
+def layer_line(r: dict) -> str:
+    return (f"{r['ranks']:>6}{r['d']:>5}{r['d_ff']:>6}{r['experts']:>4}{r['rows']:>7}"
+            f"{r['chunks']:>3}{r['ours_chunks1_s'] * 1e3:>11.2f}{r['ours_chunksk_s'] * 1e3:>11.2f}"
+            f"{r['overlap_speedup_ours']:>9.2f}{r['mpi_chunks1_s'] * 1e3:>10.2f}"
+            f"{r['mpi_chunksk_s'] * 1e3:>10.2f}{r['overlap_speedup_mpi']:>9.2f}{r['wrong']:>7}")
+
+
+def bench_ep(args, reps: int, warmup: int) -> tuple[list, list]:
+    ranks = args.ep_ranks or [2, 4]
+    nbytes = args.ep_bytes or ([65536] if args.tiny else [1_000_000, 4_000_000, 16_000_000])
+    layer = (16, 32, 64) if args.tiny else (128, 256, 2048)
+    print(f"\n# expert parallelism: all-to-all(v) of B bytes per rank (B/n to each rank), ours "
+          f"(as the MoE layers call it: every pairwise exchange posted at once, one wait), our "
+          f"step-by-step pairwise exchange and MPI's Alltoallv taking turns, slowest rank, "
+          f"median of "
+          f"{reps} after {warmup}; busbw = B/t (n-1)/n (nccl-tests); floor: ours/MPI >= "
+          f"{EP_FLOOR} at B >= {EP_FLOOR_BYTES:,} bytes; #wrong = results that differ from the "
+          "blocks sent")
+    print("#" + EP_HEADER[1:])
+    a2a, layers = [], []
+    for n in ranks:
+        got = run_ep(n, nbytes, layer, args.ep_chunks, reps, warmup)
+        for r in got["alltoall"]:
+            a2a.append(r)
+            print(ep_line(r), flush=True)
+        layers += got["layer"]
+    print("\n# expert-parallel MoE layer step (zero grads, forward, backward) over n ranks: "
+          "dropless top-2 of 2n experts, `rows` tokens per rank; ours / MPI's all-to-all, 1 "
+          "chunk and k chunks (one chunk's all-to-all overlapping another's experts); speedup "
+          "= 1 chunk / k chunks; #wrong = outputs that differ between the four")
+    print("#" + LAYER_HEADER[1:])
+    for r in layers:
+        print(layer_line(r), flush=True)
+    return a2a, layers
+
+
+def single_process_rows(args, reps: int, warmup: int, steps: int) -> tuple[list, list]:
+    """The timing rows and the balance rows (one process)."""
     print("#" + HEADER[1:])
     rows = []
     for kind, d, d_ff, N, k, n in TINY if args.tiny else SIZES:
@@ -196,7 +256,58 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{method:>8}{b['imbalance_first']:>17.2f}{b['imbalance_last']:>7.2f}"
               f"{b['dropped_first']:>15.0f}{b['dropped_last']:>7.0f}{b['wrong']:>7}",
               flush=True)
-    wrong = sum(r["wrong"] for r in rows + balance)
+    return rows, balance
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", metavar="PATH", help="write the rows and the run's header here")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes, few reps: a smoke run")
+    p.add_argument("--reps", type=int, default=None, help="timed steps per size (default 10)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3)")
+    p.add_argument("--balance-steps", type=int, default=None,
+                   help="router steps of the balance rows (default 100)")
+    p.add_argument("--ep-ranks", type=int, nargs="+", default=None,
+                   help="rank counts of the expert-parallel rows (default 2 4)")
+    p.add_argument("--ep-bytes", type=int, nargs="+", default=None,
+                   help="all-to-all bytes per rank (default 1e6 4e6 16e6; --tiny 65536)")
+    p.add_argument("--ep-chunks", type=int, default=4, help="overlap chunks of the layer rows")
+    p.add_argument("--only-ep", action="store_true", help="the expert-parallel rows only")
+    args = p.parse_args(argv)
+    reps = args.reps if args.reps is not None else (3 if args.tiny else 10)
+    warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
+    steps = args.balance_steps if args.balance_steps is not None else (30 if args.tiny else 100)
+    if reps < 1 or warmup < 0 or steps < 2:
+        p.error("--reps must be at least 1, --warmup not negative, --balance-steps at least 2")
+    if args.ep_chunks < 2 or any(n < 2 for n in args.ep_ranks or []) or \
+            any(b < 4 for b in args.ep_bytes or []):
+        p.error("--ep-chunks and --ep-ranks must be at least 2, --ep-bytes at least 4")
+
+    threads = share_cores()
+    try:
+        device = backend.device_name()
+    except backend.DeviceError as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
+    header = {"device": device, "numpy": np.__version__, "python": platform.python_version(),
+              "machine": platform.machine(), "cpus": os.cpu_count(),
+              "load_average": os.getloadavg(), "reps": reps, "warmup": warmup,
+              "timing": "median of reps", "floor": FLOOR, "threads": threads.as_dict()}
+    header["ep_floor"], header["ep_floor_bytes"] = EP_FLOOR, EP_FLOOR_BYTES
+    print(f"# dtlab MoE layer benchmark on {device}: median of {reps} after {warmup} warm-up, "
+          f"{threads.describe()}; ratio = MoE step / dense FFN step (hidden k d_ff: the "
+          f"same active expert parameters); floor: ratio <= {FLOOR} for top-2 of 8")
+    print("# legend: step = zero grads + forward + backward of one layer on `rows` tokens; "
+          "MoE dropless; phases = the MoE forward's router / dispatch / expert compute / "
+          "combine, p50/p95/p99 over the timed steps; #wrong = non-finite outputs; ep rows: "
+          "busbw = all-to-all bytes per rank / time x (n-1)/n, ours/MPI its ratio")
+    rows, balance = ([], []) if args.only_ep else single_process_rows(args, reps, warmup, steps)
+    a2a, layers = bench_ep(args, reps, warmup)
+    under = [r for r in a2a if r["bytes"] >= EP_FLOOR_BYTES and r["ratio"] < EP_FLOOR]
+    if under and not args.tiny:
+        print(f"# {len(under)} all-to-all row(s) under the floor in this launch (the floor "
+              "holds on the median of several launches)")
+    wrong = sum(r["wrong"] for r in rows + balance + a2a + layers)
     over = [r for r in rows if r["floor"] is not None and r["ratio"] > r["floor"]]
     if over and not args.tiny:
         print(f"# {len(over)} row(s) over the floor in this launch (the floor holds on the "
@@ -204,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# Out of bounds values : {wrong} {'OK' if not wrong else 'FAILED'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"header": header, "rows": rows, "balance": balance}, f, indent=1)
+            json.dump({"header": header, "rows": rows, "balance": balance, "alltoall": a2a,
+                       "ep_layer": layers}, f, indent=1)
     return 1 if wrong else 0
 
 

@@ -30,8 +30,8 @@ def test_tiny_run_prints_table_and_writes_json(tmp_path):
     data = json.loads(out.read_text())
     assert data["header"]["device"] == "cpu"
     rows = data["rows"]
-    assert [r["model"] for r in rows] == ["mlp"] * 3 + ["transformer"] * 3
-    assert len({(r["model"], r["size"]) for r in rows}) == 6
+    assert [r["model"] for r in rows] == ["mlp"] * 3 + ["transformer"] * 4
+    assert len({(r["model"], r["size"]) for r in rows}) == 7
     table = [line for line in lines if line and not line.startswith("#")]
     assert len(table) == len(rows)
     for row in rows:

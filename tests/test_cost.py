@@ -41,6 +41,8 @@ CONFIGS = [
                                       d_ff=16, recompute=True), 3),
     ("transformer", TransformerConfig(vocab=9, seq_len=4, d_model=8, n_heads=1, n_layers=1,
                                       d_ff=8, ffn="swiglu", recompute=True), 5),
+    ("transformer", TransformerConfig(vocab=9, seq_len=6, d_model=8, n_heads=2, n_layers=2,
+                                      d_ff=16, selective_recompute=True), 3),
 ]
 IDS = [f"{m}-{i}" for i, (m, _, _) in enumerate(CONFIGS)]
 
@@ -122,6 +124,25 @@ def test_recompute_trades_memory_for_one_forward():
     assert rec.flops_step == plain.flops_step + blocks
     assert rec.flops_model == plain.flops_model
     assert rec.activation_bytes < plain.activation_bytes
+
+
+def test_selective_recompute_is_bit_identical_and_keeps_no_scores():
+    """Korthikanti et al. 2022: the softmax is rebuilt, not kept; the gradients are the
+    plain run's to the last bit, and the context is B heads T^2 floats per layer smaller."""
+    base = dict(vocab=11, seq_len=12, d_model=16, n_heads=4, n_layers=3, d_ff=32)
+    B, out = 3, {}
+    for selective in (False, True):
+        model = build_model("transformer", TransformerConfig(selective_recompute=selective,
+                                                             **base))
+        P = model.init_params(0, xp=np)
+        loss, ctx = model.forward(P, batch_for("transformer", model.config, B))
+        out[selective] = (loss, context_bytes(ctx))
+        model.backward(P, ctx)
+        out[selective] += (P.grad.copy(),)
+    assert out[True][0] == out[False][0]
+    np.testing.assert_array_equal(out[True][2], out[False][2])
+    scores = 3 * B * 4 * 12 * 12 * 4  # layers x B x heads x T^2 float32
+    assert out[False][1] - out[True][1] == scores
 
 
 def test_context_bytes_counts_shared_buffers_once():

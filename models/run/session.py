@@ -43,6 +43,7 @@ from dtlab.models.config import (
 from dtlab.models.cost import estimate
 from dtlab.models.data import DataConfig, ShardedLoader, make_dataset, make_heldout
 from dtlab.models.model import Model, Replica
+from dtlab.models.moe_ep import ExpertParallel
 from dtlab.models.optim import OptimConfig, Optimizer, Schedule, make_optimizer
 from dtlab.models.params import FlatParams
 from dtlab.models.partition import balance, explicit, module_costs
@@ -243,16 +244,21 @@ class PipelineSpec:
 
 
 def build_session(setup: Setup, rank: int = 0, world: int = 1, tp: Comm | None = None,
-                  pipeline: PipelineSpec | None = None) -> Session:
+                  pipeline: PipelineSpec | None = None,
+                  ep: ExpertParallel | None = None) -> Session:
     """Everything data-parallel rank `rank` of `world` needs to train; the data fixes some
     model fields. With a `tp` communicator the model, its parameters and the optimizer
     are this rank's tensor-split shard (starting from the dense model's values); with a
     `pipeline` they are this rank's stage (models/pipeline.py), with its micro-batches
-    (--grad-accum) run by the pipeline schedule."""
+    (--grad-accum) run by the pipeline schedule; with `ep` (models/moe_ep.py) the model
+    holds this rank's experts of every MoE layer. Expert-parallel ranks read their own
+    data: for a dp x ep grid, `rank` is dp_rank * ep + ep_rank of `world` dp * ep."""
     backend.select()
     dataset, model_cfg = make_dataset(setup.data, setup.model_name, setup.model)
     setup.model = model_cfg
-    model = build_model(setup.model_name, model_cfg, tp=tp)
+    if ep is not None and pipeline is not None:
+        raise ConfigError(f"--ep {ep.comm.size} with --pp {pipeline.pp.size}: not yet")
+    model = build_model(setup.model_name, model_cfg, tp=tp, ep=ep)
     if pipeline is not None:
         model = PipelineStage(model, stage_bounds(setup, pipeline, len(model.body.modules)),
                               pipeline.pp)

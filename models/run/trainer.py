@@ -85,7 +85,7 @@ class Trainer:
     """Runs the steps; `is_main` writes metrics and progress, `saves` this rank's checkpoints
     (default: is_main). A model-parallel model's ranks each hold different bytes, so each
     one's checkpoints go to their own directory, <checkpoint_dir>/<shard>/ with shard
-    "pp<r>of<n>-tp<r>of<n>" (the dimensions of size 1 left out)."""
+    "pp<r>of<n>-ep<r>of<n>-tp<r>of<n>" (the dimensions of size 1 left out)."""
 
     def __init__(self, session: Session, log: MetricsLog, reducer: GradReducer | None = None,
                  is_main: bool = True, saves: bool | None = None, agree=None, rank: int = 0,
@@ -205,7 +205,7 @@ class Trainer:
         arrays, meta = checkpoint.load(path)
         saved = meta["config"]
         differ = config_differences(saved, s.setup.as_dict())
-        for name in ("pp", "tp"):
+        for name in ("pp", "ep", "tp"):
             if meta.get(name, 1) != self.grid.get(name, 1):
                 differ.append(f"{name}: {meta.get(name, 1)} -> {self.grid.get(name, 1)}")
         if differ or meta.get("n_params") != s.params.size:
@@ -281,8 +281,9 @@ class Trainer:
 
 
 def model_parallel_groups(model) -> dict:
-    """{"pp": comm, "tp": comm} for the model-parallel dimensions a model is split over."""
-    groups = {"pp": model.pp, "tp": model.tp}
+    """{"pp": comm, "ep": comm, "tp": comm} for the model-parallel dimensions a model is
+    split over (ep: its experts, models/moe_ep.py)."""
+    groups = {"pp": model.pp, "ep": getattr(model, "ep", None), "tp": model.tp}
     return {name: comm for name, comm in groups.items() if comm is not None and comm.size > 1}
 
 
@@ -292,13 +293,13 @@ def grid_words(grid: dict) -> str:
 
 
 def shard_grid(dirname: str) -> str:
-    """The grid words of a shard directory's name ('pp1of2-tp0of2' -> '--pp 2 --tp 2'),
-    '' for any other name."""
-    match = re.fullmatch(r"(pp\d+of(\d+))?-?(tp\d+of(\d+))?", dirname)
+    """The grid words of a shard directory's name ('pp1of2-tp0of2' -> '--pp 2 --tp 2',
+    'ep1of2' -> '--ep 2'), '' for any other name."""
+    match = re.fullmatch(r"(pp\d+of(\d+))?-?(ep\d+of(\d+))?-?(tp\d+of(\d+))?", dirname)
     if not match or not dirname:
         return ""
-    return grid_words({name: int(size) for name, size in (("pp", match[2]), ("tp", match[4]))
-                       if size})
+    return grid_words({name: int(size) for name, size in
+                       (("pp", match[2]), ("ep", match[4]), ("tp", match[6])) if size})
 
 
 # Run fields a resumed run may change: they steer this launch, not the computation.

@@ -43,7 +43,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -53,13 +52,10 @@ from mpi4py import MPI
 
 from dtlab.collective.failure import FORWARD_S
 from dtlab.collective.grid import GridError, ProcessGrid
-from dtlab.models import backend
 from dtlab.models.config import ConfigError, build, from_namespace
 from dtlab.models.optim import OptimConfig
 from dtlab.models.run.metrics import MetricsLog, run_header
-from dtlab.models.run.progress import Progress
 from dtlab.models.run.session import PipelineSpec, Session, Setup, build_session
-from dtlab.models.run.stop import StopSignals
 from dtlab.models.run.threads import share_cores
 from dtlab.models.run.trainer import Summary
 from dtlab.protos import dtlab_ps_pb2 as pb
@@ -67,7 +63,7 @@ from dtlab.pserver import runconfig, wire
 from dtlab.pserver.client import PSClient
 from dtlab.pserver.config import ClientConfig
 from dtlab.pserver.partitions import specs_json
-from dtlab.pserver.worker import WorkerConfig, leave, skip_to
+from dtlab.pserver.worker import Worker, WorkerConfig, leave, skip_to
 
 log = logging.getLogger(__name__)
 
@@ -123,63 +119,17 @@ def group_min(group: Group, value: int) -> int:
     return g.pp_comm.mpi.allreduce(g.tp_comm.mpi.allreduce(value, op=MPI.MIN), op=MPI.MIN)
 
 
-class GroupWorker:
-    """One rank's steps: pull its partition, compute with the group, clip, push."""
+class GroupWorker(Worker):
+    """One rank's steps (Worker's): pull its partition, compute with the group, clip by
+    the group's global norm, push its partition with the next pull riding on it. The
+    last step pulls too, so every rank ends holding the servers' values; only the
+    group's rank 0 reports; the group's ranks stop after the same step."""
+
+    pull_at_end = True
 
     def __init__(self, session: Session, client: PSClient, group: Group, metrics: MetricsLog):
-        self.s, self.client, self.group, self.metrics = session, client, group, metrics
-        params = session.params
-        self.on_device = not isinstance(params.data, np.ndarray)
-        self.host = np.empty(params.size, params.dtype) if self.on_device else params.data
-        self.pulled = False
-
-    def loaded(self, changed: int) -> None:
-        if changed and self.on_device:
-            self.s.params.load(self.host)
-
-    def step(self, step: int) -> dict:
-        s = self.s
-        t0 = time.perf_counter()
-        if not self.pulled:
-            self.loaded(self.client.pull(self.host))
-        t1 = time.perf_counter()
-        loss = s.replica.compute_grads(s.loader.next())
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or enable --clip")
-        grad_norm = s.model.clip_grad_norm(s.params, s.setup.optim.clip)  # the group's norm
-        t2 = time.perf_counter()
-        replies, changed = self.client.push_pull(backend.to_host(s.params.grad), step, self.host)
-        self.loaded(changed)
-        self.pulled = True
-        t3 = time.perf_counter()
-        return {"step": step + 1, "loss": loss, "lr": replies[0].lr, "grad_norm": grad_norm,
-                "step_s": t3 - t0, "compute_s": t2 - t1, "pull_s": t1 - t0, "push_s": t3 - t2,
-                "staleness": [r.staleness for r in replies],
-                "version": [r.version for r in replies]}
-
-    def run(self, first_step: int) -> Summary:
-        run, g = self.s.setup.run, self.group
-        main = g.partition == 0
-        progress = Progress(run.steps, run.log_every, prefix=f"worker {g.wid}: ", enabled=main)
-        start = time.perf_counter()
-        losses = []
-        with StopSignals() as stop:
-            for step in range(first_step, run.steps):
-                record = self.step(step)
-                record["elapsed_s"] = time.perf_counter() - start
-                losses.append(record["loss"])
-                self.metrics.write(record)
-                progress.update(step, record["loss"], f"staleness {max(record['staleness'])}  "
-                                                      f"{record['step_s'] * 1e3:6.1f} ms/step")
-                if stop.agreed(self.agree):
-                    if main:
-                        log.info("stopped by %s after step %d; the servers keep the "
-                                 "parameters", stop.name, step + 1)
-                    break
-        samples = run.batch_size * run.grad_accum
-        summary = Summary.of(losses, time.perf_counter() - start, self.s.dataset.floor, samples)
-        summary.stopped_by, summary.exit_code = stop.name, stop.exit_code
-        return summary
+        super().__init__(session, client, group.wid, metrics)
+        self.group, self.main = group, group.partition == 0
 
     def agree(self, counts: np.ndarray) -> np.ndarray:
         """`counts` summed over the group's ranks (not the other groups': no step of one

@@ -74,7 +74,7 @@ from dtlab.models.config import (
     from_namespace,
 )
 from dtlab.models.data import ShardedLoader
-from dtlab.models.optim import OptimConfig, clip_grad_norm
+from dtlab.models.optim import OptimConfig
 from dtlab.models.run.cli import command_name, run_cli
 from dtlab.models.run.launcher import launcher_rank, launcher_size
 from dtlab.models.run.metrics import MetricsLog, run_header
@@ -193,6 +193,14 @@ def skip_to(session: Session, step: int) -> None:
 
 
 class Worker:
+    """One worker's steps. Subclasses (pserver.group_worker) say who reports
+    (`main`), whether the last step pulls too (`pull_at_end`) and how ranks agree on
+    a stop (`agree`)."""
+
+    main = True  # this process prints progress and the stop line
+    pull_at_end = False  # the last step pushes alone: no next step to pull for
+    agree = None  # sums stop requests over the ranks that must stop together
+
     def __init__(self, session: Session, client: PSClient, wid: int, metrics: MetricsLog):
         self.s, self.client, self.wid, self.metrics = session, client, wid, metrics
         params = session.params
@@ -216,7 +224,7 @@ class Worker:
         loss = s.replica.compute_grads(s.loader.next())
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or enable --clip")
-        grad_norm = clip_grad_norm(s.params.grad, s.setup.optim.clip)
+        grad_norm = s.model.clip_grad_norm(s.params, s.setup.optim.clip)  # a group's: global
         t2 = time.perf_counter()
         grad = backend.to_host(s.params.grad)
         self.pulled = False
@@ -241,21 +249,23 @@ class Worker:
         """Steps to --steps, or until SIGTERM / SIGINT: the step in progress is finished
         (its push applied), then the worker leaves; the servers keep the state."""
         run = self.s.setup.run
-        progress = Progress(run.steps, run.log_every, prefix=f"worker {self.wid}: ")
+        progress = Progress(run.steps, run.log_every, prefix=f"worker {self.wid}: ",
+                            enabled=self.main)
         trace = Trace(run.trace, pid=self.wid, process=f"async worker {self.wid}")
         straggler = Straggler(run.straggler, run.delay_ms, run.seed, self.wid)
         start = time.perf_counter()
         losses = []
         with StopSignals() as stop:
             for step in range(first_step, run.steps):
-                last = step == run.steps - 1
+                last = step == run.steps - 1 and not self.pull_at_end
                 extra = {}
                 if straggler.active:
                     t = time.perf_counter()
                     extra["straggle_s"] = straggler.wait(step, self.last_compute_s)
                     trace.span("straggle", t, time.perf_counter(), "wait")
                 record = {**self.step(step, last, trace), **extra}
-                if run.eval_every and ((step + 1) % run.eval_every == 0 or last):
+                if run.eval_every and ((step + 1) % run.eval_every == 0
+                                       or step == run.steps - 1):
                     record["eval_loss"] = self.evaluate(trace)
                 record["elapsed_s"] = time.perf_counter() - start
                 losses.append(record["loss"])
@@ -263,9 +273,10 @@ class Worker:
                 progress.update(step, record["loss"],
                                 f"staleness {max(record['staleness'])}  "
                                 f"{record['step_s'] * 1e3:6.1f} ms/step")
-                if stop.agreed():
-                    log.info("stopped by %s after step %d; the servers keep the parameters",
-                             stop.name, step + 1)
+                if stop.agreed(self.agree):
+                    if self.main:
+                        log.info("stopped by %s after step %d; the servers keep the "
+                                 "parameters", stop.name, step + 1)
                     break
         trace.close()
         summary = Summary.of(losses, time.perf_counter() - start, self.s.dataset.floor,

@@ -105,6 +105,11 @@ def _row_elems(x) -> int:
     return math.prod(x.shape[1:])
 
 
+def _element_bounds(counts: list[int], row: int) -> list[int]:
+    """Element offsets [0, c0 row, (c0 + c1) row, ...] of blocks of `counts` rows."""
+    return [b * row for b in np.cumsum([0, *counts]).tolist()]
+
+
 class SendRequest:
     """A send in flight (Communicator.isend): holds its buffer; wait() completes it
     under the stall watchdog, once."""
@@ -330,10 +335,24 @@ class Communicator:
         *rest). Without recv_counts they are exchanged first (one small
         pairwise all-to-all of counts).
         """
+        send_counts, recv_counts, row = self._alltoallv_counts(x, send_counts, recv_counts,
+                                                               "alltoallv")
+        out = _output(x, out, sum(recv_counts), "alltoallv")
+        sb, rb = _element_bounds(send_counts, row), _element_bounds(recv_counts, row)
+        send = self._place(_flat(x), "stage_in")[0]
+        buf, xp, sync, device = self._place(_flat(out, "out"), "stage", copy_in=False)
+        pairwise_alltoallv(self._link, send, sb, buf, rb, xp=xp, sync=sync)
+        gpu.unplace(buf, device)
+        return out, recv_counts
+
+    def _alltoallv_counts(self, x, send_counts, recv_counts, operation: str):
+        """(send_counts, recv_counts, elements per row) of an all-to-all(v): the send
+        counts checked against x, the ranks' agreement on row size and dtype, and the
+        receive counts exchanged (one small pairwise all-to-all) when not given."""
         send_counts = [int(c) for c in send_counts]
         if len(send_counts) != self.size or sum(send_counts) != x.shape[0]:
             raise ValueError(
-                f"alltoallv on {self.name!r}: rank {self.rank} has {x.shape[0]} rows but "
+                f"{operation} on {self.name!r}: rank {self.rank} has {x.shape[0]} rows but "
                 f"send_counts {send_counts} (need {self.size} counts summing to the rows)"
             )
         row = _row_elems(x)
@@ -344,16 +363,7 @@ class Communicator:
             unit = list(range(self.size + 1))
             pairwise_alltoallv(self._link, mine, unit, theirs, unit, xp=np, sync=None)
             recv_counts = theirs.tolist()
-        recv_counts = [int(c) for c in recv_counts]
-        total = sum(recv_counts)
-        out = _output(x, out, total, "alltoallv")
-        sb = [b * row for b in np.cumsum([0, *send_counts]).tolist()]
-        rb = [b * row for b in np.cumsum([0, *recv_counts]).tolist()]
-        send = self._place(_flat(x), "stage_in")[0]
-        buf, xp, sync, device = self._place(_flat(out, "out"), "stage", copy_in=False)
-        pairwise_alltoallv(self._link, send, sb, buf, rb, xp=xp, sync=sync)
-        gpu.unplace(buf, device)
-        return out, recv_counts
+        return send_counts, [int(c) for c in recv_counts], row
 
     def ialltoallv(self, x, send_counts, out=None, recv_counts=None) -> AlltoallvRequest:
         """Start alltoallv (the same arguments; without recv_counts they are exchanged
@@ -361,22 +371,10 @@ class Communicator:
         Every receive and send is posted at once, in pairwise-exchange order (from r - k,
         to r + k), and one wait completes them: no step waits for the one before, which
         matters when ranks outnumber cores. x and out must not be touched before wait()."""
-        send_counts = [int(c) for c in send_counts]
-        if len(send_counts) != self.size or sum(send_counts) != x.shape[0]:
-            raise ValueError(
-                f"ialltoallv on {self.name!r}: rank {self.rank} has {x.shape[0]} rows but "
-                f"send_counts {send_counts} (need {self.size} counts summing to the rows)"
-            )
-        row = _row_elems(x)
-        self._agree.check("alltoallv", row, x.dtype, row)
-        if recv_counts is None:
-            theirs, _ = self.alltoallv(np.asarray(send_counts, dtype=np.int64),
-                                       [1] * self.size, recv_counts=[1] * self.size)
-            recv_counts = theirs.tolist()
-        recv_counts = [int(c) for c in recv_counts]
+        send_counts, recv_counts, row = self._alltoallv_counts(x, send_counts, recv_counts,
+                                                               "ialltoallv")
         out = _output(x, out, sum(recv_counts), "ialltoallv")
-        sb = [b * row for b in np.cumsum([0, *send_counts]).tolist()]
-        rb = [b * row for b in np.cumsum([0, *recv_counts]).tolist()]
+        sb, rb = _element_bounds(send_counts, row), _element_bounds(recv_counts, row)
         send = self._place(_flat(x), "stage_in")[0]
         buf, _, sync, device = self._place(_flat(out, "out"), "stage", copy_in=False)
         n, r = self.size, self.rank
@@ -392,19 +390,8 @@ class Communicator:
     def mpi_alltoallv(self, x, send_counts, out=None, recv_counts=None):
         """alltoallv by MPI's own Alltoallv (the baseline ours is measured against, and
         `--moe-alltoall mpi`); the same arguments and result. Moves raw bytes."""
-        send_counts = [int(c) for c in send_counts]
-        if len(send_counts) != self.size or sum(send_counts) != x.shape[0]:
-            raise ValueError(
-                f"mpi_alltoallv on {self.name!r}: rank {self.rank} has {x.shape[0]} rows but "
-                f"send_counts {send_counts} (need {self.size} counts summing to the rows)"
-            )
-        row = _row_elems(x)
-        self._agree.check("alltoallv", row, x.dtype, row)
-        if recv_counts is None:
-            theirs = np.empty(self.size, dtype=np.int64)  # (N,)
-            self.mpi.Alltoall(np.asarray(send_counts, dtype=np.int64), theirs)
-            recv_counts = theirs.tolist()
-        recv_counts = [int(c) for c in recv_counts]
+        send_counts, recv_counts, row = self._alltoallv_counts(x, send_counts, recv_counts,
+                                                               "mpi_alltoallv")
         out = _output(x, out, sum(recv_counts), "mpi_alltoallv")
         unit = row * x.dtype.itemsize  # bytes per row
         sc = [c * unit for c in send_counts]

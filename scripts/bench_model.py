@@ -169,6 +169,13 @@ def row_line(r: dict) -> str:
             f"{r['wrong']:>7}")
 
 
+def machine_header(device: str, threads, **fields) -> dict:
+    """The JSON header of a single-process benchmark: where it ran, then `fields`."""
+    return {"device": device, "numpy": np.__version__, "python": platform.python_version(),
+            "machine": platform.machine(), "cpus": os.cpu_count(),
+            "load_average": os.getloadavg(), "threads": threads.as_dict(), **fields}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", metavar="PATH", help="write the rows and the run's header here")
@@ -187,10 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     except backend.DeviceError as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2
-    header = {"device": device, "numpy": np.__version__, "python": platform.python_version(),
-              "machine": platform.machine(), "cpus": os.cpu_count(),
-              "load_average": os.getloadavg(), "reps": reps, "warmup": warmup,
-              "timing": "best of reps", "threads": threads.as_dict()}
+    header = machine_header(device, threads, reps=reps, warmup=warmup, timing="best of reps")
     print(f"# dtlab model step benchmark on {header['device']}: best of {reps} after "
           f"{warmup} warm-up, {threads.describe()}; "
           "GFLOP = dtlab.models.cost matmul FLOPs per step; "

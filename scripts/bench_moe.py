@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -50,6 +48,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_model import machine_header
 
 from dtlab.models import backend
 from dtlab.models.moe import MoE, expert_ffn
@@ -289,10 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     except backend.DeviceError as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2
-    header = {"device": device, "numpy": np.__version__, "python": platform.python_version(),
-              "machine": platform.machine(), "cpus": os.cpu_count(),
-              "load_average": os.getloadavg(), "reps": reps, "warmup": warmup,
-              "timing": "median of reps", "floor": FLOOR, "threads": threads.as_dict()}
+    header = machine_header(device, threads, reps=reps, warmup=warmup,
+                            timing="median of reps", floor=FLOOR)
     header["ep_floor"], header["ep_floor_bytes"] = EP_FLOOR, EP_FLOOR_BYTES
     print(f"# dtlab MoE layer benchmark on {device}: median of {reps} after {warmup} warm-up, "
           f"{threads.describe()}; ratio = MoE step / dense FFN step (hidden k d_ff: the "

@@ -90,6 +90,17 @@ class PipelineReplica(Replica):
     def __init__(self, stage: PipelineStage, params: FlatParams, schedule: str):
         super().__init__(stage, params)
         self.stage, self.schedule = stage, schedule
+        self._ops: dict[tuple[str, int], list] = {}  # (schedule, m) -> this stage's ops
+
+    def ops(self, m: int) -> list:
+        """This stage's op list for m micro-batches: made and validated once per
+        (schedule, m), not every step."""
+        key = (self.schedule, m)
+        if key not in self._ops:
+            every = make(self.schedule, self.stage.pp.size, m)
+            validate(every, m)
+            self._ops[key] = every[self.stage.pp.rank]
+        return self._ops[key]
 
     def compute_grads(self, micro_batches: Sequence, grad_ready=None) -> float:
         """Zero the gradients, run this stage's list over the micro-batches; return
@@ -103,14 +114,13 @@ class PipelineReplica(Replica):
         m = len(micro_batches)
         if m > MAX_MICRO_BATCHES:
             raise ValueError(f"{m} micro-batches: at most {MAX_MICRO_BATCHES} per step")
-        ops = make(self.schedule, pp.size, m)
-        validate(ops, m)
+        ops = self.ops(m)
         P.zero_grad()
         run = _Step(st, P, micro_batches)
         pp.barrier()
         t0 = time.perf_counter()
         self.spans = []
-        for op in ops[pp.rank]:
+        for op in ops:
             start = time.perf_counter()
             getattr(run, op.kind)(op.micro)
             self.spans.append((f"{op.kind}{op.micro}", start, time.perf_counter()))

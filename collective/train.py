@@ -61,6 +61,7 @@ from dtlab.collective.grid import GridError, ProcessGrid
 from dtlab.models.config import ConfigError
 from dtlab.models.data.dataset import in_words
 from dtlab.models.moe_ep import ExpertParallel
+from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.checkpoint import CheckpointError
 from dtlab.models.run.cli import command_name, run_cli
 from dtlab.models.run.metrics import MetricsLog, run_header
@@ -244,6 +245,7 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
     """Run the training `setup` describes on this rank; return its session, grid and
     summary."""
     opts = setup.extra
+    keep_freed_memory()
     threads = share_cores()
     grid = make_grid(opts)
     grid.select_device()

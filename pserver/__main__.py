@@ -30,11 +30,11 @@ import threading
 from dtlab.models.config import add_flags, from_namespace
 from dtlab.models.data.factory import implied_model
 from dtlab.models.optim import OptimConfig
+from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.checkpoint import CheckpointError
 from dtlab.models.run.cli import command_name, run_cli
 from dtlab.models.run.session import Setup, parse
 from dtlab.models.run.threads import share_cores
-from dtlab.pserver.allocator import keep_freed_memory
 from dtlab.pserver.config import ServerConfig
 from dtlab.pserver.daemon import Daemon, build_store, config_record
 

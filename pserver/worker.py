@@ -75,6 +75,7 @@ from dtlab.models.config import (
 )
 from dtlab.models.data import ShardedLoader
 from dtlab.models.optim import OptimConfig
+from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.cli import command_name, run_cli
 from dtlab.models.run.launcher import launcher_rank, launcher_size
 from dtlab.models.run.metrics import MetricsLog, run_header
@@ -88,7 +89,6 @@ from dtlab.models.run.trainer import Summary
 from dtlab.models.schedule import SCHEDULES
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver import runconfig, wire
-from dtlab.pserver.allocator import keep_freed_memory
 from dtlab.pserver.client import PSClient
 from dtlab.pserver.config import ClientConfig
 from dtlab.pserver.errors import PSError

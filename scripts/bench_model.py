@@ -44,6 +44,7 @@ from dtlab.models.memory import context_bytes
 from dtlab.models.mlp import MLPConfig
 from dtlab.models.model import Replica
 from dtlab.models.optim import OptimConfig, make_optimizer
+from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.threads import share_cores
 from dtlab.models.transformer import TransformerConfig
 from dtlab.models.zoo import build_model
@@ -187,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     warmup = args.warmup if args.warmup is not None else (0 if args.tiny else 2)
     if reps < 1 or warmup < 0:
         p.error("--reps must be at least 1 and --warmup not negative")
+
+    keep_freed_memory()
 
     threads = share_cores()
     try:

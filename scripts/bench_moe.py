@@ -55,6 +55,7 @@ from dtlab.models.moe import MoE, expert_ffn
 from dtlab.models.moe_stats import PHASES, MoEStats
 from dtlab.models.params import FlatParams
 from dtlab.models.router import RouterOptions
+from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.launcher import mpiexec_path
 from dtlab.models.run.threads import share_cores
 
@@ -281,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.ep_chunks < 2 or any(n < 2 for n in args.ep_ranks or []) or \
             any(b < 4 for b in args.ep_bytes or []):
         p.error("--ep-chunks and --ep-ranks must be at least 2, --ep-bytes at least 4")
+
+    keep_freed_memory()
 
     threads = share_cores()
     try:

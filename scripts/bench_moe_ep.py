@@ -36,6 +36,7 @@ from dtlab.models.moe import MoE
 from dtlab.models.moe_ep import ExpertParallel
 from dtlab.models.params import FlatParams
 from dtlab.models.router import RouterOptions
+from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.threads import share_cores
 
 
@@ -132,6 +133,7 @@ def main(argv: list[str]) -> int:
                    default=(128, 256, 2048))
     p.add_argument("--chunks", type=int, default=4)
     args = p.parse_args(argv)
+    keep_freed_memory()
     share_cores()
     comm = world(timeout=120)
     rows = [bench_alltoall(comm, b, args.reps, args.warmup) for b in args.bytes]

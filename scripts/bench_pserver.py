@@ -90,9 +90,10 @@ from dtlab.models.config import (
     positive_list,
 )
 from dtlab.models.optim import OptimConfig, Schedule
+from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.cli import run_cli
 from dtlab.pserver import wire
-from dtlab.pserver.allocator import huge_empty, keep_freed_memory
+from dtlab.pserver.allocator import huge_empty
 from dtlab.pserver.blocked import BlockedOptimizer
 from dtlab.pserver.client import PSClient
 from dtlab.pserver.config import ClientConfig, ServerConfig

@@ -8,7 +8,8 @@ import threading
 import numpy as np
 import pytest
 
-from dtlab.pserver.allocator import HUGE_PAGE, huge_empty, keep_freed_memory
+from dtlab.models.run.allocator import keep_freed_memory
+from dtlab.pserver.allocator import HUGE_PAGE, huge_empty
 from dtlab.pserver.parallel import Parallel
 
 

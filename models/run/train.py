@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 
 from dtlab.models.data.dataset import in_words
+from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.checkpoint import CheckpointError
 from dtlab.models.run.cli import command_name, run_cli
 from dtlab.models.run.metrics import MetricsLog, run_header
@@ -25,6 +26,7 @@ from dtlab.models.run.trainer import Trainer
 def main(argv: list[str]) -> int:
     setup = parse(argv, prog=command_name("dtlab.models.run.train"),
                   description=__doc__.split("\n\n")[0])
+    keep_freed_memory()
     threads = share_cores()
     session = build_session(setup)
     cost = replica_cost(setup)

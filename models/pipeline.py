@@ -28,12 +28,16 @@ stage sent, so it needs none. Tags follow the micro-batch, so every message
 matches its pass even where a schedule runs stages in different orders.
 
 Measured bubble (idle fraction) of a step: after a barrier over `pp`, each
-stage counts its compute time; the step's makespan is the slowest stage's
-elapsed time, and
+stage counts its compute time and its idle time, the time it blocked in
+receives and in completing its sends; the step's makespan is the slowest
+stage's elapsed time, a stage that ends earlier idles for the rest, and
 
-    bubble = 1 - mean over stages of compute / makespan
+    bubble   = mean over stages of (blocked + makespan - elapsed) / makespan
+    overhead = mean over stages of (elapsed - compute - blocked) / makespan
 
-which is what models/schedule.py's formulas predict for uniform stages. The
+The bubble is what models/schedule.py's formulas predict for uniform stages;
+the overhead is the executor's own time (posting sends, the shape headers,
+bookkeeping), reported beside it rather than counted as idle. The
 step also counts the bytes it sent and the peak bytes its in-flight
 micro-batches held (contexts, then the inputs of deferred weight gradients;
 models/memory.py's measure).
@@ -127,9 +131,11 @@ class PipelineReplica(Replica):
         run.finish()
         elapsed = time.perf_counter() - t0
         loss = pp.broadcast(np.array([run.loss_sum]), root=pp.size - 1)  # the last stage's
-        every = pp.allgather(np.array([[run.compute_s, elapsed]]))  # (p, 2)
-        makespan = float(every[:, 1].max())
-        self.timing = {"bubble": 1.0 - float(every[:, 0].sum()) / (pp.size * makespan),
+        every = pp.allgather(np.array([[run.compute_s, run.wait_s, elapsed]]))  # (p, 3)
+        compute, blocked, spent = every.T  # (p,) each
+        makespan = float(spent.max())
+        self.timing = {"bubble": float((blocked + makespan - spent).mean()) / makespan,
+                       "pipe_overhead": float((spent - compute - blocked).mean()) / makespan,
                        "pipe_compute_s": run.compute_s, "pipe_wait_s": run.wait_s,
                        "pipe_makespan_s": makespan, "pipe_bytes_sent": run.bytes_sent,
                        "pipe_peak_activation_bytes": run.peak_held}

@@ -16,11 +16,15 @@ models/schedule.py) at each micro-batch count m, timing steps after warm-up, and
                   all-reduce payloads times the ring's 2(t-1)/t (nccl-tests' busbw
                   convention) and the cross-entropy all-gather's (t-1)/t; against the
                   formula from the config (bench_parallel_lib/formulas.py derives it)
-    bubble        measured idle fraction 1 - mean compute / makespan (models/pipeline.py),
-                  median over steps; against (p-1)/(m+p-1) for GPipe and 1F1B and
+    bubble        measured idle fraction: the time each stage blocked on its neighbours or
+                  had finished before the slowest, over the makespan, mean over stages
+                  (models/pipeline.py), median over steps; against (p-1)/(m+p-1) for GPipe
+                  and 1F1B and
                   (p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W)) with unit passes for ZB-H1
                   (Qi et al. 2024), and `expected`: the schedule replayed with each stage's
                   measured pass times (unequal stages) and free communication
+    ovh           the executor's own time (posting sends, shape headers, bookkeeping) over
+                  the makespan: neither compute nor idle, shown beside the bubble
     mem           parameters + gradients + optimizer state of the largest rank against
                   models/cost.py's accounting of its stage's Parts, tensor-split
     act           peak bytes of in-flight micro-batches on the largest rank against the
@@ -55,7 +59,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 GRIDS = [(1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (2, 2)]  # (tp, pp)
-TIMED = ("step_ms", "bubble", "bubble_expected")
+TIMED = ("step_ms", "bubble", "bubble_expected", "overhead")
 TOLERANCE, MEMORY_TOLERANCE = 0.05, 0.05
 
 
@@ -125,11 +129,13 @@ def table(rows: list[dict], cores: int, launches: int) -> str:
         "# legend: vs 1x1 = step / tp1 pp1 step (same size, m); comm = bytes handed to the "
         "communicators per step (p2p sends + tp all-reduce payload x 2(t-1)/t, nccl-tests "
         "busbw convention), form = from the config; bubble = idle fraction, form = "
-        "uniform-stage formula, exp = replay with measured per-stage pass times; mem = params "
+        "uniform-stage formula, exp = replay with measured per-stage pass times, ovh = "
+        "executor time (not idle, not compute) / makespan; mem = params "
         "+ grads + optimizer MB of the largest rank, est = models.cost; act = peak in-flight "
         "activation MB; * = tp*pp > cores (oversubscribed: waits poll and yield, idle inflated)",
         f"# {'size':>5} {'tp':>2} {'pp':>2} {'sched':>5} {'m':>2} {'step(ms)':>9} {'vs 1x1':>6} "
         f"{'comm(MB)':>9} {'form':>9} {'ratio':>6} {'bubble':>6} {'form':>6} {'exp':>6} "
+        f"{'ovh':>5} "
         f"{'mem(MB)':>8} {'est':>8} {'ratio':>6} {'act(MB)':>8} {'est':>8} {'ratio':>6}"]
     for r in rows:
         ratio = r["comm_bytes"] / r["comm_bytes_formula"] if r["comm_bytes_formula"] else 1.0
@@ -141,6 +147,7 @@ def table(rows: list[dict], cores: int, launches: int) -> str:
             f"{r['microbatches']:>2} {r['step_ms']:>9.1f} {vs:>6.2f} "
             f"{r['comm_bytes'] / 1e6:>9.3f} {r['comm_bytes_formula'] / 1e6:>9.3f} {ratio:>6.3f} "
             f"{r['bubble']:>6.3f} {r['bubble_formula']:>6.3f} {r['bubble_expected']:>6.3f} "
+            f"{r['overhead']:>5.3f} "
             f"{r['state_bytes_per_rank'] / 1e6:>8.3f} {r['state_bytes_estimate'] / 1e6:>8.3f} "
             f"{r['memory_ratio']:>6.3f} {r['activation_bytes_per_rank'] / 1e6:>8.3f} "
             f"{r['activation_bytes_estimate'] / 1e6:>8.3f} {r['activation_ratio']:>6.3f}")

@@ -18,6 +18,7 @@ from bench_parallel_lib import formulas
 from dtlab.collective.grid import ProcessGrid
 from dtlab.models.memory import context_bytes
 from dtlab.models.partition import module_parts
+from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.session import PipelineSpec, build_session, parse
 from dtlab.models.run.threads import share_cores
 from dtlab.models.schedule import bubble_formula, make, simulate
@@ -85,6 +86,7 @@ def micro_batches(vocab: int, b: int, T: int, m: int, seed: int = 0) -> list:
 
 
 def run(size: str, tp: int, pp: int, ms: list[int], steps: int, warmup: int, out: str) -> None:
+    keep_freed_memory()
     share_cores()
     grid = ProcessGrid(dp=1, pp=pp, tp=tp)
     grid.select_device()
@@ -158,11 +160,12 @@ def row(size, setup, b, tp, pp, schedule, m, bounds, every) -> dict:
            "comm_bytes_formula": round(p2p_formula + tp_formula),
            "comm_bytes_p2p": p2p, "comm_bytes_p2p_formula": p2p_formula,
            "comm_bytes_tp": round(tp_sent), "comm_bytes_tp_formula": round(tp_formula),
-           "bubble": 0.0, "bubble_formula": 0.0, "bubble_expected": 0.0}
+           "bubble": 0.0, "bubble_formula": 0.0, "bubble_expected": 0.0, "overhead": 0.0}
     ops = make(schedule, pp, m) if pp > 1 else [[]]
     if pp > 1:
-        out["bubble"] = statistics.median(
-            statistics.mean(r["timed"][k]["bubble"] for r in every) for k in range(n))
+        for key, measured in (("bubble", "bubble"), ("overhead", "pipe_overhead")):
+            out[key] = statistics.median(
+                statistics.mean(r["timed"][k][measured] for r in every) for k in range(n))
         out["bubble_formula"] = bubble_formula(schedule, pp, m)
         times = [{kind: statistics.mean(t["pass_s"][kind] / m for r in every
                                         if r["pp_rank"] == s for t in r["timed"])

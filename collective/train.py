@@ -32,8 +32,10 @@ holds the N experts of every MoE layer split e ways (models/moe_ep.py) and every
 else whole; the e ranks read their own data (data rank dp_rank * e + ep_rank of dp * e)
 and exchange the routed tokens by all-to-all(v), ours (every exchange posted at once,
 then one wait) or MPI's Alltoallv (--moe-alltoall), in --moe-chunks chunks that overlap
-the exchange with the experts' compute. The parameters are laid out dense first, experts
-after (models/transformer.py), and reduced in two groups:
+the exchange with the experts' compute. With --pp as well, each of the e pipelines runs
+its stages' MoE layers over its stage's ep group (the e ranks holding the same stage), so
+the exchanges of one micro-batch's layer meet stage by stage. The parameters are laid out
+dense first, experts after (models/model.py), and reduced in two groups:
 the dense range averaged over the dp x ep ranks (dp_ep_comm), the expert range over the
 dp ranks holding the same experts (dp_comm) and divided by e, since each expert's
 gradient already sums the e ranks' tokens: both are then the gradient of the mean loss of
@@ -216,9 +218,9 @@ def check_ep_flags(setup: Setup) -> None:
     if setup.model.moe_groups != 1:
         raise ConfigError(f"--moe-groups {setup.model.moe_groups} with --ep {opts.ep}: each "
                           "rank's tokens are one group")
-    if opts.pp > 1 or opts.tp > 1:
-        raise ConfigError(f"--ep {opts.ep} with --pp {opts.pp} --tp {opts.tp}: not yet "
-                          "(expert parallelism combines with --dp only)")
+    if opts.tp > 1:
+        raise ConfigError(f"--ep {opts.ep} with --tp {opts.tp}: not yet (MoE layers are not "
+                          "tensor-split; expert parallelism combines with --dp and --pp)")
 
 
 def make_grid(opts: argparse.Namespace) -> ProcessGrid:
@@ -276,7 +278,8 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
     # loads a checkpoint on --resume; dp rank 0 of every (pp, ep, tp) rank saves its shard
     trainer = Trainer(session, log, reducer, is_main=rank == 0, saves=grid.dp_rank == 0,
                       agree=lambda counts: grid.world.allreduce(counts, algo="mpi"),
-                      rank=rank, role="sync")
+                      rank=rank, role="sync",
+                      stages=grid.pp_comm.mpi.allgather if grid.pp_size > 1 else None)
     comm.broadcast(params.data, root=0)
     check_replicas_agree(comm, params, "after the initial broadcast")
     if rank == 0:
@@ -322,11 +325,12 @@ def posted_alltoallv(comm: Communicator):
 
 
 def expert_group(grid: ProcessGrid, params) -> tuple[Communicator, int, int] | None:
-    """(dp_comm, first expert offset, ep) for the reducer's expert group, None without ep.
-    The experts must be the buffer's last contiguous range (models/transformer.py)."""
-    if grid.ep_size == 1:
-        return None
+    """(dp_comm, first expert offset, ep) for the reducer's expert group, None without ep
+    or on a pipeline stage without MoE layers (all of its gradients are dense). The
+    experts must be the buffer's last contiguous range (models/model.py, Model.specs)."""
     ranges = sorted(params.ranges("ep"))
+    if grid.ep_size == 1 or not ranges:
+        return None
     lo = ranges[0][0]
     if ranges[-1][1] != params.size or sum(hi - a for a, hi in ranges) != params.size - lo:
         raise RuntimeError("the expert parameters are not the end of the flat buffer")

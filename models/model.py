@@ -36,6 +36,7 @@ class Model:
 
     name = "model"
     pp: Comm | None = None  # a pipeline stage's communicator (models/pipeline.py)
+    ep: Comm | None = None  # the expert-parallel group (models/moe_ep.py; None: every expert)
 
     def __init__(self, config, body: Sequential, loss: Loss = softmax_cross_entropy,
                  tp: Comm | None = None):
@@ -49,7 +50,12 @@ class Model:
             m.aux_scale, m.training = scale, training
 
     def specs(self):
-        return self.body.specs()
+        """The body's parameters; under ep the held experts (split "ep") moved after the
+        dense ones, so each group is one contiguous range of the flat buffers."""
+        specs = self.body.specs()
+        if self.ep is None:
+            return specs
+        return [s for s in specs if s.split != "ep"] + [s for s in specs if s.split == "ep"]
 
     def prepare(self, batch, P: FlatParams):
         """Move a host batch to the parameters' device and dtype."""
@@ -79,10 +85,13 @@ class Model:
 
     def clip_grad_norm(self, P: FlatParams, max_norm: float) -> float:
         """Clip P.grad to the global norm of the whole model's gradient (over its
-        tensor-parallel shards); return the norm before clipping."""
-        if self.tp is None:
-            return clip_grad_norm(P.grad, max_norm)
-        return clip_grad_norm(P.grad, max_norm, split=P.ranges(SPLIT), comm=self.tp)
+        tensor-parallel shards, or its expert-parallel ranks' experts: replicated
+        gradients counted once, models/optim.py); return the norm before clipping."""
+        if self.ep is not None:
+            return clip_grad_norm(P.grad, max_norm, split=P.ranges("ep"), comm=self.ep)
+        if self.tp is not None:
+            return clip_grad_norm(P.grad, max_norm, split=P.ranges(SPLIT), comm=self.tp)
+        return clip_grad_norm(P.grad, max_norm)
 
     def init_params(self, seed: int, dtype="float32", xp=None) -> FlatParams:
         return FlatParams(self.specs(), seed=seed, dtype=dtype, xp=xp or backend.xp())

@@ -54,10 +54,8 @@ from dtlab.models.comm import Comm
 from dtlab.models.layers import Sequential
 from dtlab.models.memory import context_bytes
 from dtlab.models.model import Model, Replica
-from dtlab.models.optim import clip_grad_norm
 from dtlab.models.params import FlatParams
 from dtlab.models.schedule import make, validate
-from dtlab.models.tensor_parallel import SPLIT
 
 MAX_NDIM = 7
 HEADER, ACTIVATION, GRADIENT = 0, 1, 2
@@ -73,14 +71,14 @@ class PipelineStage(Model):
         s = pp.rank
         body = Sequential(model.body.modules[bounds[s]:bounds[s + 1]])
         super().__init__(model.config, body, model.loss, model.tp)
-        self.name, self.pp, self.bounds = model.name, pp, list(bounds)
+        self.name, self.pp, self.ep, self.bounds = model.name, pp, model.ep, list(bounds)
         self.first, self.last = s == 0, s == pp.size - 1
 
     def clip_grad_norm(self, P: FlatParams, max_norm: float) -> float:
         """Clip to the norm of the whole model's gradient: every stage's squares
-        (each over its tensor-parallel shards) summed over the pipeline."""
-        split = P.ranges(SPLIT) if self.tp is not None else ()
-        norm = clip_grad_norm(P.grad, 0.0, split=split, comm=self.tp)
+        (each over its tensor-parallel shards or expert-parallel ranks) summed over
+        the pipeline."""
+        norm = super().clip_grad_norm(P, 0.0)  # this stage's part, nothing clipped
         total = self.pp.allreduce(np.array([norm * norm]))  # (1,) sum of squares
         norm = float(np.sqrt(total[0]))
         if max_norm > 0 and norm > max_norm:

@@ -59,8 +59,6 @@ from dtlab.models.model import Model
 from dtlab.models.moe import MoE
 from dtlab.models.moe_ep import ExpertParallel
 from dtlab.models.moe_stats import MoEStats
-from dtlab.models.optim import clip_grad_norm
-from dtlab.models.params import FlatParams
 from dtlab.models.router import RouterOptions
 from dtlab.models.tensor_parallel import (
     ColumnParallelLinear,
@@ -219,21 +217,6 @@ def check_ep(c: TransformerConfig, ep: int, tp: Comm | None = None) -> None:
 
 class Transformer(Model):
     name = "transformer"
-    ep: Comm | None = None  # the expert-parallel group (None: every expert here)
-
-    def specs(self):
-        """The body's parameters; under ep the held experts moved after the dense ones."""
-        specs = self.body.specs()
-        if self.ep is None:
-            return specs
-        return [s for s in specs if s.split != "ep"] + [s for s in specs if s.split == "ep"]
-
-    def clip_grad_norm(self, P: FlatParams, max_norm: float) -> float:
-        """Under ep the global norm counts the dense (replicated) gradients once and every
-        rank's experts: norm^2 = sum over ep of |g_experts|^2 + |g_dense|^2."""
-        if self.ep is None:
-            return super().clip_grad_norm(P, max_norm)
-        return clip_grad_norm(P.grad, max_norm, split=P.ranges("ep"), comm=self.ep)
 
     def __init__(self, config: TransformerConfig, tp: Comm | None = None,
                  ep: ExpertParallel | None = None):

@@ -117,6 +117,28 @@ def test_dp2_ep2_training_equals_one_process_on_the_global_batch(tmp_path, moe, 
     assert r.rc != 0 and "--ep 2" in r.stderr and "Traceback" not in r.stderr, r
 
 
+@pytest.mark.parametrize("moe,grid", [
+    (["--moe-capacity-factor", "1.0"], ["--pp-schedule", "gpipe"]),
+    (["--moe-dropless", "--moe-every", "2"], ["--pp-schedule", "zb-h1", "--moe-alltoall", "mpi"]),
+], ids=["drops-gpipe", "dropless-every2-zb"])
+def test_pp2_ep2_training_equals_one_process_on_the_global_batch(tmp_path, moe, grid):
+    """Each (ep rank, micro-batch) is one token group: m = 2 micro-batches of B on 2 ep
+    ranks are the single process's 4 groups of B. With --moe-every 2 the first stage holds
+    no MoE layer, so its gradients are all dense."""
+    B, m = 2, 2
+    single = single_params(tmp_path, "single", [*LM, *moe, "--batch-size", str(2 * m * B),
+                                                "--moe-groups", str(2 * m)])
+    out = tmp_path / "pp-ep.npy"
+    r = mpirun(4, "tests/mpi_progs/moe_ep_train.py", out, "--pp", "2", "--ep", "2", *grid,
+               *LM, *moe, *RUN, "--batch-size", str(B), "--grad-accum", str(m),
+               "--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", "4", timeout=120)
+    assert r.rc == 0, r
+    err = float(np.linalg.norm(np.load(out) - single) / np.linalg.norm(single))
+    print(f"pp 2 ep 2 {' '.join(moe + grid)}: relative difference {err:.2e}")
+    assert err < 1e-5, f"pp 2 ep 2: relative difference {err:.2e}"
+    assert len(list((tmp_path / "ck").iterdir())) == 4  # one directory per (pp, ep) rank
+
+
 @pytest.mark.parametrize("n,flags,message", [
     (2, ["--ep", "2", *LM, "--moe-experts", "3"], "--moe-experts 3 is not divisible by --ep 2"),
     (2, ["--ep", "2", "--model", "transformer"], "--ep 2 needs a model with experts"),

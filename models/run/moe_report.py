@@ -32,9 +32,24 @@ def step_record(layers: list) -> dict:
     return {"moe": out, "moe_aux_loss": sum(m.last_aux_loss for m in layers)}
 
 
-def summary_lines(layers: list) -> list[str]:
-    """The end-of-run table, one row per MoE layer ([] without MoE)."""
-    rows = [(m.name, m.stats.summary()) for m in layers if m.stats is not None]
+def merge(records: list[dict]) -> dict:
+    """One step record from the step records of every pipeline stage, in stage order
+    (a stage without MoE layers gave {})."""
+    parts = [r for r in records if r]
+    if not parts:
+        return {}
+    return {"moe": [layer for r in parts for layer in r["moe"]],
+            "moe_aux_loss": sum(r["moe_aux_loss"] for r in parts)}
+
+
+def layer_summaries(layers: list) -> list[tuple[str, dict]]:
+    """(layer name, MoEStats.summary()) of every layer that keeps statistics."""
+    return [(m.name, m.stats.summary()) for m in layers if m.stats is not None]
+
+
+def summary_lines(rows: list[tuple[str, dict]]) -> list[str]:
+    """The end-of-run table, one row per MoE layer ([] without MoE); `rows` from
+    layer_summaries (of every stage, for a pipeline)."""
     if not rows:
         return []
     lines = ["MoE layers (means over every forward; times p50/p95/p99 in ms):",

@@ -256,8 +256,6 @@ def build_session(setup: Setup, rank: int = 0, world: int = 1, tp: Comm | None =
     backend.select()
     dataset, model_cfg = make_dataset(setup.data, setup.model_name, setup.model)
     setup.model = model_cfg
-    if ep is not None and pipeline is not None:
-        raise ConfigError(f"--ep {ep.comm.size} with --pp {pipeline.pp.size}: not yet")
     model = build_model(setup.model_name, model_cfg, tp=tp, ep=ep)
     if pipeline is not None:
         model = PipelineStage(model, stage_bounds(setup, pipeline, len(model.body.modules)),

@@ -89,8 +89,11 @@ class Trainer:
 
     def __init__(self, session: Session, log: MetricsLog, reducer: GradReducer | None = None,
                  is_main: bool = True, saves: bool | None = None, agree=None, rank: int = 0,
-                 role: str = "train"):
+                 role: str = "train", stages=None):
         self.s, self.log, self.reducer, self.is_main = session, log, reducer, is_main
+        # a pipeline's allgather of a small object over its stages, so that the MoE
+        # statistics cover every stage's layers (None: this process holds them all)
+        self.stages = stages or (lambda x: [x])
         self.trace = Trace(session.setup.run.trace, pid=rank, process=f"{role} rank {rank}")
         run = session.setup.run
         self.straggler = Straggler(run.straggler, run.delay_ms, run.seed, rank)
@@ -139,7 +142,8 @@ class Trainer:
             self.trace.span(name, start, end, "pipeline")
         return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                 "step_s": t3 - t0, "compute_s": (t1 - t0) + (t3 - t2), **comm,
-                **s.replica.timing, **extra, **moe_report.step_record(s.model.moe)}
+                **s.replica.timing, **extra,
+                **moe_report.merge(self.stages(moe_report.step_record(s.model.moe)))}
 
     def run(self) -> Summary:
         """Train to --steps, or until SIGTERM / SIGINT: then every rank stops after the
@@ -169,7 +173,8 @@ class Trainer:
         summary = Summary.of(self.losses, time.perf_counter() - start, self.s.dataset.floor,
                              self.samples_per_step)
         summary.stopped_by, summary.exit_code = stop.name, stop.exit_code
-        summary.extra_lines = moe_report.summary_lines(self.s.model.moe)
+        every = self.stages(moe_report.layer_summaries(self.s.model.moe))
+        summary.extra_lines = moe_report.summary_lines([row for rows in every for row in rows])
         return summary
 
     def _stopped(self, signal_name: str, steps: int, saved: bool) -> None:

@@ -2,9 +2,10 @@
 
     mpiexec -n 4 python -m mpi4py tests/mpi_progs/moe_ep_train.py OUT.npy --dp 2 --ep 2 ...
 
-Runs `train` with the given flags, gathers every ep rank's experts (by name) over the ep
-group and has world rank 0 write all parameters, concatenated in the single-process
-model's parameter order, to OUT.npy: the layout of a single-process run's flat parameters.
+Runs `train` with the given flags, gathers every rank's parameters by name (each ep rank's
+experts, each pp rank's stage) and has world rank 0 write all of them, concatenated in the
+single-process model's parameter order, to OUT.npy: the layout of a single-process run's
+flat parameters.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ setup = parse_args(argv)
 session, grid, _ = train(setup)
 P = session.params
 mine = {s.name: to_host(P[s.name]) for s in P.specs}
-held = grid.ep_comm.mpi.gather(mine, root=0)
+held = grid.world.mpi.gather(mine, root=0)
 if grid.rank == 0:
     whole = {name: value for part in held for name, value in part.items()}
     order = build_model(setup.model_name, setup.model).specs()

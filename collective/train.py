@@ -218,9 +218,6 @@ def check_ep_flags(setup: Setup) -> None:
     if setup.model.moe_groups != 1:
         raise ConfigError(f"--moe-groups {setup.model.moe_groups} with --ep {opts.ep}: each "
                           "rank's tokens are one group")
-    if opts.tp > 1:
-        raise ConfigError(f"--ep {opts.ep} with --tp {opts.tp}: not yet (MoE layers are not "
-                          "tensor-split; expert parallelism combines with --dp and --pp)")
 
 
 def make_grid(opts: argparse.Namespace) -> ProcessGrid:
@@ -328,7 +325,7 @@ def expert_group(grid: ProcessGrid, params) -> tuple[Communicator, int, int] | N
     """(dp_comm, first expert offset, ep) for the reducer's expert group, None without ep
     or on a pipeline stage without MoE layers (all of its gradients are dense). The
     experts must be the buffer's last contiguous range (models/model.py, Model.specs)."""
-    ranges = sorted(params.ranges("ep"))
+    ranges = sorted(params.ranges("ep", "ep+tp"))
     if grid.ep_size == 1 or not ranges:
         return None
     lo = ranges[0][0]

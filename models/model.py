@@ -16,16 +16,21 @@ Replica; that is what makes the topologies interchangeable.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from dtlab.models import backend
 from dtlab.models.comm import Comm
 from dtlab.models.layers import Sequential
 from dtlab.models.loss import softmax_cross_entropy
 from dtlab.models.moe import moe_layers
-from dtlab.models.optim import clip_grad_norm
+from dtlab.models.optim import clip_grad_norm, clip_to, complement, squares
 from dtlab.models.params import FlatParams
 from dtlab.models.tensor_parallel import SPLIT
+
+EXPERT = ("ep", "ep+tp")  # split labels of expert parameters: one group, laid out last
 
 # (logits, targets, scale) -> (mean loss, dlogits times scale)
 Loss = Callable[..., tuple[float, object]]
@@ -55,7 +60,8 @@ class Model:
         specs = self.body.specs()
         if self.ep is None:
             return specs
-        return [s for s in specs if s.split != "ep"] + [s for s in specs if s.split == "ep"]
+        return [s for s in specs if s.split not in EXPERT] + \
+            [s for s in specs if s.split in EXPERT]
 
     def prepare(self, batch, P: FlatParams):
         """Move a host batch to the parameters' device and dtype."""
@@ -85,13 +91,22 @@ class Model:
 
     def clip_grad_norm(self, P: FlatParams, max_norm: float) -> float:
         """Clip P.grad to the global norm of the whole model's gradient (over its
-        tensor-parallel shards, or its expert-parallel ranks' experts: replicated
-        gradients counted once, models/optim.py); return the norm before clipping."""
-        if self.ep is not None:
-            return clip_grad_norm(P.grad, max_norm, split=P.ranges("ep"), comm=self.ep)
-        if self.tp is not None:
+        tensor-parallel shards and its expert-parallel ranks' experts, every gradient
+        counted once); return the norm before clipping. With both, by split label:
+
+            norm^2 = |g_rest|^2 + sum_ep |g_ep|^2 + sum_tp (|g_tp|^2 + sum_ep |g_ep+tp|^2)
+        """
+        if self.ep is None and self.tp is None:
+            return clip_grad_norm(P.grad, max_norm)
+        if self.ep is None:
             return clip_grad_norm(P.grad, max_norm, split=P.ranges(SPLIT), comm=self.tp)
-        return clip_grad_norm(P.grad, max_norm)
+        if self.tp is None:
+            return clip_grad_norm(P.grad, max_norm, split=P.ranges(*EXPERT), comm=self.ep)
+        sq = {label: squares(P.grad, P.ranges(label)) for label in ("ep", "ep+tp", SPLIT)}
+        experts = self.ep.allreduce(np.array([sq["ep"], sq["ep+tp"]]))  # (2,) over ep
+        split = self.tp.allreduce(np.array([sq[SPLIT] + experts[1]]))  # (1,) over tp
+        rest = squares(P.grad, complement(P.ranges("ep", "ep+tp", SPLIT), P.size))
+        return clip_to(P.grad, math.sqrt(rest + experts[0] + split[0]), max_norm)
 
     def init_params(self, seed: int, dtype="float32", xp=None) -> FlatParams:
         return FlatParams(self.specs(), seed=seed, dtype=dtype, xp=xp or backend.xp())

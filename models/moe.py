@@ -31,6 +31,16 @@ e ranks of n rows each compute exactly what one process with G = e computes on t
 n e rows concatenated in rank order: the single-process twin of an ep run. The rows of an
 expert are the groups' rows for it in group order, on one rank as across ranks.
 
+Tensor-split experts (`tp`, Megatron-LM's split applied to each expert, as Megatron-Core's
+expert tensor parallelism does): the tokens, the router and the dispatch are replicated
+over the tp ranks; each expert holds its columns of the first linear layer(s) and the
+matching rows of the last, so every rank computes a partial out_a (A, d) on the same rows.
+The combine is linear in out, so the partial outputs are combined first and summed over
+tp once per layer (g on (n, d) rather than on the k-times larger rows); in backward the
+gate gradients dg_a = dy_t . out_a need the whole out_a, so their partial sums (n k
+scalars) are summed over tp, and dx is summed over tp (f) before the router's dx, which
+every rank computes whole, is added.
+
 Backward: dout_a = g_a dy_t; dg_a = dy_t . out_a; the experts' backward on their rows;
 dx_t = sum of the rows' dx back in their slots + the router's dx (models/router.py, which
 adds the balancing terms' gradients); then the bias nudge (when enabled) and the noise step
@@ -52,10 +62,27 @@ from dtlab.models.layers import GELU, Linear, Module, Sequential, SwiGLU
 from dtlab.models.moe_ep import ExpertParallel, source_to_expert
 from dtlab.models.moe_stats import MoEStats
 from dtlab.models.router import Router, RouterOptions, capacity, entropy
+from dtlab.models.tensor_parallel import (
+    SPLIT,
+    ColumnParallelLinear,
+    ParallelSwiGLU,
+    RowParallelLinear,
+    f_backward,
+    g_forward,
+)
 
 
-def expert_ffn(kind: str, name: str, d: int, d_ff: int, out_std: float = 0.02) -> Module:
-    """One expert: SwiGLU (`name.w1/w3/w2`) or Linear-GELU-Linear (`name.fc/proj`)."""
+def expert_ffn(kind: str, name: str, d: int, d_ff: int, out_std: float = 0.02,
+               tp: Comm | None = None) -> Module:
+    """One expert: SwiGLU (`name.w1/w3/w2`) or Linear-GELU-Linear (`name.fc/proj`); with
+    `tp` split by columns then rows, its output and input gradient left partial (the MoE
+    layer reduces them once for all experts)."""
+    if tp is not None:
+        if kind == "swiglu":
+            return ParallelSwiGLU(name, d, d_ff, tp, out_std=out_std, reduce=False)
+        return Sequential([
+            ColumnParallelLinear(f"{name}.fc", d, d_ff, tp, reduce_input_grad=False), GELU(),
+            RowParallelLinear(f"{name}.proj", d_ff, d, tp, std=out_std, reduce_output=False)])
     if kind == "swiglu":
         return SwiGLU(name, d, d_ff, out_std=out_std)
     return Sequential([Linear(f"{name}.fc", d, d_ff), GELU(),
@@ -129,7 +156,8 @@ class MoE(Module):
 
     `comm`: the ranks whose loads the bias balancing sums (None: this process only).
     `ep`: the expert-parallel group (models/moe_ep.py; None: every expert here); the layer
-    then holds `ep.owned(N)`, which `experts` (default: those) must equal. `groups`: token
+    then holds `ep.owned(N)`, which `experts` (default: those) must equal. `tp`: the
+    tensor-parallel group the experts are split over (None: whole). `groups`: token
     groups (capacity and Switch term per group; an ep rank is one group). `stats`: the
     MoEStats each forward fills (None: none kept). Attributes the caller may set:
     `training` (False: no router noise), `groups`, `aux_scale` (multiplies the balancing
@@ -144,7 +172,7 @@ class MoE(Module):
                  capacity_factor: float | None = 1.25, shared: int = 0, out_std: float = 0.02,
                  comm: Comm | None = None, experts: range | None = None,
                  stats: MoEStats | None = None, ep: ExpertParallel | None = None,
-                 groups: int = 1):
+                 groups: int = 1, tp: Comm | None = None):
         N = router.n_experts
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"{name}: capacity factor {capacity_factor} must be positive")
@@ -157,18 +185,22 @@ class MoE(Module):
                              + ("a subset needs an ep group to reach the others by "
                                 "all-to-all (ep=ExpertParallel)" if ep is None
                                 else f"ep rank {ep.comm.rank} of {ep.comm.size} holds {held}"))
-        self.ep, self.groups = ep, groups
+        self.ep, self.groups, self.tp = ep, groups, tp
         self.name, self.d, self.n_experts, self.k = name, d, N, router.slots
         self.capacity_factor, self.comm, self.stats = capacity_factor, comm, stats
         self.router = Router(name, d, router)
-        self.experts = [expert_ffn(kind, f"{name}.e{e}", d, d_ff, out_std) for e in self.owned]
-        self.shared = [expert_ffn(kind, f"{name}.s{s}", d, d_ff, out_std) for s in range(shared)]
+        self.experts = [expert_ffn(kind, f"{name}.e{e}", d, d_ff, out_std, tp)
+                        for e in self.owned]
+        self.shared = [expert_ffn(kind, f"{name}.s{s}", d, d_ff, out_std, tp)
+                       for s in range(shared)]
         self.training, self.aux_scale, self.noise_step = True, 1.0, 0
         self.last_aux_loss = 0.0  # coefficient x balancing terms of the latest forward
 
     def specs(self):
-        split = "" if self.ep is None else "ep"  # expert gradients average over dp only
-        experts = [dataclasses.replace(s, split=split) for m in self.experts for s in m.specs()]
+        experts = [s for m in self.experts for s in m.specs()]
+        if self.ep is not None:  # expert gradients average over dp only (models/model.py)
+            experts = [dataclasses.replace(s, split="ep+tp" if s.split == SPLIT else "ep")
+                       for s in experts]
         return self.router.specs() + experts + [s for m in self.shared for s in m.specs()]
 
     def forward(self, P, x):
@@ -206,6 +238,8 @@ class MoE(Module):
             ys, ctx = s.forward(P, x2)
             y += ys
             sctx.append(ctx)
+        if self.tp is not None:
+            g_forward(self.tp, y)  # the partial outputs of every expert, summed once
         t4 = time.perf_counter()
         aux = {"switch": r.pop("aux_switch"), "z": r.pop("aux_z")}
         self.last_aux_loss = o.aux_coef * aux["switch"] + o.z_coef * aux["z"]
@@ -245,6 +279,8 @@ class MoE(Module):
         dyr = dy2.take(slots // k, axis=0)  # (A, d)
         dgates = xp.zeros(n * k, dtype=dy.dtype)
         dgates[slots] = xp.einsum("ad,ad->a", dyr, out)  # dg_a = dy_t . out_a
+        if self.tp is not None:
+            self.tp.allreduce(dgates)  # out_a was this rank's partial sum
         dyr *= r["gates"].reshape(-1).take(slots)[:, None]  # dout_a = g_a dy_t
         ectx = ctx["experts"]
         if ctx["chunks"] is None:
@@ -253,9 +289,11 @@ class MoE(Module):
             dxs = self.ep.run(ctx["chunks"], dyr, lambda c, rows, cc:
                               self._experts_backward(P, ectx[c], rows, cc))
         dx = to_slots(dxs, slots, n, k)  # (n, d)
-        dx += self.router.backward(P, r, dgates.reshape(n, k), self.aux_scale)
         for s, sctx in zip(self.shared, ctx["shared"], strict=True):
             dx += s.backward(P, sctx, dy2)
+        if self.tp is not None:
+            dx = f_backward(self.tp, dx)  # the experts' partial dx, summed once
+        dx += self.router.backward(P, r, dgates.reshape(n, k), self.aux_scale)
         if self.router.opts.bias_rate:
             self.router.update_bias(P, self.router.load(r["sel"], r["valid"]), self.comm)
         self.noise_step += 1

@@ -217,20 +217,32 @@ def clip_grad_norm(grad, max_norm: float, split: Sequence[tuple[int, int]] = (),
 
         norm^2 = sum_ranks |g_split|^2 + |g_replicated|^2
     """
-    xp = array_module(grad)
     if comm is None:
-        norm = float(xp.sqrt(xp.dot(grad, grad)))
+        norm = math.sqrt(squares(grad, [(0, grad.size)]))
     else:
-        split_sq, replicated_sq = np.zeros(1), 0.0  # split squares: summed over comm
-        edges = [0, *(e for lo_hi in sorted(split) for e in lo_hi), grad.size]
-        for i in range(len(edges) - 1):  # odd intervals are the split ranges
-            g = grad[edges[i]:edges[i + 1]]
-            if i % 2:
-                split_sq[0] += float(xp.dot(g, g))
-            else:
-                replicated_sq += float(xp.dot(g, g))
+        split_sq = np.array([squares(grad, split)])  # (1,) split squares: summed over comm
+        replicated_sq = squares(grad, complement(split, grad.size))
         comm.allreduce(split_sq)
         norm = math.sqrt(float(split_sq[0]) + replicated_sq)
+    return clip_to(grad, norm, max_norm)
+
+
+def squares(grad, ranges: Sequence[tuple[int, int]]) -> float:
+    """Sum of squares of `grad` over the (lo, hi) ranges."""
+    xp = array_module(grad)
+    return sum(float(xp.dot(grad[lo:hi], grad[lo:hi])) for lo, hi in ranges)
+
+
+def complement(ranges: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """The (lo, hi) ranges of [0, size) outside the disjoint `ranges`."""
+    edges = [0, *(e for lo_hi in sorted(ranges) for e in lo_hi), size]
+    return [(edges[i], edges[i + 1]) for i in range(0, len(edges) - 1, 2)
+            if edges[i + 1] > edges[i]]
+
+
+def clip_to(grad, norm: float, max_norm: float) -> float:
+    """Scale `grad` in place by max_norm / norm when its norm exceeds max_norm > 0;
+    return the norm."""
     if max_norm > 0 and norm > max_norm:
         grad *= max_norm / (norm + 1e-6)
     return norm

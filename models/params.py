@@ -160,9 +160,10 @@ class FlatParams:
         """Elements of the dense model these parameters are (a shard of)."""
         return sum(s.full_size for s in self.specs)
 
-    def ranges(self, split: str) -> list[tuple[int, int]]:
-        """(lo, hi) buffer ranges of the parameters split over grid dimension `split`."""
-        return [self.offsets[s.name] for s in self.specs if s.split == split]
+    def ranges(self, *splits: str) -> list[tuple[int, int]]:
+        """(lo, hi) buffer ranges of the parameters whose split label is one of `splits`
+        ("tp", "ep", "ep+tp": the grid dimensions a tensor is split over)."""
+        return [self.offsets[s.name] for s in self.specs if s.split in splits]
 
     def zero_grad(self) -> None:
         self.grad.fill(0)

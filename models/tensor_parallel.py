@@ -44,7 +44,7 @@ from dtlab.models.comm import Comm
 from dtlab.models.layers import Embedding, Linear, SwiGLU
 from dtlab.models.params import FlatParams, ParamSpec
 
-SPLIT = "tp"  # ParamSpec.split of tensor-split shards
+SPLIT = "tp"  # ParamSpec.split of tensor-split shards ("ep+tp": an expert's, models/moe.py)
 
 
 def shard_bounds(n: int, comm: Comm, what: str) -> tuple[int, int]:
@@ -109,13 +109,17 @@ class RowParallelLinear(Linear):
 
     The input is this rank's columns of x (a column split's output); the bias
     is added once, after the all-reduce, and its gradient is the same on every rank.
+    reduce_output=False leaves g to the caller: the output is this rank's partial
+    sum (rank 0's carrying the bias), which a Mixture-of-Experts layer combines over
+    its experts before one all-reduce; the bias gradient, sum of dY, is still every
+    rank's.
     """
 
     def __init__(self, name: str, d_in: int, d_out: int, comm: Comm, bias: bool = True,
-                 std: float = 0.02):
+                 std: float = 0.02, reduce_output: bool = True):
         self.lo, self.hi = shard_bounds(d_in, comm, f"{name}: input rows")
         super().__init__(name, self.hi - self.lo, d_out, bias, std)
-        self.comm, self.full_in = comm, d_in
+        self.comm, self.full_in, self.reduce_output = comm, d_in, reduce_output
 
     def specs(self):
         out = [ParamSpec(f"{self.name}.W", (self.d_in, self.d_out), std=self.std,
@@ -127,8 +131,9 @@ class RowParallelLinear(Linear):
 
     def forward(self, P, x):
         y = x.reshape(-1, self.d_in) @ P[f"{self.name}.W"]  # (N, d_out) partial sum
-        g_forward(self.comm, y)
-        if self.bias:
+        if self.reduce_output:
+            g_forward(self.comm, y)
+        if self.bias and (self.reduce_output or self.comm.rank == 0):
             y += P[f"{self.name}.b"]
         return y.reshape(*x.shape[:-1], self.d_out), x
 
@@ -139,20 +144,24 @@ class ParallelSwiGLU(SwiGLU):
     """SwiGLU with gate (w1) and up (w3) split by columns, down (w2) by rows.
 
     silu(x W1_r) * (x W3_r) is elementwise, so it runs on the rank's columns;
-    dX of the two column splits is summed, then reduced once (f).
+    dX of the two column splits is summed, then reduced once (f). reduce=False
+    leaves both f and g to the caller (an MoE layer's experts: partial outputs and
+    partial dX, each reduced once for all experts).
     """
 
     def __init__(self, name: str, d: int, d_ff: int, comm: Comm, std: float = 0.02,
-                 out_std: float = 0.02):
-        self.name, self.comm = name, comm
+                 out_std: float = 0.02, reduce: bool = True):
+        self.name, self.comm, self.reduce = name, comm, reduce
         self.w1 = ColumnParallelLinear(f"{name}.w1", d, d_ff, comm, bias=False, std=std,
                                        reduce_input_grad=False)
         self.w3 = ColumnParallelLinear(f"{name}.w3", d, d_ff, comm, bias=False, std=std,
                                        reduce_input_grad=False)
-        self.w2 = RowParallelLinear(f"{name}.w2", d_ff, d, comm, bias=False, std=out_std)
+        self.w2 = RowParallelLinear(f"{name}.w2", d_ff, d, comm, bias=False, std=out_std,
+                                    reduce_output=reduce)
 
     def backward(self, P, ctx, dy):
-        return f_backward(self.comm, super().backward(P, ctx, dy))
+        dx = super().backward(P, ctx, dy)
+        return f_backward(self.comm, dx) if self.reduce else dx
 
 
 class VocabParallelEmbedding(Embedding):
@@ -247,7 +256,7 @@ def dense_values(P: FlatParams, comm: Comm, grads: bool = False) -> dict[str, np
     out = {}
     for spec in P.specs:
         mine = to_host(P.grads[spec.name] if grads else P.params[spec.name]).astype(np.float64)
-        if spec.split != SPLIT:
+        if spec.split not in (SPLIT, "ep+tp"):
             out[spec.name] = mine.copy()
             continue
         full = np.zeros(spec.full_shape)

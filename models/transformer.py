@@ -160,18 +160,15 @@ def norm_layer(c: TransformerConfig, name: str) -> Module:
 
 
 def moe_layer(c: TransformerConfig, name: str, out_std: float,
-              ep: ExpertParallel | None = None) -> MoE:
+              ep: ExpertParallel | None = None, tp: Comm | None = None) -> MoE:
     return MoE(name, c.d_model, c.d_ff, c.router_options(), kind=c.ffn,
                capacity_factor=None if c.moe_dropless else c.moe_capacity_factor,
                shared=c.moe_shared_experts, out_std=out_std, stats=MoEStats(),
-               comm=None if ep is None else ep.loads, ep=ep, groups=c.moe_groups)
+               comm=None if ep is None else ep.loads, ep=ep, groups=c.moe_groups, tp=tp)
 
 
 def ffn_layer(c: TransformerConfig, name: str, out_std: float, tp: Comm | None = None) -> Module:
     if tp is not None:
-        if c.moe_experts:
-            raise ConfigError("--moe-experts with --tp: not yet (MoE layers are not "
-                              "tensor-split)")
         if c.ffn == "swiglu":
             return ParallelSwiGLU(name, c.d_model, c.d_ff, tp, out_std=out_std)
         return Sequential([ColumnParallelLinear(f"{name}.fc", c.d_model, c.d_ff, tp), GELU(),
@@ -189,7 +186,7 @@ def block(c: TransformerConfig, i: int, tp: Comm | None = None,
     attn = Sequential([norm_layer(c, f"h{i}.ln1"),
                        CausalSelfAttention(f"h{i}.attn", c.d_model, c.n_heads, out_std=out_std,
                                            tp=tp, recompute_scores=c.selective_recompute)])
-    ffn = moe_layer(c, f"h{i}.moe", out_std, ep) if c.is_moe(i) and tp is None \
+    ffn = moe_layer(c, f"h{i}.moe", out_std, ep, tp) if c.is_moe(i) \
         else ffn_layer(c, f"h{i}.ffn", out_std, tp)
     ffn = Sequential([norm_layer(c, f"h{i}.ln2"), ffn])
     b = Sequential([Residual(attn), Residual(ffn)])
@@ -203,16 +200,13 @@ def check_split(c: TransformerConfig, tp: Comm) -> None:
             raise ConfigError(f"{flag} {value} is not divisible by --tp {tp.size}")
 
 
-def check_ep(c: TransformerConfig, ep: int, tp: Comm | None = None) -> None:
+def check_ep(c: TransformerConfig, ep: int) -> None:
     """ConfigError naming the flags when --ep cannot spread this model's experts."""
     if not c.moe_experts:
         raise ConfigError(f"--ep {ep} needs --moe-experts (a dense model has no experts to "
                           "spread)")
     if c.moe_experts % ep:
         raise ConfigError(f"--moe-experts {c.moe_experts} is not divisible by --ep {ep}")
-    if tp is not None and tp.size > 1:
-        raise ConfigError(f"--ep {ep} with --tp {tp.size}: not yet (MoE layers are not "
-                          "tensor-split)")
 
 
 class Transformer(Model):
@@ -222,7 +216,7 @@ class Transformer(Model):
                  ep: ExpertParallel | None = None):
         c = config
         if ep is not None:
-            check_ep(c, ep.comm.size, tp)
+            check_ep(c, ep.comm.size)
             self.ep = ep.comm  # a model-parallel dimension: checkpoints per ep rank
         if tp is None:
             modules = [Embedding("wte", c.vocab, c.d_model, max_len=c.seq_len)]
@@ -232,7 +226,7 @@ class Transformer(Model):
             return
         check_split(c, tp)
         modules = [VocabParallelEmbedding("wte", c.vocab, c.d_model, tp, max_len=c.seq_len)]
-        modules += [block(c, i, tp) for i in range(c.n_layers)]
+        modules += [block(c, i, tp, ep) for i in range(c.n_layers)]
         modules += [norm_layer(c, "ln_f"),
                     ColumnParallelLinear("head", c.d_model, c.vocab, tp, bias=False)]
         super().__init__(config, Sequential(modules), VocabParallelCrossEntropy(tp, c.vocab),

@@ -103,7 +103,7 @@ def test_dp2_ep2_training_equals_one_process_on_the_global_batch(tmp_path, moe, 
     single = single_params(tmp_path, "single", [*LM, *moe, "--batch-size", str(4 * B),
                                                 "--moe-groups", "4"])
     out = tmp_path / "ep.npy"
-    r = mpirun(4, "tests/mpi_progs/moe_ep_train.py", out, "--dp", "2", "--ep", "2", *ep,
+    r = mpirun(4, "tests/mpi_progs/grid_train.py", out, "--dp", "2", "--ep", "2", *ep,
                *LM, *moe, *RUN, "--batch-size", str(B),
                "--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", "4", timeout=120)
     assert r.rc == 0, r
@@ -129,7 +129,7 @@ def test_pp2_ep2_training_equals_one_process_on_the_global_batch(tmp_path, moe, 
     single = single_params(tmp_path, "single", [*LM, *moe, "--batch-size", str(2 * m * B),
                                                 "--moe-groups", str(2 * m)])
     out = tmp_path / "pp-ep.npy"
-    r = mpirun(4, "tests/mpi_progs/moe_ep_train.py", out, "--pp", "2", "--ep", "2", *grid,
+    r = mpirun(4, "tests/mpi_progs/grid_train.py", out, "--pp", "2", "--ep", "2", *grid,
                *LM, *moe, *RUN, "--batch-size", str(B), "--grad-accum", str(m),
                "--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", "4", timeout=120)
     assert r.rc == 0, r
@@ -137,6 +137,33 @@ def test_pp2_ep2_training_equals_one_process_on_the_global_batch(tmp_path, moe, 
     print(f"pp 2 ep 2 {' '.join(moe + grid)}: relative difference {err:.2e}")
     assert err < 1e-5, f"pp 2 ep 2: relative difference {err:.2e}"
     assert len(list((tmp_path / "ck").iterdir())) == 4  # one directory per (pp, ep) rank
+
+
+@pytest.mark.parametrize("moe,dp,pp,ep,tp,m", [
+    (["--moe-capacity-factor", "1.0", "--moe-shared-experts", "1", "--clip", "0.05"],
+     1, 1, 1, 2, 1),
+    (["--moe-dropless", "--ffn", "swiglu", "--clip", "0.05"], 1, 1, 2, 2, 1),
+    (["--moe-capacity-factor", "1.0", "--pp-schedule", "1f1b", "--clip", "0.05"],
+     1, 2, 2, 2, 2),
+], ids=["tp2-drops-shared", "ep2-tp2-swiglu-dropless", "pp2-ep2-tp2-1f1b"])
+def test_tensor_split_experts_equal_one_process_on_the_global_batch(tmp_path, moe, dp, pp, ep,
+                                                                    tp, m):
+    """Experts split Megatron-style over tp (with ep and pp as well): every (dp, ep rank,
+    micro-batch) is one token group of the single process; --clip exercises the global
+    norm over tp shards, ep experts and stages."""
+    B = 2
+    groups = dp * ep * m
+    single_moe = [a for a in moe if a not in ("--pp-schedule", "1f1b")]
+    single = single_params(tmp_path, "single", [*LM, *single_moe, "--batch-size",
+                                                str(groups * B), "--moe-groups", str(groups)])
+    out = tmp_path / "grid.npy"
+    r = mpirun(dp * pp * ep * tp, "tests/mpi_progs/grid_train.py", out, "--dp", dp, "--pp", pp,
+               "--ep", ep, "--tp", tp, *LM, *moe, *RUN, "--batch-size", str(B),
+               "--grad-accum", str(m), timeout=180)
+    assert r.rc == 0, r
+    err = float(np.linalg.norm(np.load(out) - single) / np.linalg.norm(single))
+    print(f"dp {dp} pp {pp} ep {ep} tp {tp} {' '.join(moe)}: relative difference {err:.2e}")
+    assert err < 1e-5, f"dp {dp} pp {pp} ep {ep} tp {tp}: relative difference {err:.2e}"
 
 
 @pytest.mark.parametrize("n,flags,message", [

@@ -10,7 +10,6 @@ import sys
 import numpy as np
 import pytest
 from gradcheck import assert_grad_close, numeric_grad, sample_offsets
-from mpirun import mpirun
 from test_cost import COUNTING_XP, Counting, batch_for
 from test_train import TINY_LM, train
 
@@ -130,13 +129,6 @@ def test_cost_cli_states_total_active_and_ratio():
 def test_bad_moe_config_names_the_flag(fields, flag):
     with pytest.raises(ConfigError, match=flag):
         TransformerConfig(**TINY, **fields).validate()
-
-
-def test_moe_with_tensor_parallel_is_not_yet():
-    r = mpirun(2, "-m", "dtlab.collective.train", "--tp", "2", "--moe-experts", "2",
-               "--steps", "1", timeout=60)
-    assert r.rc != 0 and not r.timed_out, r  # the first rank's abort may end the other
-    assert "error: --moe-experts with --tp: not yet" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_cli_exits_2_naming_the_flag():

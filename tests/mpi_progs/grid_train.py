@@ -4,9 +4,10 @@
 
 Runs `train` with the given flags, rebuilds every dense tensor of this
 rank's stage from its tp shards (dense_values, collective over the tp
-group), gathers the stages over the pipeline, and has world rank 0 write
-them, concatenated in the dense model's parameter order, to OUT.npy: the
-layout of a single-process run's flat parameters.
+group), gathers them from every rank (the stages of the pipeline, the
+experts of the ep ranks) by name, and has world rank 0 write them,
+concatenated in the dense model's parameter order, to OUT.npy: the layout
+of a single-process run's flat parameters.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ out, argv = sys.argv[1], sys.argv[2:]
 setup = parse_args(argv)
 session, grid, _ = train(setup)
 mine = dense_values(session.params, grid.tp_comm)
-stages = grid.pp_comm.mpi.gather(mine, root=0)
+every = grid.world.mpi.gather(mine, root=0)
 if grid.rank == 0:
-    dense = {name: value for stage in stages for name, value in stage.items()}
+    dense = {name: value for part in every for name, value in part.items()}
     order = build_model(setup.model_name, setup.model).specs()
     np.save(out, np.concatenate([dense[s.name].ravel() for s in order]))

@@ -61,13 +61,22 @@ class MLP(Model):
                 modules.append(act())
         super().__init__(config, Sequential(modules))
 
-    def _split(self, c: MLPConfig, act, widths, stds, names, tp: Comm) -> None:
-        if c.d_hidden % tp.size:
-            raise ConfigError(f"--d-hidden {c.d_hidden} is not divisible by --tp {tp.size}")
-        if c.n_layers % 2 == 0 and c.n_classes % tp.size:
-            raise ConfigError(f"--n-classes {c.n_classes} is not divisible by --tp {tp.size} "
+    @staticmethod
+    def check_grid(c: MLPConfig, tp: int = 1, ep: int = 1) -> None:
+        """ConfigError naming the flag a tp-way split of this config does not fit (an MLP
+        has no experts to spread over ep)."""
+        if ep > 1:
+            raise ConfigError(f"--ep {ep} needs a model with experts (--model transformer "
+                              "--moe-experts N), not --model mlp")
+        if tp > 1 and c.d_hidden % tp:
+            raise ConfigError(f"--d-hidden {c.d_hidden} is not divisible by --tp {tp}")
+        if tp > 1 and c.n_layers % 2 == 0 and c.n_classes % tp:
+            raise ConfigError(f"--n-classes {c.n_classes} is not divisible by --tp {tp} "
                               f"(the output layer of {c.n_layers} hidden layers is "
                               "column-parallel)")
+
+    def _split(self, c: MLPConfig, act, widths, stds, names, tp: Comm) -> None:
+        self.check_grid(c, tp.size)
         modules = []
         for i, name in enumerate(names):  # even layers split by columns, odd ones by rows
             split = ColumnParallelLinear if i % 2 == 0 else RowParallelLinear

@@ -193,11 +193,11 @@ def block(c: TransformerConfig, i: int, tp: Comm | None = None,
     return Recompute(b) if c.recompute else b
 
 
-def check_split(c: TransformerConfig, tp: Comm) -> None:
+def check_split(c: TransformerConfig, tp: int) -> None:
     """ConfigError naming the flag whose size the tensor-parallel size does not divide."""
     for flag, value in (("--n-heads", c.n_heads), ("--d-ff", c.d_ff), ("--vocab", c.vocab)):
-        if value % tp.size:
-            raise ConfigError(f"{flag} {value} is not divisible by --tp {tp.size}")
+        if value % tp:
+            raise ConfigError(f"{flag} {value} is not divisible by --tp {tp}")
 
 
 def check_ep(c: TransformerConfig, ep: int) -> None:
@@ -212,6 +212,14 @@ def check_ep(c: TransformerConfig, ep: int) -> None:
 class Transformer(Model):
     name = "transformer"
 
+    @staticmethod
+    def check_grid(c: TransformerConfig, tp: int = 1, ep: int = 1) -> None:
+        """ConfigError naming the flag a tp- or ep-way split of this config does not fit."""
+        if tp > 1:
+            check_split(c, tp)
+        if ep > 1:
+            check_ep(c, ep)
+
     def __init__(self, config: TransformerConfig, tp: Comm | None = None,
                  ep: ExpertParallel | None = None):
         c = config
@@ -224,7 +232,7 @@ class Transformer(Model):
             modules += [norm_layer(c, "ln_f"), Linear("head", c.d_model, c.vocab, bias=False)]
             super().__init__(config, Sequential(modules))
             return
-        check_split(c, tp)
+        check_split(c, tp.size)
         modules = [VocabParallelEmbedding("wte", c.vocab, c.d_model, tp, max_len=c.seq_len)]
         modules += [block(c, i, tp, ep) for i in range(c.n_layers)]
         modules += [norm_layer(c, "ln_f"),

@@ -49,6 +49,12 @@ def config_class(name: str):
     return MODELS[name].config
 
 
+def check_grid(name: str, config, tp: int = 1, ep: int = 1) -> None:
+    """ConfigError naming the flag where a tp-way tensor split or an ep-way expert split
+    does not fit model `name`'s config (before any process starts)."""
+    MODELS[name].build.check_grid(config, tp, ep)
+
+
 def build_model(name: str, config, tp: Comm | None = None, ep: ExpertParallel | None = None
                 ) -> Model:
     """The dense model, or with `tp` this rank's tensor-split shard of it, or with `ep`

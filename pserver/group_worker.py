@@ -31,8 +31,10 @@ holds one store per partition on every shard). One step, on every rank:
 
 Partition 0 of each group writes the metrics ({worker} in --metrics) and the
 progress lines. The worker never runs the optimizer (servers do). An error
-on any rank ends the whole job (the grid's abort handler). Not supported
-with groups (refused by name): --eval-every, --trace, --straggler. SIGTERM
+on any rank ends the whole job (the grid's abort handler). --eval-every
+evaluates the held-out loss through the group (every rank, the same steps);
+--trace writes one trace per rank ({rank} in the path: the rank in the
+launch); --straggler slows a whole group (its seed is the worker's). SIGTERM
 or SIGINT (mpiexec forwards it to every rank) lets each group finish the
 step in progress (its push applied), agreed among the group's ranks; the
 group then deregisters and exits 0 (SIGTERM) or 130 (SIGINT).
@@ -57,6 +59,7 @@ from dtlab.models.optim import OptimConfig
 from dtlab.models.run.metrics import MetricsLog, run_header
 from dtlab.models.run.session import PipelineSpec, Session, Setup, build_session
 from dtlab.models.run.threads import share_cores
+from dtlab.models.run.trace import Trace
 from dtlab.models.run.trainer import Summary
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver import runconfig, wire
@@ -66,9 +69,6 @@ from dtlab.pserver.partitions import specs_json
 from dtlab.pserver.worker import Worker, WorkerConfig, leave, skip_to
 
 log = logging.getLogger(__name__)
-
-UNSUPPORTED = (("eval_every", "--eval-every"), ("trace", "--trace"),
-               ("straggler", "--straggler"))
 
 
 @dataclasses.dataclass
@@ -86,10 +86,6 @@ class Group:
 def place(setup: Setup, wcfg: WorkerConfig) -> Group:
     """The grid and this rank's group, or a ConfigError naming the flags."""
     opts = setup.extra
-    for field, flag in UNSUPPORTED:
-        if getattr(setup.run, field):
-            raise ConfigError(f"{flag} is not supported by a model-parallel worker group "
-                              "(--tp/--pp)")
     for flag, value in (("--stages", opts.stages), ("--pp-schedule", opts.pp_schedule)):
         if value and opts.pp == 1:
             raise ConfigError(f"{flag} {value} has no effect without --pp")
@@ -105,6 +101,9 @@ def place(setup: Setup, wcfg: WorkerConfig) -> Group:
     if groups > 1 and setup.run.metrics and "{worker}" not in setup.run.metrics:
         raise ConfigError(f"--metrics {setup.run.metrics}: {groups} worker groups would share "
                           "it; put {worker} in the path")
+    if grid.world.size > 1 and setup.run.trace and "{rank}" not in setup.run.trace:
+        raise ConfigError(f"--trace {setup.run.trace}: the launch's {grid.world.size} ranks "
+                          "would share it; put {rank} (the rank in the launch) in the path")
     wid = wcfg.worker_id if wcfg.worker_id >= 0 else grid.dp_rank
     world = wcfg.num_workers or groups
     if wid >= world:
@@ -130,6 +129,12 @@ class GroupWorker(Worker):
     def __init__(self, session: Session, client: PSClient, group: Group, metrics: MetricsLog):
         super().__init__(session, client, group.wid, metrics)
         self.group, self.main = group, group.partition == 0
+
+    def trace(self) -> Trace:
+        """This rank's trace: pid = its rank in the launch, {worker} = its group."""
+        g = self.group
+        return Trace(self.s.setup.run.trace, pid=g.grid.rank, worker=g.wid,
+                     process=f"async worker {g.wid} partition {g.partition}")
 
     def agree(self, counts: np.ndarray) -> np.ndarray:
         """`counts` summed over the group's ranks (not the other groups': no step of one

@@ -251,7 +251,7 @@ class Worker:
         run = self.s.setup.run
         progress = Progress(run.steps, run.log_every, prefix=f"worker {self.wid}: ",
                             enabled=self.main)
-        trace = Trace(run.trace, pid=self.wid, process=f"async worker {self.wid}")
+        trace = self.trace()
         straggler = Straggler(run.straggler, run.delay_ms, run.seed, self.wid)
         start = time.perf_counter()
         losses = []
@@ -283,6 +283,10 @@ class Worker:
                              run.batch_size * run.grad_accum)
         summary.stopped_by, summary.exit_code = stop.name, stop.exit_code
         return summary
+
+    def trace(self) -> Trace:
+        """This process's trace (--trace), pid = the worker number."""
+        return Trace(self.s.setup.run.trace, pid=self.wid, process=f"async worker {self.wid}")
 
     def evaluate(self, trace: Trace) -> float:
         """The held-out loss of the parameters the servers hold now (after this step's

@@ -18,6 +18,11 @@ to OUT/config.json and every process of every run reads it. Runs (--runs):
                                       mpiexec -n N dtlab-worker
     ... -div                          the same with --staleness-lr divide (Zhang et al. 2016)
 
+--tp T --pp P [--pp-schedule S] make every replica a model-parallel one: a sync
+replica and an async worker group alike are T x P ranks (N x T x P processes
+per run; a worker group is one worker to the servers); --ep E (sync runs, a
+model with experts) spreads the experts over E of the N data ranks.
+
 Each run is started, waited for and cleaned up here (every process it
 started is gone when it ends, also on Ctrl-C, a failure or --timeout); a
 failed run is marked failed in the report with the end of its log and the
@@ -55,6 +60,7 @@ from dtlab.models.data.dataset import in_words
 from dtlab.models.run.cli import run_cli
 from dtlab.models.run.metrics import hardware, read_metrics, versions
 from dtlab.models.run.session import Setup, build_session, parse
+from dtlab.models.zoo import build_model, check_grid
 
 ROOT = Path(__file__).resolve().parent.parent
 PROG = "python scripts/compare.py"
@@ -102,6 +108,20 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep-sizes", default="32,64,128",
                    help="widths of the sweep: transformer d_model (d_ff = 4 d_model), mlp "
                         "d_hidden (default 32,64,128)")
+    g = p.add_argument_group("model parallelism (every run's replica)")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks per replica: sync replicas and async worker "
+                        "groups alike (default 1)")
+    g.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages per replica; its micro-batches are --grad-accum "
+                        "(default 1)")
+    g.add_argument("--pp-schedule", choices=["gpipe", "1f1b", "zb-h1"], default="1f1b",
+                   help="pipeline schedule with --pp (default 1f1b)")
+    g.add_argument("--ep", type=int, default=1,
+                   help="sync runs: spread the experts over this many of the --ranks data "
+                        "ranks (--ranks / ep data-parallel groups); async workers hold every "
+                        "expert (default 1)")
+    g = p.add_argument_group("limits")
     g.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a run may take before it is stopped and marked failed "
                         "(default 600)")
@@ -129,6 +149,10 @@ def parse_args(argv: list[str]) -> tuple[Setup, list[RunSpec]]:
                           "comparison runs on this host")
     if opts.calibration and opts.sweep:
         raise ConfigError("--calibration predicts the runs of a comparison, not a --sweep")
+    check_parallel(setup)
+    if opts.calibration and opts.tp * opts.pp * opts.ep > 1:
+        raise ConfigError("--calibration predicts data-parallel runs; scripts/simulate.py "
+                          "predicts --tp/--pp/--ep layouts")
     opts.cal = predict.load(opts.calibration, opts.ranks, opts.hosts) if opts.calibration \
         else None
     names = [n.strip() for n in opts.runs.split(",") if n.strip()]
@@ -148,6 +172,22 @@ def parse_args(argv: list[str]) -> tuple[Setup, list[RunSpec]]:
             raise ConfigError(f"--sweep-sizes {opts.sweep_sizes!r}: needs two or more distinct "
                               "positive widths")
     return setup, [RunSpec.parse(n) for n in names]
+
+
+def check_parallel(setup: Setup) -> None:
+    """ConfigError naming the flag where --tp/--pp/--ep cannot split this model or these
+    ranks (before anything starts)."""
+    opts = setup.extra
+    for flag, value in (("--tp", opts.tp), ("--pp", opts.pp), ("--ep", opts.ep)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1 (got {value})")
+    if opts.ranks % opts.ep:
+        raise ConfigError(f"--ranks {opts.ranks} (the data ranks) is not divisible by --ep "
+                          f"{opts.ep}")
+    check_grid(setup.model_name, setup.model, opts.tp, opts.ep)
+    modules = len(build_model(setup.model_name, setup.model).body.modules)
+    if opts.pp > modules:
+        raise ConfigError(f"--pp {opts.pp} is more stages than the model's {modules} layers")
 
 
 def target_loss(given: float | None, floor: float | None) -> tuple[float, str]:
@@ -252,12 +292,19 @@ def describe(setup: Setup, data: dict) -> list[str]:
         f"target loss {data['target_loss']:.4f} ({data['target_rule']})",
         f"command: `{data['command']}`",
     ]
+    grid = launch.Grid(**data["grid"])
+    if grid.model_parallel:
+        lines.append(f"every replica: {grid.describe()}")
     if data.get("cluster"):
-        lines.append(f"network: {data['cluster']}; rank, worker or shard i on host i mod H")
+        lines.append(f"network: {data['cluster']}; {launch.placement(grid)}")
     if opt.clip:
         lines.append("clip > 0: sync clips the averaged gradient, each async worker its own, "
                      "so async-bsp is not the sync computation")
     return ["- " + line for line in lines]
+
+
+def grid_of(opts: argparse.Namespace) -> launch.Grid:
+    return launch.Grid(opts.tp, opts.pp, opts.ep, opts.pp_schedule)
 
 
 def shared_config(setup: Setup) -> dict:
@@ -276,6 +323,7 @@ def setup_record(setup: Setup, argv: list[str], session, target: float, rule: st
             "target_rule": rule, "smooth_window": analysis.window_for(run.steps),
             "ranks": opts.ranks, "shards": opts.shards, "batch_size": run.batch_size,
             "global_batch": opts.ranks * run.batch_size * run.grad_accum, "steps": run.steps,
+            "grid": dataclasses.asdict(grid_of(opts)),
             "hardware": hardware(), "versions": versions(), "cluster": None, "emulated": None,
             "calibration": opts.calibration or None, "load_avg": None,
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
@@ -300,7 +348,7 @@ def run_sweep(setup: Setup, spec: RunSpec, argv: list[str], session, out: Path,
             config["run"] = dict(config["run"], steps=s["steps"])
             (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
             bench = Bench(folder, (folder / "config.json").resolve(), opts.ranks, opts.shards,
-                          s["steps"], opts.timeout, mpiexec)
+                          s["steps"], opts.timeout, mpiexec, grid=grid_of(opts))
             outcome = launch.run(runs[i], bench, procs, board.watch(i, runs[i].name))
             result = analyse(outcome, bench, data["global_batch"], floor, target)
             board.done(i, result)
@@ -356,7 +404,7 @@ def main(argv: list[str]) -> int:
             data["emulated"] = {"hosts": opts.hosts, "link_gbit": opts.link_gbit}
             print(hosts.describe(), file=sys.stderr)
         bench = Bench(out, config.resolve(), opts.ranks, opts.shards, setup.run.steps,
-                      opts.timeout, mpiexec, hosts, opts.trace)
+                      opts.timeout, mpiexec, hosts, opts.trace, grid_of(opts))
         for i, spec in enumerate(specs):
             outcome = launch.run(spec, bench, procs, board.watch(i, spec.name))
             if opts.trace:

@@ -28,7 +28,7 @@ FAST = ["--lr", "0.1", "--warmup", "0"]  # reaches the floor + 0.1 in a few doze
 SUMMARY_KEYS = {"command", "config", "model", "n_params", "dataset", "floor", "target_loss",
                 "target_rule", "smooth_window", "ranks", "shards", "batch_size", "global_batch",
                 "steps", "hardware", "versions", "started", "runs", "plots", "plots_note",
-                "cluster", "emulated", "calibration", "load_avg"}
+                "cluster", "emulated", "calibration", "load_avg", "grid"}
 STATS_KEYS = {"steps", "time_s", "s_per_step", "steps_to_target", "time_to_target_s",
               "measured_time_to_target_s", "samples_to_target", "final_loss", "gap",
               "samples_per_s", "updates_per_s", "split_ms", "allreduce_ms", "staleness",
@@ -216,6 +216,29 @@ def test_traces_merged_and_the_cost_model_beside_each_run(tmp_path):
     assert "Host load average" in report
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("grid", [["--tp", "2"], ["--pp", "2", "--pp-schedule", "gpipe",
+                                                  "--grad-accum", "2"]], ids=["tp2", "pp2"])
+def test_model_parallel_replicas_run_under_both_topologies(tmp_path, grid):
+    """--tp/--pp pass through: a sync replica and a worker group of 2 ranks each; one
+    group under BSP is the sync computation bit for bit; held-out losses, per-rank traces
+    merged."""
+    out, steps = tmp_path / "out", 10
+    r = compare(*TINY, *FAST, "--steps", str(steps), "--runs", "sync-ring,async-bsp",
+                "--ranks", "1", *grid, "--eval-every", "5", "--trace", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert not left_behind(tmp_path)
+    sync, bsp = losses(out / "sync-ring.jsonl"), losses(out / "async-bsp.w0.jsonl")
+    assert len(sync) == steps and bsp == sync
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["grid"]["tp" if "--tp" in grid else "pp"] == 2
+    for run in summary["runs"]:
+        assert run["status"] == "ok" and run["stats"]["final_eval_loss"] is not None, run
+        events = json.loads((out / run["trace"]).read_text())["traceEvents"]
+        assert len({e["pid"] for e in events if e["name"] == "process_name"}) == 2
+    assert "every replica: " in (out / "report.md").read_text()
+
+
 @pytest.mark.parametrize("args, named", [
     (["--runs", "sync-ring,async-foo"], "unknown run 'async-foo'"),
     (["--runs", "async-ssp"], "unknown run 'async-ssp'"),  # SSP needs its bound: async-ssp2
@@ -229,6 +252,11 @@ def test_traces_merged_and_the_cost_model_beside_each_run(tmp_path):
     (["--config", "no/such.json"], "--config no/such.json"),
     (["--metrics", "m.jsonl"], "--metrics has no effect"),
     (["--calibration", "no/cal.json"], "--calibration no/cal.json: no such file"),
+    (["--tp", "3"], "--d-hidden 8 is not divisible by --tp 3"),
+    (["--ep", "2"], "--ep 2 needs a model with experts"),
+    (["--pp", "9"], "--pp 9 is more stages than the model's 3 layers"),
+    (["--ranks", "3", "--ep", "2"], "--ranks 3 (the data ranks) is not divisible by --ep 2"),
+    (["--tp", "0"], "--tp must be at least 1"),
 ])
 def test_a_bad_config_is_named_before_anything_starts(tmp_path, args, named):
     out = tmp_path / "out"

@@ -25,8 +25,10 @@ PHASES = ("compute", "comm", "wait", "optimizer", "eval", "pipeline", "apply")
 class Trace:
     """Spans of one process, written to `path` by close() (nothing if path is empty)."""
 
-    def __init__(self, path: str, pid: int, process: str):
-        self.path, self.pid = path.format(rank=pid, worker=pid), pid
+    def __init__(self, path: str, pid: int, process: str, worker: int | None = None):
+        """`path` may hold {rank} (= pid) and {worker} (default: pid too; a worker
+        group's ranks share their worker number but not their pid)."""
+        self.path, self.pid = path.format(rank=pid, worker=pid if worker is None else worker), pid
         self._wall0, self._perf0 = time.time(), time.perf_counter()
         self.events: list[dict] = [
             {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": process}},

@@ -129,11 +129,12 @@ class EmulatedCluster:
         self.made.clear()
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
 
-    def mpiexec_args(self) -> list[str]:
-        """Hydra flags that put ranks round-robin on the hosts, rank r on host r mod H
-        (one slot per host), through the namespace launcher."""
+    def mpiexec_args(self, slots: int = 1) -> list[str]:
+        """Hydra flags that put ranks round-robin on the hosts in blocks of `slots`
+        consecutive ranks, block b on host b mod H, through the namespace launcher."""
         return ["-iface", self.bridge, "-launcher", "ssh", "-launcher-exec",
-                str(self.launcher), "-hosts", ",".join(self.host_names)]
+                str(self.launcher), "-hosts", ",".join(f"{h}:{slots}" if slots > 1 else h
+                                                       for h in self.host_names)]
 
     @property
     def env(self) -> dict[str, str]:

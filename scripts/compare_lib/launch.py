@@ -8,14 +8,17 @@
         mpiexec -n N dtlab-worker --config CFG --servers ... --metrics OUT/NAME.w{worker}.jsonl
 
 With --trace, every rank adds --trace OUT/NAME.trace.{rank}.json and every
-worker --trace OUT/NAME.trace.w{worker}.json (compare_lib/traces.py merges them).
+worker --trace OUT/NAME.trace.w{worker}.json, every rank of a worker group
+OUT/NAME.trace.{rank}.json (compare_lib/traces.py merges them). --tp/--pp/--ep
+(Grid) are passed through: N x tp x pp processes per launch.
 
 The processes are started, tracked and stopped by processes.Processes.
 The servers of an async run are fresh for every run (port 0: each picks a
 free loopback port and writes it to its ready file).
 
 On an emulated cluster (compare_lib/cluster.py) the placement rule is: rank
-or worker r on host r mod H (mpiexec through the namespace launcher), shard
+or worker r on host r mod H, with --tp T blocks of T consecutive ranks (a
+tensor-parallel group) instead of single ranks (mpiexec through the namespace launcher), shard
 k on host k mod H listening on that host's address; shared memory is off
 between workers and servers (--no-shm: the hosts share one kernel), and each
 run records the bytes its hosts' shaped links sent.
@@ -80,6 +83,47 @@ class RunSpec:
         return f"async, {rule}" + (", lr / staleness" if self.staleness_lr == "divide" else "")
 
 
+@dataclass(frozen=True)
+class Grid:
+    """The model parallelism of every run's replica (compare.py --tp/--pp/--ep)."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    pp_schedule: str = "1f1b"
+
+    @property
+    def model_parallel(self) -> bool:
+        return self.tp * self.pp * self.ep > 1
+
+    def describe(self) -> str:
+        parts = [f"tp {self.tp}"] if self.tp > 1 else []
+        if self.pp > 1:
+            parts.append(f"pp {self.pp} ({self.pp_schedule})")
+        if self.ep > 1:
+            parts.append(f"ep {self.ep} (sync runs; async workers hold every expert)")
+        return " x ".join(parts) or "one rank"
+
+    def flags(self, sync: bool) -> list[str]:
+        """The trainer's grid flags (dp is the launch's ranks over the rest)."""
+        out = []
+        for flag, value in (("--tp", self.tp), ("--pp", self.pp)) + (
+                (("--ep", self.ep),) if sync else ()):
+            if value > 1:
+                out += [flag, str(value)]
+        if self.pp > 1:
+            out += ["--pp-schedule", self.pp_schedule]
+        return out
+
+
+def placement(grid: Grid) -> str:
+    """The rule that puts a run's processes on emulated hosts, in words."""
+    if grid.tp == 1:
+        return "rank, worker or shard i on host i mod H"
+    return (f"ranks in blocks of {grid.tp} (a tensor-parallel group stays on one host), "
+            "block i on host i mod H; shard i on host i mod H")
+
+
 @dataclass
 class Bench:
     """What every run shares: where things go, the shared config, the sizes, the limits."""
@@ -93,6 +137,11 @@ class Bench:
     mpiexec: str
     cluster: EmulatedCluster | None = None
     trace: bool = False  # every process writes a Chrome trace into `out`
+    grid: Grid = field(default_factory=Grid)
+
+    def processes(self) -> int:
+        """MPI processes of one launch: N data ranks (workers), each tp x pp ranks."""
+        return self.ranks * self.grid.tp * self.grid.pp
 
 
 @dataclass
@@ -181,9 +230,9 @@ def run_sync(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
              deadline: float) -> Outcome:
     metrics = bench.out / f"{spec.name}.jsonl"
     log = bench.out / f"{spec.name}.log"
-    cmd = [bench.mpiexec, *mpiexec_args(bench), "-n", str(bench.ranks), str(BIN / "dtlab-sync"),
-           "--config", str(bench.config), "--allreduce", spec.allreduce,
-           "--metrics", str(metrics)]
+    cmd = [bench.mpiexec, *mpiexec_args(bench), "-n", str(bench.processes()),
+           str(BIN / "dtlab-sync"), "--config", str(bench.config), "--allreduce", spec.allreduce,
+           "--metrics", str(metrics), *bench.grid.flags(sync=True)]
     if bench.trace:
         cmd += ["--trace", str(bench.out / f"{spec.name}.trace.{{rank}}.json")]
     outcome = Outcome(spec, [metrics], [cmd])
@@ -227,14 +276,16 @@ def run_async(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
         log = out / f"{name}.log"
         hosts = [bench.cluster.address(k % bench.cluster.hosts) if bench.cluster else "127.0.0.1"
                  for k in range(bench.shards)]
-        cmd = [bench.mpiexec, *mpiexec_args(bench), "-n", str(bench.ranks),
+        cmd = [bench.mpiexec, *mpiexec_args(bench), "-n", str(bench.processes()),
                str(BIN / "dtlab-worker"), "--config", str(bench.config),
                "--servers", ",".join(f"{h}:{p}" for h, p in zip(hosts, ports, strict=True)),
-               "--metrics", str(out / f"{name}.w{{worker}}.jsonl")]
+               "--metrics", str(out / f"{name}.w{{worker}}.jsonl"),
+               *bench.grid.flags(sync=False)]
         if bench.cluster:
             cmd.append("--no-shm")
-        if bench.trace:
-            cmd += ["--trace", str(out / f"{name}.trace.w{{worker}}.json")]
+        if bench.trace:  # a worker group's ranks trace apart: by their rank in the launch
+            each = "{rank}" if bench.grid.tp * bench.grid.pp > 1 else "w{worker}"
+            cmd += ["--trace", str(out / f"{name}.trace.{each}.json")]
         outcome.commands.append(cmd)
         main = procs.start(cmd, log, bench.cluster.env if bench.cluster else None)
         outcome.error = _wait(procs, main, servers, deadline, bench.timeout_s, metrics, watch)
@@ -248,7 +299,7 @@ def run_async(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
 
 
 def mpiexec_args(bench: Bench) -> list[str]:
-    return bench.cluster.mpiexec_args() if bench.cluster else []
+    return bench.cluster.mpiexec_args(slots=bench.grid.tp) if bench.cluster else []
 
 
 def wait_ready(servers: list[subprocess.Popen], ready: list[Path],

@@ -365,19 +365,21 @@ class Histogram(_message.Message):
     def __init__(self, counts: _Optional[_Mapping[int, int]] = ..., total: _Optional[int] = ..., sum: _Optional[int] = ..., max: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("clock", "next_step", "active", "staleness")
+    __slots__ = ("clock", "next_step", "active", "staleness", "expired")
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
     clock: int
     next_step: int
     active: bool
     staleness: Histogram
-    def __init__(self, clock: _Optional[int] = ..., next_step: _Optional[int] = ..., active: _Optional[bool] = ..., staleness: _Optional[_Union[Histogram, _Mapping]] = ...) -> None: ...
+    expired: bool
+    def __init__(self, clock: _Optional[int] = ..., next_step: _Optional[int] = ..., active: _Optional[bool] = ..., staleness: _Optional[_Union[Histogram, _Mapping]] = ..., expired: _Optional[bool] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard", "num_shards", "consistency", "version", "updates", "pushes", "duplicates", "rejected", "pulls", "pulls_not_modified", "bytes_received", "bytes_sent", "staleness", "workers", "max_clock_lead", "lr", "apply_seconds", "pushes_in_flight", "receive_seconds", "check_seconds")
+    __slots__ = ("shard", "num_shards", "consistency", "version", "updates", "pushes", "duplicates", "rejected", "pulls", "pulls_not_modified", "bytes_received", "bytes_sent", "staleness", "workers", "max_clock_lead", "lr", "apply_seconds", "pushes_in_flight", "receive_seconds", "check_seconds", "workers_dropped")
     class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -412,6 +414,7 @@ class StatsReply(_message.Message):
     PUSHES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CHECK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     consistency: Consistency
@@ -432,7 +435,8 @@ class StatsReply(_message.Message):
     pushes_in_flight: int
     receive_seconds: float
     check_seconds: float
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., version: _Optional[int] = ..., updates: _Optional[int] = ..., pushes: _Optional[int] = ..., duplicates: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., pulls: _Optional[int] = ..., pulls_not_modified: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., staleness: _Optional[_Union[Histogram, _Mapping]] = ..., workers: _Optional[_Mapping[int, WorkerStats]] = ..., max_clock_lead: _Optional[int] = ..., lr: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., check_seconds: _Optional[float] = ...) -> None: ...
+    workers_dropped: int
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., version: _Optional[int] = ..., updates: _Optional[int] = ..., pushes: _Optional[int] = ..., duplicates: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., pulls: _Optional[int] = ..., pulls_not_modified: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., staleness: _Optional[_Union[Histogram, _Mapping]] = ..., workers: _Optional[_Mapping[int, WorkerStats]] = ..., max_clock_lead: _Optional[int] = ..., lr: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., check_seconds: _Optional[float] = ..., workers_dropped: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()

@@ -35,8 +35,10 @@ def _layout(layout: ShardLayout) -> dict:
             "num_shards": layout.num_shards, "layout_crc32": layout.layout_crc}
 
 
-def save(root: str, layout: ShardLayout, state: dict, config: dict) -> str:
-    """Write `state` (ShardStore.state()) as the checkpoint of its version; returns its path."""
+def save(root: str, layout: ShardLayout, state: dict, config: dict,
+         keep: int | None = None) -> str:
+    """Write `state` (ShardStore.state()) as the checkpoint of its version; returns its path.
+    `keep`: then keep only the `keep` newest that verify (None: all)."""
     opt, pending = state["optimizer"], state["round"]
     arrays = {"params": state["params"],
               **{f"opt.{k}": v for k, v in opt.items() if k != "steps"}}
@@ -47,7 +49,7 @@ def save(root: str, layout: ShardLayout, state: dict, config: dict) -> str:
     if pending:
         arrays["round"] = pending["total"]
         meta["round"] = {str(w): list(c) for w, c in pending["contributors"].items()}
-    return checkpoint.save(shard_dir(root, layout), state["version"], arrays, meta)
+    return checkpoint.save(shard_dir(root, layout), state["version"], arrays, meta, keep=keep)
 
 
 def latest(root: str, layout: ShardLayout) -> str | None:

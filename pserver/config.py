@@ -32,8 +32,15 @@ class ServerConfig:
     max_message_bytes: int = described(4 << 20, "largest message accepted or sent")
     threads: int = described(64, "gRPC handler threads (each waiting pull holds one)")
     apply_threads: int = described(2, "threads that run the optimizer on blocks of the shard")
-    checkpoint_dir: str = described("", "write a checkpoint here on SIGTERM and on SaveCheckpoint")
+    checkpoint_dir: str = described("", "write a checkpoint here on SIGTERM, on SaveCheckpoint "
+                                        "and every --checkpoint-every-s")
     resume: bool = described(False, "start from the newest checkpoint in --checkpoint-dir")
+    checkpoint_every_s: float = described(0.0, "also write a checkpoint every N seconds, skipped "
+                                               "while nothing changed (0: off)")
+    keep: int = described(0, "keep only the newest K checkpoints that verify (0: keep all)")
+    worker_timeout: float = described(0.0, "drop a worker after N seconds with no call and no "
+                                           "open session: SSP/BSP stop waiting for it; it "
+                                           "rejoins by registering or calling again (0: never)")
     metrics_port: int = described(-1, "serve Prometheus GET /metrics here (-1 off, 0 any port)")
     token_file: str = described("", "file holding the bearer token every call must carry")
     token_env: str = described("", "environment variable holding the bearer token")
@@ -51,7 +58,8 @@ class ServerConfig:
     def validate(self):
         positive(self, "num_shards", "chunk_bytes", "max_message_bytes", "threads",
                  "apply_threads", "log_every")
-        non_negative(self, "staleness", "num_workers", "schedule_steps", "grace_s")
+        non_negative(self, "staleness", "num_workers", "schedule_steps", "grace_s",
+                     "checkpoint_every_s", "keep", "worker_timeout")
         if not 0 <= self.shard < self.num_shards:
             raise ConfigError(f"--shard must be in [0, --num-shards={self.num_shards}) "
                               f"(got {self.shard})")
@@ -70,8 +78,9 @@ class ServerConfig:
             raise ConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
         if self.token_file and self.token_env:
             raise ConfigError("give the token by --token-file or --token-env, not both")
-        if self.resume and not self.checkpoint_dir:
-            raise ConfigError("--resume needs --checkpoint-dir")
+        for name in ("resume", "checkpoint_every_s", "keep"):
+            if getattr(self, name) and not self.checkpoint_dir:
+                raise ConfigError(f"--{name.replace('_', '-')} needs --checkpoint-dir")
 
 
 @dataclass

@@ -57,7 +57,11 @@ class Clocks:
 
     `expected` (--num-workers) makes SSP and BSP wait until that many workers
     have registered, so the first rounds are not decided by whoever came first.
-    A worker that joins late starts at the slowest active clock.
+    A worker that joins late starts at the slowest active clock, and one that
+    comes back (after Deregister, or dropped when its lease ran out: pserver.leases)
+    is raised to it: a clock behind every active one would hold SSP readers back
+    for clocks the others already ran, and under BSP its pushes could never
+    complete a round together with theirs.
     """
 
     def __init__(self, expected: int = 0):
@@ -68,6 +72,8 @@ class Clocks:
         state = self.workers.get(worker)
         if state is None:
             state = self.workers[worker] = WorkerState(clock=self.min_clock())
+        elif not state.active:
+            state.clock = max(state.clock, self.min_clock())
         state.active = True
         return state
 

@@ -16,6 +16,11 @@ names. A daemon holding partitions writes no checkpoint.
 
 With shared memory allowed (`shm`), the daemon first sweeps segments that
 servers killed before unlinking them left in /dev/shm (pserver.shm).
+
+Two optional threads: with --worker-timeout the lease reaper drops workers
+that stopped calling (pserver.leases; the server then also pings its
+clients), and with --checkpoint-every-s the shard is saved periodically
+(pserver.periodic); both stop before the shutdown's own checkpoint.
 """
 
 from __future__ import annotations
@@ -48,8 +53,10 @@ from dtlab.pserver.blocked import BlockedOptimizer
 from dtlab.pserver.config import ServerConfig
 from dtlab.pserver.consistency import Consistency
 from dtlab.pserver.errors import FailedPrecondition
+from dtlab.pserver.leases import LeaseReaper, keepalive_options
 from dtlab.pserver.metrics import MetricsServer
 from dtlab.pserver.partitions import NOT_CHECKPOINTED, Partitions
+from dtlab.pserver.periodic import PeriodicCheckpoints
 from dtlab.pserver.servicer import ParameterServerServicer, handler
 from dtlab.pserver.store import ShardLayout, ShardStore
 from dtlab.pserver.wire import SERVICE
@@ -86,7 +93,8 @@ def store_of(cfg: ServerConfig, model_name: str, flat: FlatParams,
     policy = Consistency(cfg.consistency, cfg.staleness)
     return ShardStore(layout, params, optimizer, Schedule(optim_cfg, cfg.schedule_steps), policy,
                       staleness_lr=cfg.staleness_lr, expected_workers=cfg.num_workers,
-                      chunk_bytes=cfg.chunk_bytes, log_every=cfg.log_every)
+                      chunk_bytes=cfg.chunk_bytes, log_every=cfg.log_every,
+                      worker_timeout=cfg.worker_timeout)
 
 
 def config_record(cfg: ServerConfig, model_name: str, model_cfg, optim_cfg: OptimConfig,
@@ -145,7 +153,8 @@ class Daemon:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(cfg.threads, thread_name_prefix="ps"),
             interceptors=[auth.TokenInterceptor(token)] if token else [],
-            options=[*wire.transport_options(cfg.max_message_bytes), ("grpc.so_reuseport", 0)])
+            options=[*wire.transport_options(cfg.max_message_bytes), ("grpc.so_reuseport", 0),
+                     *keepalive_options(cfg.worker_timeout)])
         self.servicer = ParameterServerServicer(
             self.store, cfg.max_message_bytes,
             checkpoint=self.save_checkpoint if cfg.checkpoint_dir else None, shm=shm,
@@ -178,6 +187,10 @@ class Daemon:
                 self.metrics = MetricsServer(cfg.bind, cfg.metrics_port, self.servicer.stats)
             except OSError as e:
                 raise ConfigError(f"--metrics-port {cfg.metrics_port}: {e.strerror}") from None
+        self.reaper = LeaseReaper(cfg.worker_timeout, self._expire_leases) \
+            if cfg.worker_timeout else None
+        self.periodic = PeriodicCheckpoints(cfg.checkpoint_every_s, store, self.save_checkpoint) \
+            if cfg.checkpoint_every_s else None
 
     def _record(self) -> tuple[str, object, OptimConfig]:
         """The model name, model config and optimizer config of the config record."""
@@ -200,12 +213,19 @@ class Daemon:
         return ParameterServerServicer(store, self.cfg.max_message_bytes, checkpoint=None,
                                        shm=shm, codec=codec, config=self.config_record)
 
+    def _expire_leases(self) -> None:
+        """Drop the workers whose lease ran out, of the dense store and every partition's."""
+        self.store.expire_leases()
+        for known in list(self.partitions.known.values()):
+            known.servicer.store.expire_leases()
+
     def start(self) -> None:
         if self.servicer.shm:
             shm.sweep()
         self.server.start()
-        if self.metrics is not None:
-            self.metrics.start()
+        for thread in (self.metrics, self.reaper, self.periodic):
+            if thread is not None:
+                thread.start()
         for name in ("", SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         lay = self.store.layout
@@ -229,13 +249,16 @@ class Daemon:
         with self._ckpt_lock:
             state = self.store.state()
             path = checkpoint.save(self.cfg.checkpoint_dir, self.store.layout, state,
-                                   self.config_record)
+                                   self.config_record, keep=self.cfg.keep or None)
         log.info("checkpoint %s (version %d)", path, state["version"])
         return path, state["version"]
 
     def shutdown(self) -> None:
         """NOT_SERVING, finish in-flight pushes, checkpoint if configured."""
         log.info("shutting down: finishing in-flight calls (up to %.1f s)", self.cfg.grace_s)
+        for thread in (self.periodic, self.reaper):
+            if thread is not None:
+                thread.stop()
         self.health.enter_graceful_shutdown()
         self.store.close()
         self.partitions.close()

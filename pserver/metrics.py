@@ -44,6 +44,7 @@ COUNTERS = (  # StatsReply field -> dtlab_ps_<field>_total
     ("apply_seconds", "seconds spent in the optimizer"),
     ("receive_seconds", "seconds receiving push streams, header to checked trailer"),
     ("check_seconds", "of those, seconds checking chunks (Adler-32, finite values)"),
+    ("workers_dropped", "workers dropped when their lease ran out (--worker-timeout)"),
 )
 GAUGES = (  # StatsReply field -> dtlab_ps_<field>
     ("version", "shard version (updates applied)"),
@@ -78,6 +79,12 @@ def families(s: pb.StatsReply) -> Iterator[Metric]:
     for w, ws in sorted(s.workers.items()):
         clock.add_metric([shard, str(w)], ws.clock)
     yield clock
+    expired = GaugeMetricFamily("dtlab_ps_worker_expired", "1 while a worker is dropped "
+                                "because its lease ran out (--worker-timeout)",
+                                labels=["shard", "worker"])
+    for w, ws in sorted(s.workers.items()):
+        expired.add_metric([shard, str(w)], int(ws.expired))
+    yield expired
     staleness = HistogramMetricFamily("dtlab_ps_staleness",
                                       "updates between a gradient's read and its apply",
                                       labels=["shard"])

@@ -505,7 +505,7 @@ def histogram(h: Histogram) -> pb.Histogram:
 def stats_reply(s: ShardStats, store: ShardStore) -> pb.StatsReply:
     lay = store.layout
     workers = {w: pb.WorkerStats(clock=ws.clock, next_step=ws.next_step, active=ws.active,
-                                 staleness=histogram(ws.staleness))
+                                 staleness=histogram(ws.staleness), expired=ws.expired)
                for w, ws in s.workers.items()}
     return pb.StatsReply(
         shard=lay.shard, num_shards=lay.num_shards, consistency=CONSISTENCY[store.policy.mode],
@@ -514,7 +514,8 @@ def stats_reply(s: ShardStats, store: ShardStore) -> pb.StatsReply:
         bytes_received=s.bytes_received, bytes_sent=s.bytes_sent,
         staleness=histogram(s.staleness), workers=workers, max_clock_lead=s.max_clock_lead,
         lr=s.lr, apply_seconds=s.apply_seconds, pushes_in_flight=s.pushes_in_flight,
-        receive_seconds=s.receive_seconds, check_seconds=s.check_seconds)
+        receive_seconds=s.receive_seconds, check_seconds=s.check_seconds,
+        workers_dropped=s.workers_dropped)
 
 
 def handler(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler:

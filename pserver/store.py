@@ -30,6 +30,13 @@ Once it is not (its process ended and the connection with it), the new
 process takes the id over with its clock and next step (a restarted worker
 goes on where it left off), and calls still carrying the old registration
 are refused. Two workers never silently share an id.
+
+Resumed. A server restarted from a checkpoint older than its last state
+(periodic checkpoints, pserver.periodic) numbers the lost updates' versions
+again, with other values. Until a worker the checkpoint names has read from
+this server, its pull's known_version is ignored (it gets the values), and a
+push it read at a version newer than the shard's counts as read now
+(staleness 0) rather than being refused as from the future.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from dtlab.pserver.errors import (
     InvalidArgument,
     Unavailable,
 )
+from dtlab.pserver.leases import Leases
 from dtlab.pserver.staleness import Histogram, StalenessLog
 from dtlab.pserver.wire import CHUNK_BYTES, ChunkedArray, Snapshot
 
@@ -97,6 +105,7 @@ class WorkerStats:
     next_step: int
     active: bool
     staleness: Histogram
+    expired: bool = False  # dropped when its lease ran out (pserver.leases), not back yet
 
 
 @dataclass(frozen=True)
@@ -120,6 +129,7 @@ class ShardStats:
     pushes_in_flight: int
     receive_seconds: float  # receiving pushes, header to checked data
     check_seconds: float  # of which checking the data (Adler-32, finite values)
+    workers_dropped: int = 0  # leases that ran out (pserver.leases)
 
 
 @dataclass(frozen=True)
@@ -135,7 +145,7 @@ class ShardStore:
                  optimizer: Optimizer | BlockedOptimizer,
                  schedule: Schedule, policy: Consistency, staleness_lr: str = "none",
                  expected_workers: int = 0, chunk_bytes: int = CHUNK_BYTES,
-                 log_every: int = 100):
+                 log_every: int = 100, worker_timeout: float = 0.0):
         if params.shape != (layout.length,):
             raise ValueError(f"shard {layout.shard} holds {layout.length} elements, "
                              f"params has shape {params.shape}")
@@ -146,6 +156,7 @@ class ShardStore:
         self._cond = threading.Condition()
         self.version = 0
         self.clocks = Clocks(expected_workers)
+        self.leases = Leases(worker_timeout)
         self._round = Round(np.zeros_like(params)) if policy.aggregate else None
         self._replies: dict[int, tuple[int, PushResult]] = {}  # worker -> (step, reply)
         self.staleness = StalenessLog()
@@ -157,6 +168,9 @@ class ShardStore:
         self._snapshot: Read | None = None
         self._spare: list[np.ndarray] = []  # frozen snapshot arrays nobody reads any more
         self._closed = False
+        # workers of a resumed checkpoint that have not read from this server yet: the
+        # versions they hold are of the server before the restart (load_state)
+        self._before_resume: set[int] = set()
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -192,6 +206,7 @@ class ShardStore:
             state = self.clocks.register(worker)
             if registration and state.registration != registration:
                 state.registration, state.live = registration, 0
+            self._lease_renewed(worker, "registers again")
             self._cond.notify_all()
             log.info("worker %d registered (clock %d, next step %d)", worker, state.clock,
                      state.next_step)
@@ -212,10 +227,13 @@ class ShardStore:
             state = self._known(worker, registration)
             counted = bool(registration) and state.registration == registration
             state.live += counted
+            self.leases.enter(worker)
+            self._lease_renewed(worker, "calls again")
         try:
             yield
         finally:
             with self._cond:
+                self.leases.leave(worker)
                 if counted and state.registration == registration:
                     state.live -= 1
 
@@ -223,10 +241,43 @@ class ShardStore:
         with self._cond:
             self._known(worker, registration)
             self.clocks.deregister(worker)
+            self.leases.back(worker)  # it left: no longer counted as expired
             if self._round is not None and self._round.complete(self.clocks):
                 self._apply_round()
             self._cond.notify_all()
             log.info("worker %d left", worker)
+
+    def _lease_renewed(self, worker: int, how: str) -> None:
+        """A sign of life of `worker` (lock held): one dropped when its lease ran out is
+        active again, at the slowest active clock (Clocks.register)."""
+        self.leases.renew(worker)
+        if self.leases.back(worker):
+            state = self.clocks.register(worker)
+            self._cond.notify_all()
+            log.info("worker %d rejoins after its lease expired: it %s; clock %d (the "
+                     "slowest active worker's or its own), next step %d", worker, how,
+                     state.clock, state.next_step)
+
+    def expire_leases(self) -> list[int]:
+        """Drop every active worker whose lease ran out (pserver.leases): SSP and BSP stop
+        waiting for it, a BSP round it held up is applied; the ids dropped."""
+        with self._cond:
+            overdue = self.leases.overdue(self.clocks.active())
+            for worker, idle in overdue:
+                self.clocks.deregister(worker)
+                self.leases.expire(worker)
+                state = self.clocks.workers[worker]
+                log.warning("worker %d dropped: no call and no open session for %.1f s "
+                            "(--worker-timeout %g); clock %d, next step %d; %d active "
+                            "workers remain", worker, idle, self.leases.timeout, state.clock,
+                            state.next_step, len(self.clocks.active()))
+            if overdue:
+                if self._round is not None and self._round.complete(self.clocks):
+                    log.info("the BSP round goes on without them: %d gradients averaged",
+                             len(self._round.contributors))
+                    self._apply_round()
+                self._cond.notify_all()
+            return [w for w, _ in overdue]
 
     def _known(self, worker: int, registration: int = 0) -> WorkerState:
         state = self.clocks.workers.get(worker)
@@ -248,6 +299,8 @@ class ShardStore:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._known(worker)
+            if worker in self._before_resume:  # its version may name other values here
+                known_version = None
             if known_version is not None and known_version > self.version:
                 raise InvalidArgument(f"known_version {known_version} is from the future: "
                                       f"shard version is {self.version}", reason="version")
@@ -264,6 +317,7 @@ class ShardStore:
                                            reason="wait")
                 self._cond.wait(left)
             self.max_lead = max(self.max_lead, self.clocks.lead(worker))
+            self._before_resume.discard(worker)
             self.counters["pulls"] += 1
             if known_version == self.version:
                 self.counters["pulls_not_modified"] += 1
@@ -301,7 +355,7 @@ class ShardStore:
         """Refuse an unknown worker or a version from the future; answer a duplicate
         (worker, step) with its earlier reply; None for a new push. Lock held."""
         state = self._known(worker)
-        if version_read > self.version:
+        if version_read > self.version and worker not in self._before_resume:
             raise InvalidArgument(
                 f"meta.version {version_read} is from the future: shard version is "
                 f"{self.version}", reason="version")
@@ -339,6 +393,8 @@ class ShardStore:
             if screened is not None:
                 return screened
             state = self.clocks.workers[worker]
+            if worker in self._before_resume:  # read before the restart: counted as read now
+                version_read = min(version_read, self.version)
             staleness = self.version - version_read
             if self._round is not None:
                 self._round.add(worker, step, version_read, grad)
@@ -414,7 +470,8 @@ class ShardStore:
         with self._cond:
             c = self.counters
             workers = {w: WorkerStats(s.clock, s.next_step, s.active,
-                                      self.staleness.worker(w).copy())
+                                      self.staleness.worker(w).copy(),
+                                      expired=w in self.leases.expired)
                        for w, s in self.clocks.workers.items()}
             return ShardStats(
                 version=self.version, updates=self.optimizer.steps, pushes=c["pushes"],
@@ -424,7 +481,7 @@ class ShardStore:
                 staleness=self.staleness.shard.copy(), workers=workers,
                 max_clock_lead=self.max_lead, lr=self.last_lr, apply_seconds=self.apply_seconds,
                 pushes_in_flight=c["in_flight"], receive_seconds=self.receive_seconds,
-                check_seconds=self.check_seconds)
+                check_seconds=self.check_seconds, workers_dropped=self.leases.dropped)
 
     def state(self) -> dict:
         """A consistent copy of everything a checkpoint keeps: parameters, optimizer,
@@ -464,6 +521,7 @@ class ShardStore:
             for w, s in state["workers"].items():
                 self.clocks.workers[int(w)] = WorkerState(int(s["clock"]), int(s["next_step"]),
                                                           bool(s["active"]))
+            self._before_resume = set(self.clocks.workers)
             if staleness is not None:
                 self.staleness = staleness
             if pending:

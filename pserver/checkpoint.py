@@ -1,6 +1,8 @@
 """Shard checkpoints on top of models.checkpoint (atomic, digest-verified directories).
 
-    CHECKPOINT_DIR/shard-<i>-of-<S>/step-<version>/
+    CHECKPOINT_DIR/shard-<i>-of-<S>/step-<version>/     (or, for the partitions of
+                  model-parallel worker groups, .../partition-<k>-of-<K>/step-<version>/,
+                  meta.json naming the partition and its specs)
         params.npy            the shard's parameters
         opt.<name>.npy        each optimizer state buffer (moments, velocity)
         round.npy             the gradient sum of an unfinished BSP round, if any
@@ -19,6 +21,8 @@ missing or corrupt file, and for a checkpoint of another shard or optimizer.
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Callable
 
 from dtlab.models.run import checkpoint
 from dtlab.models.run.checkpoint import CheckpointError
@@ -26,8 +30,24 @@ from dtlab.pserver.staleness import StalenessLog
 from dtlab.pserver.store import ShardLayout
 
 
-def shard_dir(root: str, layout: ShardLayout) -> str:
-    return os.path.join(root, f"shard-{layout.shard}-of-{layout.num_shards}")
+def shard_dir(root: str, layout: ShardLayout, partition: tuple[int, int] | None = None) -> str:
+    """root/shard-<i>-of-<S>, or for partition (k, K) of model-parallel worker groups
+    (pserver.partitions) root/shard-<i>-of-<S>/partition-<k>-of-<K>."""
+    shard = os.path.join(root, f"shard-{layout.shard}-of-{layout.num_shards}")
+    if partition is None:
+        return shard
+    return os.path.join(shard, f"partition-{partition[0]}-of-{partition[1]}")
+
+
+def saved_partitions(root: str, layout: ShardLayout) -> list[tuple[int, int, str]]:
+    """(k, K, directory) of every partition this shard saved, by k."""
+    shard = shard_dir(root, layout)
+    found = []
+    for name in sorted(os.listdir(shard)) if os.path.isdir(shard) else []:
+        m = re.fullmatch(r"partition-(\d+)-of-(\d+)", name)
+        if m:
+            found.append((int(m[1]), int(m[2]), os.path.join(shard, name)))
+    return sorted(found)
 
 
 def _layout(layout: ShardLayout) -> dict:
@@ -36,9 +56,11 @@ def _layout(layout: ShardLayout) -> dict:
 
 
 def save(root: str, layout: ShardLayout, state: dict, config: dict,
-         keep: int | None = None) -> str:
+         keep: int | None = None, partition: dict | None = None) -> str:
     """Write `state` (ShardStore.state()) as the checkpoint of its version; returns its path.
-    `keep`: then keep only the `keep` newest that verify (None: all)."""
+    `keep`: then keep only the `keep` newest that verify (None: all). `partition`
+    ({"id", "count", "specs"}: a worker group's partition, its specs as JSON) goes into
+    the meta and the partition's own directory."""
     opt, pending = state["optimizer"], state["round"]
     arrays = {"params": state["params"],
               **{f"opt.{k}": v for k, v in opt.items() if k != "steps"}}
@@ -49,16 +71,40 @@ def save(root: str, layout: ShardLayout, state: dict, config: dict,
     if pending:
         arrays["round"] = pending["total"]
         meta["round"] = {str(w): list(c) for w, c in pending["contributors"].items()}
-    return checkpoint.save(shard_dir(root, layout), state["version"], arrays, meta, keep=keep)
+    where = None
+    if partition is not None:
+        meta["partition"] = partition
+        where = (partition["id"], partition["count"])
+    return checkpoint.save(shard_dir(root, layout, where), state["version"], arrays, meta,
+                           keep=keep)
 
 
 def latest(root: str, layout: ShardLayout) -> str | None:
     return checkpoint.latest(shard_dir(root, layout))
 
 
+def load_partition(path: str, optimizer: str,
+                   layout_of: Callable[[dict], ShardLayout]) -> tuple[dict, dict]:
+    """(partition, state) of the partition checkpoint at `path`: the {"id", "count",
+    "specs"} it was saved with, and its state checked against layout_of(partition)
+    (the layout those specs give this shard) and the optimizer."""
+    arrays, meta = checkpoint.load(path)
+    try:
+        p = meta["partition"]
+        partition = {"id": int(p["id"]), "count": int(p["count"]), "specs": str(p["specs"])}
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{os.path.join(path, 'meta.json')}: not a partition "
+                              f"checkpoint ({e!r})") from None
+    return partition, _state(path, arrays, meta, layout_of(partition), optimizer)
+
+
 def load(path: str, layout: ShardLayout, optimizer: str) -> dict:
     """The state saved at `path`, checked against this shard's layout and optimizer."""
     arrays, meta = checkpoint.load(path)
+    return _state(path, arrays, meta, layout, optimizer)
+
+
+def _state(path: str, arrays: dict, meta: dict, layout: ShardLayout, optimizer: str) -> dict:
     where = os.path.join(path, "meta.json")
     try:
         saved, version = meta["layout"], int(meta["version"])

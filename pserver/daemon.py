@@ -12,7 +12,7 @@ in progress on them, writes a checkpoint when configured and returns.
 Model-parallel worker groups bring their partitions at Register; the daemon
 then makes one store per partition (pserver.partitions, store_of) from the
 record's model and optimizer, and routes every call by the partition it
-names. A daemon holding partitions writes no checkpoint.
+names. A daemon holding partitions saves and resumes each (pserver.partitions).
 
 With shared memory allowed (`shm`), the daemon first sweeps segments that
 servers killed before unlinking them left in /dev/shm (pserver.shm).
@@ -45,7 +45,7 @@ from dtlab.models.config import ConfigError, build
 from dtlab.models.data import DataConfig
 from dtlab.models.optim import OptimConfig, Schedule
 from dtlab.models.params import FlatParams
-from dtlab.models.run.checkpoint import CheckpointError
+from dtlab.models.run.checkpoint import CheckpointError, latest_valid
 from dtlab.models.zoo import build_model, config_class
 from dtlab.pserver import auth, checkpoint, shm, wire
 from dtlab.pserver.allocator import huge_empty
@@ -55,7 +55,7 @@ from dtlab.pserver.consistency import Consistency
 from dtlab.pserver.errors import FailedPrecondition
 from dtlab.pserver.leases import LeaseReaper, keepalive_options
 from dtlab.pserver.metrics import MetricsServer
-from dtlab.pserver.partitions import NOT_CHECKPOINTED, Partitions
+from dtlab.pserver.partitions import Partitions
 from dtlab.pserver.periodic import PeriodicCheckpoints
 from dtlab.pserver.servicer import ParameterServerServicer, handler
 from dtlab.pserver.store import ShardLayout, ShardStore
@@ -161,6 +161,8 @@ class Daemon:
             codec=codec, config=config)
         self.partitions = Partitions(self.servicer, partial(self._partition, shm, codec),
                                      self._dense_specs, cfg.seed, cfg.dtype)
+        if cfg.resume:
+            self._resume_partitions(config["optim"]["optimizer"])
         self.server.add_generic_rpc_handlers((handler(self.partitions), *handlers))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -189,7 +191,8 @@ class Daemon:
                 raise ConfigError(f"--metrics-port {cfg.metrics_port}: {e.strerror}") from None
         self.reaper = LeaseReaper(cfg.worker_timeout, self._expire_leases) \
             if cfg.worker_timeout else None
-        self.periodic = PeriodicCheckpoints(cfg.checkpoint_every_s, store, self.save_checkpoint) \
+        self.periodic = PeriodicCheckpoints(cfg.checkpoint_every_s, self._changes,
+                                            self.save_checkpoint) \
             if cfg.checkpoint_every_s else None
 
     def _record(self) -> tuple[str, object, OptimConfig]:
@@ -212,6 +215,26 @@ class Daemon:
         store = store_of(self.cfg, name, flat, optim_cfg)
         return ParameterServerServicer(store, self.cfg.max_message_bytes, checkpoint=None,
                                        shm=shm, codec=codec, config=self.config_record)
+
+    def _resume_partitions(self, optimizer: str) -> None:
+        """Every partition this shard saved, made again in its newest state that verifies."""
+        for k, count, directory in checkpoint.saved_partitions(self.cfg.checkpoint_dir,
+                                                               self.store.layout):
+            path, skipped = latest_valid(directory)
+            for bad, why in skipped:
+                log.warning("--resume: skipped %s (%s)", bad, why)
+            if path is None:
+                continue
+            store = self.partitions.restore(path, optimizer)
+            log.info("resumed partition %d of %d from %s (version %d)", k, count, path,
+                     store.version)
+
+    def _changes(self) -> tuple[int, int]:
+        """(version, accepted pushes) summed over the dense store and every partition's:
+        what the periodic checkpoints watch."""
+        stores = [self.store, *(k.servicer.store for k in list(self.partitions.known.values()))]
+        stats = [s.stats() for s in stores]
+        return sum(st.version for st in stats), sum(st.pushes for st in stats)
 
     def _expire_leases(self) -> None:
         """Drop the workers whose lease ran out, of the dense store and every partition's."""
@@ -245,11 +268,28 @@ class Daemon:
         os.replace(tmp, path)
 
     def save_checkpoint(self) -> tuple[str, int]:
-        """Write the shard's checkpoint now; (its path, its version)."""
+        """Write the shard's checkpoint now; (its path, its version). A server holding the
+        partitions of worker groups saves each (pserver.partitions): (the shard's
+        directory, the sum of the partitions' versions)."""
+        root, keep = self.cfg.checkpoint_dir, self.cfg.keep or None
         with self._ckpt_lock:
+            if self.partitions.held:
+                versions = []
+
+                def write(store: ShardStore, partition: dict) -> str:
+                    state = store.state()
+                    versions.append(state["version"])
+                    return checkpoint.save(root, store.layout, state, self.config_record,
+                                           keep=keep, partition=partition)
+
+                paths = self.partitions.save(write)
+                path, version = checkpoint.shard_dir(root, self.store.layout), sum(versions)
+                log.info("checkpoint of %d partitions in %s (versions %s)", len(paths), path,
+                         versions)
+                return path, version
             state = self.store.state()
-            path = checkpoint.save(self.cfg.checkpoint_dir, self.store.layout, state,
-                                   self.config_record, keep=self.cfg.keep or None)
+            path = checkpoint.save(root, self.store.layout, state, self.config_record,
+                                   keep=keep)
         log.info("checkpoint %s (version %d)", path, state["version"])
         return path, state["version"]
 
@@ -268,9 +308,7 @@ class Daemon:
             time.sleep(0.02)
         self.server.stop(None)  # what is left are sessions idle between operations
         stopped.wait()
-        if self.cfg.checkpoint_dir and self.partitions.held:
-            log.error("no checkpoint written: %s", NOT_CHECKPOINTED)
-        elif self.cfg.checkpoint_dir:
+        if self.cfg.checkpoint_dir:
             self.save_checkpoint()
         if self.metrics is not None:
             self.metrics.stop()

@@ -40,9 +40,11 @@ partition orders the groups' pushes by arrival on its own.
 A server holds either the dense model (workers of one process) or
 partitions, never both: a group is refused once a dense worker registered
 or the dense state moved (a resumed checkpoint), and a dense worker once a
-partition is known. Checkpoints of partitions are not supported:
-SaveCheckpoint answers FAILED_PRECONDITION ("partitioned layouts are not
-checkpointed") and a server with partitions writes none at shutdown.
+partition is known. Checkpoints (SaveCheckpoint, SIGTERM, periodic) of a
+server holding partitions write each partition's store into its own
+directory (pserver.checkpoint: shard-<i>-of-<S>/partition-<k>-of-<K>/), its
+specs in the meta; `--resume` makes every saved partition again from its
+specs and loads its state, before any group registers.
 
 Calls are routed by the partition they name (PullRequest, PushHeader,
 ShmRequest, DeregisterRequest, StatsRequest: field `partition`); a call
@@ -62,15 +64,14 @@ import grpc
 import numpy as np
 
 from dtlab.models.params import FlatParams, ParamSpec
+from dtlab.models.run.checkpoint import CheckpointError
 from dtlab.protos import dtlab_ps_pb2 as pb
-from dtlab.pserver import wire
+from dtlab.pserver import checkpoint, wire
 from dtlab.pserver.errors import FailedPrecondition, InvalidArgument, PSError, Unavailable
 from dtlab.pserver.servicer import ParameterServerServicer
+from dtlab.pserver.store import ShardLayout, ShardStore
 
 log = logging.getLogger(__name__)
-
-NOT_CHECKPOINTED = ("partitioned layouts are not checkpointed: this server holds the "
-                    "partitions of model-parallel worker groups")
 
 
 # -- specs on the wire ---------------------------------------------------------------------
@@ -183,7 +184,7 @@ class Partitions:
 
     @property
     def held(self) -> bool:
-        """Whether any partition is known (then no checkpoints)."""
+        """Whether any partition is known (then checkpoints hold the partitions)."""
         return bool(self.known)
 
     @property
@@ -260,27 +261,61 @@ class Partitions:
                     ". Give every group the same model flags, --tp, --pp and --stages",
                     reason="partition")
             return known.servicer
+        return self._add(p, f"partition {p.id} of worker group {req.worker_id}",
+                         (req.model_size, req.layout_crc32))
+
+    def _add(self, p: pb.PartitionLayout, who: str,
+             size_crc: tuple[int, int] | None = None) -> ParameterServerServicer:
+        """Partition p's store and servicer here, from its specs (checked against the dense
+        model, and against the (model_size, layout crc) its rank sent, if given)."""
         try:
             specs = specs_from_json(p.specs)
             check_against_dense(specs, self._dense_specs())
             flat = FlatParams(specs, seed=self.seed, dtype=self.dtype, xp=np)
         except (ValueError, KeyError, TypeError) as e:
-            raise InvalidArgument(f"partition {p.id} of worker group {req.worker_id}: "
-                                  f"specs: {e}", reason="partition") from None
-        if (flat.size, wire.layout_crc(specs)) != (req.model_size, req.layout_crc32):
+            raise InvalidArgument(f"{who}: specs: {e}", reason="partition") from None
+        if size_crc is not None and (flat.size, wire.layout_crc(specs)) != size_crc:
             raise InvalidArgument(
-                f"partition {p.id}: model_size {req.model_size} / layout {req.layout_crc32:#010x} "
+                f"partition {p.id}: model_size {size_crc[0]} / layout {size_crc[1]:#010x} "
                 f"do not match its specs ({flat.size} / {wire.layout_crc(specs):#010x})",
                 reason="partition")
-        if store.layout.num_shards > flat.size:
+        if self.dense.store.layout.num_shards > flat.size:
             raise InvalidArgument(f"partition {p.id} has {flat.size} parameters, fewer than "
-                                  f"the {store.layout.num_shards} shards", reason="partition")
+                                  f"the {self.dense.store.layout.num_shards} shards",
+                                  reason="partition")
         servicer = self._make(flat)
         self.known[p.id] = Known(p, servicer)
         lay = servicer.store.layout
         log.info("partition %d of %d: %d parameters, elements [%d, %d) here", p.id, p.count,
                  flat.size, lay.offset, lay.offset + lay.length)
         return servicer
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def save(self, write: Callable[[ShardStore, dict], str]) -> list[str]:
+        """Every partition's state written by write(store, {"id", "count", "specs"}) (the
+        partition's checkpoint directory: pserver.checkpoint); the paths, by id."""
+        with self._lock:
+            known = sorted(self.known.items())
+        return [write(k.servicer.store, {"id": pid, "count": k.count, "specs": k.specs})
+                for pid, k in known]
+
+    def restore(self, path: str, optimizer: str) -> ShardStore:
+        """The partition saved at `path` made here again, in its saved state (a resumed
+        server holds the partitions its groups had; they register as before)."""
+        made = []
+
+        def layout_of(saved: dict) -> ShardLayout:
+            p = pb.PartitionLayout(id=saved["id"], count=saved["count"], specs=saved["specs"])
+            try:
+                made.append(self._add(p, f"{path}: partition {p.id}"))
+            except PSError as e:
+                raise CheckpointError(str(e)) from None
+            return made[0].store.layout
+
+        _, state = checkpoint.load_partition(path, optimizer, layout_of)
+        made[0].store.load_state(state)
+        return made[0].store
 
     # -- the other unary calls -------------------------------------------------------------
 
@@ -299,9 +334,7 @@ class Partitions:
         return getattr(target, name)(raw, context)
 
     def SaveCheckpoint(self, raw: bytes, context) -> pb.CheckpointReply:
-        if self.known:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, NOT_CHECKPOINTED)
-        return self.dense.SaveCheckpoint(raw, context)
+        return self.dense.SaveCheckpoint(raw, context)  # the daemon's save: every partition
 
     # -- streams ---------------------------------------------------------------------------
 

@@ -23,23 +23,20 @@ import threading
 from collections.abc import Callable
 
 from dtlab.models.run.checkpoint import CheckpointError
-from dtlab.pserver.store import ShardStore
 
 log = logging.getLogger(__name__)
 
 
 class PeriodicCheckpoints:
-    """Calls `save()` every `every_s` seconds while `store` changed since the last save."""
+    """Calls `save()` every `every_s` seconds while `changes()` (the shard's version and
+    accepted pushes, over its partitions too) moved since the last save."""
 
-    def __init__(self, every_s: float, store: ShardStore, save: Callable[[], tuple[str, int]]):
-        self.every_s, self.store, self._save = every_s, store, save
+    def __init__(self, every_s: float, changes: Callable[[], tuple[int, int]],
+                 save: Callable[[], tuple[str, int]]):
+        self.every_s, self._mark, self._save = every_s, changes, save
         self._saved = self._mark()  # the state the last save (or the start) held
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="checkpoints", daemon=True)
-
-    def _mark(self) -> tuple[int, int]:
-        stats = self.store.stats()
-        return stats.version, stats.pushes
 
     def start(self) -> None:
         log.info("checkpoints every %g s while the shard changes (--checkpoint-every-s)",

@@ -7,7 +7,7 @@ group's gradient clipped by its global norm), and two groups of pp=2 on
 those of single-process training with the doubled batch; the servers' own
 rules are checked through real clients: partitions that disagree with the
 servers' are refused by name, SSP counts groups (and holds each partition's
-bound), a server holding partitions refuses dense workers and checkpoints.
+bound), a server holding partitions refuses dense workers, checkpoints and resumes them.
 """
 
 from __future__ import annotations
@@ -150,10 +150,50 @@ def test_partitions_start_from_the_seeded_values_and_disagreeing_ones_are_refuse
                     dense.connect(5, "mlp", flat.size, wire.layout_crc(flat.specs))
             finally:
                 dense.close()
-            with pytest.raises(grpc.RpcError, match="partitioned layouts are not checkpointed"):
-                c0.shards[0].save_checkpoint()
         finally:
             c0.close()
+
+
+def test_partitions_are_checkpointed_and_a_resumed_server_holds_them_again(tmp_path):
+    """SaveCheckpoint and shutdown write every partition's store; --resume makes them again
+    from their specs with the saved values, clocks and versions, before any group joins."""
+    parts, ck = halves(), str(tmp_path / "ck")
+    pulled = []
+    with serve(shards=2, model_cfg=MLP_CFG, seed=3, checkpoint_dir=ck) as daemons:
+        clients = [client(addresses(daemons), 0, pid, parts[pid]) for pid in (0, 1)]
+        try:
+            for c in clients:
+                start = np.empty(c.flat.size, np.float32)
+                c.pull(start)
+                c.push(np.full(c.flat.size, 0.5, np.float32), 0)
+                after = np.empty_like(start)
+                c.pull(after)
+                assert not np.array_equal(after, start)  # the push was applied
+                pulled.append(after)
+            reply = clients[0].shards[0].save_checkpoint()
+            assert reply.path.endswith("shard-0-of-2") and reply.version == 2  # 1 per partition
+            assert sorted(os.listdir(reply.path)) == ["partition-0-of-2", "partition-1-of-2"]
+        finally:
+            for c in clients:
+                c.close()
+    with serve(shards=2, model_cfg=MLP_CFG, seed=3, checkpoint_dir=ck, resume=True) as daemons:
+        flat = FlatParams(dense_specs(), seed=3, xp=np)
+        dense = PSClient(build(ClientConfig, {"servers": addresses(daemons)}))
+        try:
+            with pytest.raises(grpc.RpcError, match="a dense worker cannot join them"):
+                dense.connect(5, "mlp", flat.size, wire.layout_crc(flat.specs))
+        finally:
+            dense.close()
+        clients = [client(addresses(daemons), 0, pid, parts[pid]) for pid in (0, 1)]
+        try:
+            for c, want in zip(clients, pulled, strict=True):
+                got = np.empty_like(want)
+                c.pull(got)
+                np.testing.assert_array_equal(got, want)
+                assert [s.stats().version for s in c.shards] == [1, 1]
+        finally:
+            for c in clients:
+                c.close()
 
 
 def test_a_server_that_trained_a_dense_worker_refuses_groups():

@@ -94,22 +94,29 @@ def single_params(tmp_path, name, argv):
     return arrays["params"]
 
 
+def assert_grid_equals_single(tmp_path, label: str, n: int, single_argv: list, grid_argv: list):
+    """Train one process on `single_argv` and `n` ranks of tests/mpi_progs/grid_train.py on
+    `grid_argv` (the same RUN steps); their final parameters agree within 1e-5."""
+    single = single_params(tmp_path, "single", single_argv)
+    out = tmp_path / "grid.npy"
+    r = mpirun(n, "tests/mpi_progs/grid_train.py", out, *grid_argv, *RUN, timeout=180)
+    assert r.rc == 0, r
+    err = float(np.linalg.norm(np.load(out) - single) / np.linalg.norm(single))
+    print(f"{label}: relative difference {err:.2e}")
+    assert err < 1e-5, f"{label}: relative difference {err:.2e}"
+
+
 @pytest.mark.parametrize("moe,ep", [
     (["--moe-capacity-factor", "1.0"], ["--moe-alltoall", "mpi"]),
     (["--moe-dropless", "--moe-bias-rate", "0.01"], ["--moe-chunks", "2"]),
 ], ids=["drops-mpi", "dropless-bias-chunks"])
 def test_dp2_ep2_training_equals_one_process_on_the_global_batch(tmp_path, moe, ep):
     B = 2
-    single = single_params(tmp_path, "single", [*LM, *moe, "--batch-size", str(4 * B),
-                                                "--moe-groups", "4"])
-    out = tmp_path / "ep.npy"
-    r = mpirun(4, "tests/mpi_progs/grid_train.py", out, "--dp", "2", "--ep", "2", *ep,
-               *LM, *moe, *RUN, "--batch-size", str(B),
-               "--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", "4", timeout=120)
-    assert r.rc == 0, r
-    err = float(np.linalg.norm(np.load(out) - single) / np.linalg.norm(single))
-    print(f"dp 2 ep 2 {' '.join(moe + ep)}: relative difference {err:.2e}")
-    assert err < 1e-5, f"dp 2 ep 2: relative difference {err:.2e}"
+    assert_grid_equals_single(
+        tmp_path, f"dp 2 ep 2 {' '.join(moe + ep)}", 4,
+        [*LM, *moe, "--batch-size", str(4 * B), "--moe-groups", "4"],
+        ["--dp", "2", "--ep", "2", *ep, *LM, *moe, "--batch-size", str(B),
+         "--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", "4"])
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["ep0of2", "ep1of2"]
     r = mpirun(2, "-m", "dtlab.collective.train", "--dp", "2", *LM, *moe, *RUN,
                "--batch-size", str(2 * B), "--checkpoint-dir", tmp_path / "ck", "--resume",
@@ -126,16 +133,11 @@ def test_pp2_ep2_training_equals_one_process_on_the_global_batch(tmp_path, moe, 
     ranks are the single process's 4 groups of B. With --moe-every 2 the first stage holds
     no MoE layer, so its gradients are all dense."""
     B, m = 2, 2
-    single = single_params(tmp_path, "single", [*LM, *moe, "--batch-size", str(2 * m * B),
-                                                "--moe-groups", str(2 * m)])
-    out = tmp_path / "pp-ep.npy"
-    r = mpirun(4, "tests/mpi_progs/grid_train.py", out, "--pp", "2", "--ep", "2", *grid,
-               *LM, *moe, *RUN, "--batch-size", str(B), "--grad-accum", str(m),
-               "--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", "4", timeout=120)
-    assert r.rc == 0, r
-    err = float(np.linalg.norm(np.load(out) - single) / np.linalg.norm(single))
-    print(f"pp 2 ep 2 {' '.join(moe + grid)}: relative difference {err:.2e}")
-    assert err < 1e-5, f"pp 2 ep 2: relative difference {err:.2e}"
+    assert_grid_equals_single(
+        tmp_path, f"pp 2 ep 2 {' '.join(moe + grid)}", 4,
+        [*LM, *moe, "--batch-size", str(2 * m * B), "--moe-groups", str(2 * m)],
+        ["--pp", "2", "--ep", "2", *grid, *LM, *moe, "--batch-size", str(B),
+         "--grad-accum", str(m), "--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", "4"])
     assert len(list((tmp_path / "ck").iterdir())) == 4  # one directory per (pp, ep) rank
 
 
@@ -154,16 +156,11 @@ def test_tensor_split_experts_equal_one_process_on_the_global_batch(tmp_path, mo
     B = 2
     groups = dp * ep * m
     single_moe = [a for a in moe if a not in ("--pp-schedule", "1f1b")]
-    single = single_params(tmp_path, "single", [*LM, *single_moe, "--batch-size",
-                                                str(groups * B), "--moe-groups", str(groups)])
-    out = tmp_path / "grid.npy"
-    r = mpirun(dp * pp * ep * tp, "tests/mpi_progs/grid_train.py", out, "--dp", dp, "--pp", pp,
-               "--ep", ep, "--tp", tp, *LM, *moe, *RUN, "--batch-size", str(B),
-               "--grad-accum", str(m), timeout=180)
-    assert r.rc == 0, r
-    err = float(np.linalg.norm(np.load(out) - single) / np.linalg.norm(single))
-    print(f"dp {dp} pp {pp} ep {ep} tp {tp} {' '.join(moe)}: relative difference {err:.2e}")
-    assert err < 1e-5, f"dp {dp} pp {pp} ep {ep} tp {tp}: relative difference {err:.2e}"
+    assert_grid_equals_single(
+        tmp_path, f"dp {dp} pp {pp} ep {ep} tp {tp} {' '.join(moe)}", dp * pp * ep * tp,
+        [*LM, *single_moe, "--batch-size", str(groups * B), "--moe-groups", str(groups)],
+        ["--dp", dp, "--pp", pp, "--ep", ep, "--tp", tp, *LM, *moe, "--batch-size", str(B),
+         "--grad-accum", str(m)])
 
 
 @pytest.mark.parametrize("n,flags,message", [

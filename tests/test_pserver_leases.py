@@ -101,6 +101,15 @@ def kill9(proc: subprocess.Popen) -> float:
     return time.monotonic()
 
 
+def end_all(procs: dict) -> None:
+    """Kill whatever worker is still running (a failed test's), resuming a stopped one."""
+    for p in procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait(timeout=30)
+
+
 def acked_steps(path: Path) -> int:
     """Steps a worker recorded (each written after the servers acknowledged its push)."""
     return len(read_metrics(str(path))[1]) if path.exists() else 0
@@ -212,10 +221,7 @@ def test_ssp_survivors_finish_after_a_killed_worker_is_dropped_and_it_rejoins(tm
             errs = [finish(procs[w], tmp_path, name) for w, name in
                     ((0, "w0"), (1, "w1"), (2, "w2b"))]
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(timeout=30)
+            end_all(procs)
         st = stats(d.address)
         log = d.output()
     assert "worker 2 dropped" in log and "worker 2 rejoins after its lease expired" in log
@@ -256,11 +262,7 @@ def test_a_stopped_worker_is_dropped_through_keepalive_and_back_by_its_next_call
             procs[1].send_signal(signal.SIGCONT)
             errs = [finish(procs[w], tmp_path, f"w{w}") for w in range(2)]
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.send_signal(signal.SIGCONT)
-                    p.kill()
-                    p.wait(timeout=30)
+            end_all(procs)
         st = stats(d.address)
         log = d.output()
     assert "worker 1 dropped" in log

@@ -26,6 +26,7 @@ from pserver_util import TINY_MLP_FLAGS, DaemonProcess
 from test_pserver_leases import (
     ADAM_FLAGS,
     DATA,
+    end_all,
     fault_line,
     finish,
     kill9,
@@ -109,11 +110,7 @@ def test_killed_daemon_resumes_its_newest_periodic_save_and_workers_go_on(tmp_pa
         finally:
             second.close()
     finally:
-        for p in workers.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-                p.wait(timeout=30)
+        end_all(workers)
         first.close()
     for w in range(2):  # each worker's steps went on without a gap or a repeat
         steps = [r["step"] for r in read_metrics(str(tmp_path / f"w{w}.jsonl"))[1]]

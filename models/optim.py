@@ -22,6 +22,7 @@ memory once instead of twice (Adam: once instead of ten times).
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,6 +109,36 @@ class Optimizer:
             raise ValueError(f"param shape {param.shape} != grad shape {grad.shape}")
         self.steps += 1
         self._update(param, grad, self.lr if lr is None else lr)
+
+    def step_ranges(self, param, packed, ranges: Sequence[tuple[int, int]],
+                    lr: float | None = None) -> None:
+        """One step that updates only the elements [lo, hi) of each of `ranges` (sorted,
+        disjoint), `packed` holding their gradients back to back; every other element and
+        its state (velocity, moments) is left exactly as it is. This is the lazy update of
+        sparse optimizers (TensorFlow's LazyAdamOptimizer; PyTorch's SparseAdam: "only the
+        moments that show up in the gradient get updated"), for a gradient known to be zero
+        elsewhere; for plain SGD it equals the dense step. The step still counts (Adam's
+        bias correction uses the step number, as LazyAdam's does)."""
+        total = sum(hi - lo for lo, hi in ranges)
+        if total != packed.shape[0]:
+            raise ValueError(f"ranges hold {total} elements, the packed gradient "
+                             f"{packed.shape[0]}")
+        self.steps += 1
+        lr = self.lr if lr is None else lr
+        at = 0
+        for lo, hi in ranges:
+            self._part(lo, hi)._update(param[lo:hi], packed[at : at + hi - lo], lr)
+            at += hi - lo
+
+    def _part(self, lo: int, hi: int) -> Optimizer:
+        """This optimizer over elements [lo, hi) only: its state, decay mask and scratch
+        are views of this one's, its step count this one's."""
+        part = copy.copy(self)
+        for name in self.state_names:
+            setattr(part, name, getattr(self, name)[lo:hi])
+        part.decay_mask = None if self.decay_mask is None else self.decay_mask[lo:hi]
+        part._tmp = self._tmp[: hi - lo]
+        return part
 
     def _update(self, p, g, lr):
         raise NotImplementedError

@@ -170,20 +170,30 @@ class PullReply(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "step", "shard", "meta", "registration", "partition")
+    __slots__ = ("worker_id", "step", "shard", "meta", "registration", "partition", "ranges")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     step: int
     shard: int
     meta: TensorMeta
     registration: int
     partition: int
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., shard: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., registration: _Optional[int] = ..., partition: _Optional[int] = ...) -> None: ...
+    ranges: PushRanges
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., shard: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., registration: _Optional[int] = ..., partition: _Optional[int] = ..., ranges: _Optional[_Union[PushRanges, _Mapping]] = ...) -> None: ...
+
+class PushRanges(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: _containers.RepeatedScalarFieldContainer[int]
+    length: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, offset: _Optional[_Iterable[int]] = ..., length: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk", "trailer")
@@ -379,7 +389,7 @@ class WorkerStats(_message.Message):
     def __init__(self, clock: _Optional[int] = ..., next_step: _Optional[int] = ..., active: _Optional[bool] = ..., staleness: _Optional[_Union[Histogram, _Mapping]] = ..., expired: _Optional[bool] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard", "num_shards", "consistency", "version", "updates", "pushes", "duplicates", "rejected", "pulls", "pulls_not_modified", "bytes_received", "bytes_sent", "staleness", "workers", "max_clock_lead", "lr", "apply_seconds", "pushes_in_flight", "receive_seconds", "check_seconds", "workers_dropped")
+    __slots__ = ("shard", "num_shards", "consistency", "version", "updates", "pushes", "duplicates", "rejected", "pulls", "pulls_not_modified", "bytes_received", "bytes_sent", "staleness", "workers", "max_clock_lead", "lr", "apply_seconds", "pushes_in_flight", "receive_seconds", "check_seconds", "workers_dropped", "expert_staleness")
     class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -394,6 +404,13 @@ class StatsReply(_message.Message):
         key: int
         value: WorkerStats
         def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[WorkerStats, _Mapping]] = ...) -> None: ...
+    class ExpertStalenessEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Histogram
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Histogram, _Mapping]] = ...) -> None: ...
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
@@ -415,6 +432,7 @@ class StatsReply(_message.Message):
     RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CHECK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_STALENESS_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     consistency: Consistency
@@ -436,7 +454,8 @@ class StatsReply(_message.Message):
     receive_seconds: float
     check_seconds: float
     workers_dropped: int
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., version: _Optional[int] = ..., updates: _Optional[int] = ..., pushes: _Optional[int] = ..., duplicates: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., pulls: _Optional[int] = ..., pulls_not_modified: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., staleness: _Optional[_Union[Histogram, _Mapping]] = ..., workers: _Optional[_Mapping[int, WorkerStats]] = ..., max_clock_lead: _Optional[int] = ..., lr: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., check_seconds: _Optional[float] = ..., workers_dropped: _Optional[int] = ...) -> None: ...
+    expert_staleness: _containers.MessageMap[str, Histogram]
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., version: _Optional[int] = ..., updates: _Optional[int] = ..., pushes: _Optional[int] = ..., duplicates: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., pulls: _Optional[int] = ..., pulls_not_modified: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., staleness: _Optional[_Union[Histogram, _Mapping]] = ..., workers: _Optional[_Mapping[int, WorkerStats]] = ..., max_clock_lead: _Optional[int] = ..., lr: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., check_seconds: _Optional[float] = ..., workers_dropped: _Optional[int] = ..., expert_staleness: _Optional[_Mapping[str, Histogram]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()

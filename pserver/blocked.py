@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from dtlab.models.optim import OptimConfig, make_optimizer
+from dtlab.pserver import ranges as ranges_lib
 from dtlab.pserver.parallel import Parallel
 
 BLOCK = 1 << 18  # elements per block (1 MiB of float32)
@@ -57,6 +58,24 @@ class BlockedOptimizer:
             for k in blocks:
                 lo, hi = self.bounds[k]
                 self.parts[k].step(param[lo:hi], grad[lo:hi], lr)
+
+        self.parallel.run(run, self.groups)
+
+    def step_ranges(self, param: np.ndarray, packed, ranges: list[tuple[int, int]],
+                    lr: float) -> None:
+        """One step on `ranges` of the shard only, `packed` holding their gradients back to
+        back (pserver.ranges); every other element and its state stays as it is
+        (models.optim.Optimizer.step_ranges). Every block counts the step."""
+        if packed.shape != (ranges_lib.size(ranges),):
+            raise ValueError(f"packed gradient shape {packed.shape} != the ranges' "
+                             f"({ranges_lib.size(ranges)},)")
+
+        def run(blocks):
+            for k in blocks:
+                lo, hi = self.bounds[k]
+                inside, at = ranges_lib.within_packed(ranges, lo, hi)
+                piece = packed[at : at + ranges_lib.size(inside)]
+                self.parts[k].step_ranges(param[lo:hi], piece, inside, lr)
 
         self.parallel.run(run, self.groups)
 

@@ -8,8 +8,9 @@
         round.npy             the gradient sum of an unfinished BSP round, if any
         meta.json             version, layout, full config, worker clocks and
                               next steps, optimizer steps, staleness histograms,
-                              the BSP round's (worker: [step, version read]),
-                              file digests
+                              the BSP round's (worker: [step, version read])
+                              and, for ranged pushes, the union of their
+                              ranges (round_covered), file digests
 
 The step of the directory is the shard's version. A restarted server goes on
 from exactly this state: the staleness histograms keep counting, and a BSP
@@ -71,6 +72,8 @@ def save(root: str, layout: ShardLayout, state: dict, config: dict,
     if pending:
         arrays["round"] = pending["total"]
         meta["round"] = {str(w): list(c) for w, c in pending["contributors"].items()}
+        if pending.get("covered") is not None:  # the union of its ranged pushes
+            meta["round_covered"] = [list(r) for r in pending["covered"]]
     where = None
     if partition is not None:
         meta["partition"] = partition
@@ -115,6 +118,8 @@ def _state(path: str, arrays: dict, meta: dict, layout: ShardLayout, optimizer: 
         if "round" in meta:
             pending = {"total": arrays["round"], "contributors": {
                 int(w): (int(step), int(read)) for w, (step, read) in meta["round"].items()}}
+            if "round_covered" in meta:
+                pending["covered"] = [(int(lo), int(hi)) for lo, hi in meta["round_covered"]]
         staleness = StalenessLog.from_dict(meta.get("staleness", {"shard": {}, "workers": {}}))
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: not a parameter-server checkpoint ({e!r})") from None

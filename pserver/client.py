@@ -50,8 +50,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver import auth, wire
+from dtlab.pserver import ranges as ranges_lib
 from dtlab.pserver.config import ClientConfig
 from dtlab.pserver.errors import DataLoss, InvalidArgument
+from dtlab.pserver.ranges import Ranges
 from dtlab.pserver.session import PULL, SHM_PULL, SHM_PUSH, Session, StatusError, Watchdog
 from dtlab.pserver.wire import SERVICE
 
@@ -303,9 +305,11 @@ class ShardClient:
                            f"{checksum:#010x} computed over the segment", reason="checksum")
         return header.meta.version, True
 
-    def push(self, grad: np.ndarray, worker: int, step: int, version: int) -> pb.PushReply:
-        """Stream one gradient for this shard, computed from `version`."""
-        header = self._push_header(grad, worker, step, version)
+    def push(self, grad: np.ndarray, worker: int, step: int, version: int,
+             ranges: Ranges | None = None) -> pb.PushReply:
+        """Stream one gradient for this shard, computed from `version`; `ranges`: `grad`
+        holds only these ranges of the shard, packed (pserver.ranges)."""
+        header = self._push_header(grad, worker, step, version, ranges)
         chunk = self._chunk_bytes()
         if self.transport == "session":
             return self._retry(lambda: self._in_session(
@@ -314,12 +318,16 @@ class ShardClient:
                                               timeout=self.cfg.rpc_timeout_s,
                                               metadata=self._metadata), "Push")
 
-    def _push_header(self, grad: np.ndarray, worker: int, step: int,
-                     version: int) -> pb.PushHeader:
-        meta = pb.TensorMeta(dtype=wire.dtype_code(grad.dtype), shape=list(grad.shape),
+    def _push_header(self, grad: np.ndarray, worker: int, step: int, version: int,
+                     ranges: Ranges | None = None) -> pb.PushHeader:
+        shape = list(grad.shape) if ranges is None else list(self.info.meta.shape)
+        meta = pb.TensorMeta(dtype=wire.dtype_code(grad.dtype), shape=shape,
                              offset=self.info.meta.offset, version=version)
-        return self._named(pb.PushHeader(worker_id=worker, step=step, shard=self.info.shard,
-                                         meta=meta, registration=self.registration))
+        header = pb.PushHeader(worker_id=worker, step=step, shard=self.info.shard, meta=meta,
+                               registration=self.registration)
+        if ranges is not None:
+            header.ranges.CopyFrom(ranges_lib.encode(ranges))
+        return self._named(header)
 
     def _chunk_bytes(self) -> int:
         return min(self.cfg.chunk_bytes, self.info.max_message_bytes - 1024)
@@ -351,7 +359,7 @@ class ShardClient:
                 *pull)
 
     def push_pull(self, grad: np.ndarray, worker: int, step: int, version: int,
-                  out: np.ndarray) -> tuple[pb.PushReply, int, bool]:
+                  out: np.ndarray, ranges: Ranges | None = None) -> tuple[pb.PushReply, int, bool]:
         """Push one gradient computed from `version`, then pull into `out` (which holds
         `version`): (the push's reply, the version pulled, whether `out` changed).
 
@@ -363,9 +371,9 @@ class ShardClient:
         If this raises, `out` may hold a mix of old and new values.
         """
         if self.transport != "session":
-            reply = self.push(grad, worker, step, version)
+            reply = self.push(grad, worker, step, version, ranges)
             return (reply, *self.pull_into(out, worker, version))
-        header = self._push_header(grad, worker, step, version)
+        header = self._push_header(grad, worker, step, version, ranges)
         req, chunk = self._pull_request(worker, version), self._chunk_bytes()
         return self._retry(lambda: self._in_session(
             lambda s: self._push_pull_session(s, header, grad, chunk, req, out),
@@ -534,31 +542,46 @@ class PSClient:
 
         return sum(self._map(one, range(len(self.shards))))
 
-    def push(self, flat_grad: np.ndarray, step: int) -> list[pb.PushReply]:
-        """Push every shard's slice of `flat_grad` in parallel, each with the version it read."""
+    def _part(self, shard: ShardClient, flat_grad: np.ndarray,
+              ranges: Ranges | None) -> tuple[np.ndarray, Ranges | None]:
+        """What `shard` gets of `flat_grad`: its slice; or, given the model's `ranges`, the
+        values of those that meet its slice, packed, and them relative to the shard."""
+        if ranges is None:
+            return self._slice(shard, flat_grad), None
+        lo = shard.info.meta.offset
+        mine = ranges_lib.within(ranges, lo, lo + shard.info.meta.shape[0])
+        return ranges_lib.gather(self._slice(shard, flat_grad), mine), mine
+
+    def push(self, flat_grad: np.ndarray, step: int,
+             ranges: Ranges | None = None) -> list[pb.PushReply]:
+        """Push every shard's slice of `flat_grad` in parallel, each with the version it read;
+        `ranges`: only these ranges of the model's flat vector (pserver.ranges: sorted,
+        disjoint), each shard the ones that meet its slice."""
         if any(v is None for v in self.versions):
             raise RuntimeError("push before a successful pull of every shard")
 
         def one(k: int) -> pb.PushReply:
             s = self.shards[k]
-            return s.push(self._slice(s, flat_grad), self.worker, step, self.versions[k])
+            grad, mine = self._part(s, flat_grad, ranges)
+            return s.push(grad, self.worker, step, self.versions[k], mine)
 
         return self._map(one, range(len(self.shards)))
 
-    def push_pull(self, flat_grad: np.ndarray, step: int,
-                  flat: np.ndarray) -> tuple[list[pb.PushReply], int]:
+    def push_pull(self, flat_grad: np.ndarray, step: int, flat: np.ndarray,
+                  ranges: Ranges | None = None) -> tuple[list[pb.PushReply], int]:
         """push(flat_grad, step), then pull(flat), every shard in parallel, each shard's
         pull right behind its push (ShardClient.push_pull): the worker's loop of push,
-        pull, compute, with one round trip per shard for the push and the pull. Returns
-        the push replies and how many shards changed."""
+        pull, compute, with one round trip per shard for the push and the pull (`ranges`:
+        as in push). Returns the push replies and how many shards changed."""
         if any(v is None for v in self.versions):
             raise RuntimeError("push before a successful pull of every shard")
 
         def one(k: int) -> tuple[pb.PushReply, bool]:
             s = self.shards[k]
             known, self.versions[k] = self.versions[k], None  # unknown until the pull succeeds
+            grad, mine = self._part(s, flat_grad, ranges)
             reply, self.versions[k], changed = s.push_pull(
-                self._slice(s, flat_grad), self.worker, step, known, self._slice(s, flat))
+                grad, self.worker, step, known, self._slice(s, flat), mine)
             return reply, changed
 
         done = self._map(one, range(len(self.shards)))

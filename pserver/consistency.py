@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dtlab.pserver.errors import FailedPrecondition
+from dtlab.pserver.ranges import merged, packed
 from dtlab.pserver.wire import ChunkedArray
 
 
@@ -115,13 +116,22 @@ class Round:
 
     total: np.ndarray
     contributors: dict[int, tuple[int, int]] = field(default_factory=dict)  # worker -> (step, read)
+    # the union of the round's ranged pushes (pserver.ranges), None once a push covered all
+    covered: list[tuple[int, int]] | None = None
 
     def add(self, worker: int, step: int, version_read: int,
-            grad: np.ndarray | ChunkedArray) -> None:
+            grad: np.ndarray | ChunkedArray, ranges: list[tuple[int, int]] | None = None) -> None:
+        """Add one worker's gradient; `ranges`: it holds only these ranges, packed (the
+        rest of it is exactly zero, so the round's sum is the dense one)."""
         if worker in self.contributors:
             raise FailedPrecondition(
                 f"worker {worker} already pushed step {self.contributors[worker][0]} in this BSP "
                 "round; pull (which waits for the round) before pushing again", reason="round")
+        if ranges is not None:
+            self._add_ranges(grad, ranges)
+            self.contributors[worker] = (step, version_read)
+            return
+        self.covered = None
         chunked = isinstance(grad, ChunkedArray)
         for lo, piece in zip(grad.starts, grad.pieces, strict=True) if chunked else [(0, grad)]:
             total = self.total[lo : lo + piece.size]
@@ -130,6 +140,15 @@ class Round:
             else:
                 total[...] = piece
         self.contributors[worker] = (step, version_read)
+
+    def _add_ranges(self, grad: np.ndarray | ChunkedArray, ranges: list[tuple[int, int]]) -> None:
+        if not self.contributors:  # the first push of the round: the sum so far is zero
+            self.total[...] = 0
+            self.covered = []
+        for lo, hi, at in packed(ranges):
+            self.total[lo:hi] += grad[at : at + hi - lo]
+        if self.covered is not None:
+            self.covered = merged(self.covered + ranges)
 
     def complete(self, clocks: Clocks) -> bool:
         return bool(self.contributors) and clocks.quorum() and all(

@@ -53,6 +53,7 @@ from dtlab.pserver.blocked import BlockedOptimizer
 from dtlab.pserver.config import ServerConfig
 from dtlab.pserver.consistency import Consistency
 from dtlab.pserver.errors import FailedPrecondition
+from dtlab.pserver.expert_staleness import ExpertStaleness
 from dtlab.pserver.leases import LeaseReaper, keepalive_options
 from dtlab.pserver.metrics import MetricsServer
 from dtlab.pserver.partitions import Partitions
@@ -94,7 +95,8 @@ def store_of(cfg: ServerConfig, model_name: str, flat: FlatParams,
     return ShardStore(layout, params, optimizer, Schedule(optim_cfg, cfg.schedule_steps), policy,
                       staleness_lr=cfg.staleness_lr, expected_workers=cfg.num_workers,
                       chunk_bytes=cfg.chunk_bytes, log_every=cfg.log_every,
-                      worker_timeout=cfg.worker_timeout)
+                      worker_timeout=cfg.worker_timeout,
+                      experts=ExpertStaleness.of(flat.specs, lo, hi - lo))
 
 
 def config_record(cfg: ServerConfig, model_name: str, model_cfg, optim_cfg: OptimConfig,

@@ -8,8 +8,9 @@ the dtlab_ps_* families at every scrape (nothing is kept between scrapes),
 and the client's process collector adds the daemon's memory, CPU time, open
 file descriptors and start time (process_*). Each server has its own
 registry, so several daemons in one process (the tests) report apart.
-Staleness histograms use cumulative buckets le = 0, 1, 2, 4, ..., 256, +Inf
-folded from the exact counts (pserver.staleness).
+Staleness histograms (per shard, per worker, per Mixture-of-Experts expert)
+use cumulative buckets le = 0, 1, 2, 4, ..., 256, +Inf folded from the exact
+counts (pserver.staleness, pserver.expert_staleness).
 """
 
 from __future__ import annotations
@@ -96,6 +97,12 @@ def families(s: pb.StatsReply) -> Iterator[Metric]:
     for w, ws in sorted(s.workers.items()):
         per_worker.add_metric([shard, str(w)], buckets(ws.staleness), ws.staleness.sum)
     yield per_worker
+    per_expert = HistogramMetricFamily("dtlab_ps_expert_staleness",
+                                       "updates to a MoE expert between a worker's pull and "
+                                       "its push of the expert", labels=["shard", "expert"])
+    for e, h in sorted(s.expert_staleness.items()):
+        per_expert.add_metric([shard, e], buckets(h), h.sum)
+    yield per_expert
 
 
 def _one(family, labels: list[str], value):

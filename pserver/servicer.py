@@ -8,7 +8,8 @@ optimizer reads them there. The store speaks arrays and numbers; the
 protobuf replies are built here.
 
 A push is validated in full before the store sees it: header (shard, dtype,
-shape, offset, worker, version), then every chunk (order, size, finite
+shape, offset, worker, version, and the ranges it carries if it carries
+only some: pserver.ranges.decode), then every chunk (order, size, finite
 values) as it arrives, then the trailer (count, Adler-32). Any failure, or a
 stream that breaks off, drops the chunks: nothing is applied.
 
@@ -48,6 +49,7 @@ import grpc
 import numpy as np
 
 from dtlab.protos import dtlab_ps_pb2 as pb
+from dtlab.pserver import ranges as ranges_lib
 from dtlab.pserver import runconfig, shm, wire
 from dtlab.pserver.errors import DataLoss, FailedPrecondition, InvalidArgument, PSError, Unavailable
 from dtlab.pserver.staleness import Histogram
@@ -240,14 +242,23 @@ class ParameterServerServicer:
             raise InvalidArgument(f"meta.offset {h.meta.offset}: shard {lay.shard} starts at "
                                   f"{want.offset}", reason="offset")
 
-    def _gradient(self) -> wire.ChunkedArray:
-        params = self.store.params
-        return wire.ChunkedArray(params.size, params.dtype, finite=True, name="gradient")
+    def _ranges(self, h: pb.PushHeader) -> ranges_lib.Ranges | None:
+        """The shard ranges a push carries (PushRanges, checked), None: all of the shard."""
+        if not h.HasField("ranges"):
+            return None
+        return ranges_lib.decode(h.ranges, self.store.layout.length)
 
-    def _receive(self, requests: Iterator[bytes], cls, session: bool) -> wire.ChunkedArray:
+    def _gradient(self, ranges: ranges_lib.Ranges | None = None) -> wire.ChunkedArray:
+        """An empty received gradient: the shard's size, or the ranges' (packed)."""
+        params = self.store.params
+        n = params.size if ranges is None else ranges_lib.size(ranges)
+        return wire.ChunkedArray(n, params.dtype, finite=True, name="gradient")
+
+    def _receive(self, requests: Iterator[bytes], cls, session: bool,
+                 ranges: ranges_lib.Ranges | None = None) -> wire.ChunkedArray:
         """The pushed gradient, checked in full; raises on any fault. On a call the
         trailer must be the last message; on a session the next operation follows it."""
-        grad = self._gradient()
+        grad = self._gradient(ranges)
         for raw in requests:
             kind, value = self.codec.read(cls, raw)
             if kind == "chunk":
@@ -272,17 +283,23 @@ class ParameterServerServicer:
                 raise InvalidArgument(f"{kind} inside a push stream", reason="order")
         raise DataLoss("push stream ended without a trailer", reason="incomplete")
 
-    def _whole_gradient(self, whole: wire.Whole) -> wire.ChunkedArray:
-        grad = self._gradient()
+    def _whole_gradient(self, whole: wire.Whole,
+                        ranges: ranges_lib.Ranges | None = None) -> wire.ChunkedArray:
+        grad = self._gradient(ranges)
+        if ranges is not None and len(whole.data) != grad.nbytes:
+            raise InvalidArgument(f"a push of ranges holding {grad.size} elements carries "
+                                  f"{len(whole.data)} bytes, not {grad.nbytes}", reason="ranges")
         whole.into(grad)
         return grad
 
-    def _push(self, h: pb.PushHeader, receive: Callable[[], wire.ChunkedArray],
+    def _push(self, h: pb.PushHeader, receive: Callable[..., wire.ChunkedArray],
               skip: Callable[[], None] = lambda: None, hold: bool = False) -> PushResult:
-        """A push whose header is `h`: `receive()` gets the gradient and checks it in full,
+        """A push whose header is `h`: `receive(ranges)` gets the gradient (of the shard, or
+        of the header's ranges) and checks it in full,
         `skip()` passes over what a duplicate still sends; `hold`: the push's own call
         holds its worker's registration (a session holds it throughout)."""
         self._check_header(h)
+        ranges = self._ranges(h)
         with (self.store.holding(h.worker_id, h.registration) if hold
               else contextlib.nullcontext()):
             result = self.store.admit(h.worker_id, h.step, h.meta.version)
@@ -291,9 +308,9 @@ class ParameterServerServicer:
                 return result
             with self.store.receiving():
                 t0 = time.perf_counter()
-                grad = receive()
+                grad = receive(ranges)
                 self.store.received(time.perf_counter() - t0, grad.check_seconds)
-                return self.store.push(h.worker_id, h.step, h.meta.version, grad)
+                return self.store.push(h.worker_id, h.step, h.meta.version, grad, ranges)
 
     def Push(self, requests: Iterator[bytes], context) -> pb.PushReply:
         requests = iter(requests)
@@ -306,8 +323,8 @@ class ParameterServerServicer:
                 kind, h = self.codec.read(pb.PushRequest, first)
                 if kind != "header":
                     raise InvalidArgument("push stream must start with a header", reason="order")
-                result = self._push(h, lambda: self._receive(requests, pb.PushRequest, False),
-                                    hold=True)
+                result = self._push(
+                    h, lambda r: self._receive(requests, pb.PushRequest, False, r), hold=True)
             except PSError as e:
                 self._fail(context, e)
             except grpc.RpcError:  # the client went away mid-stream: nothing was applied
@@ -344,7 +361,7 @@ class ParameterServerServicer:
                             yield from self._push_pulled(result, read, then.whole_bytes)
                     elif kind == "header":
                         result = self._push(
-                            value, lambda: self._receive(requests, pb.SessionRequest, True),
+                            value, lambda r: self._receive(requests, pb.SessionRequest, True, r),
                             lambda: self._skip(requests, pb.SessionRequest))
                         yield wire.wrap(PUSHED, _reply(result))
                     elif kind == "shm_request":
@@ -412,11 +429,13 @@ class ParameterServerServicer:
         t0 = time.perf_counter()
         h = m.header
         self._check_header(h)
+        ranges = self._ranges(h)
         result = self.store.admit(h.worker_id, h.step, h.meta.version)
         if result is not None:
             return result
         with self.store.receiving():
-            grad = segment.values(self.store.params)
+            grad = segment.values(self.store.params)  # a ranged push: packed from its start
+            grad = grad if ranges is None else grad[: ranges_lib.size(ranges)]
             t1 = time.perf_counter()
             checksum, bad = wire.checksum_and_first_nonfinite(grad, wire.ADLER_START)
             t2 = time.perf_counter()
@@ -427,7 +446,7 @@ class ParameterServerServicer:
                 raise DataLoss(f"shm_push.adler32 {m.adler32:#010x} != {checksum:#010x} "
                                "computed over the segment", reason="checksum")
             self.store.received(t2 - t0, t2 - t1)
-            return self.store.push(h.worker_id, h.step, h.meta.version, grad)
+            return self.store.push(h.worker_id, h.step, h.meta.version, grad, ranges)
 
     def _shm_pull(self, req: pb.PullRequest, segment: Segment | None, context) -> pb.ShmPulled:
         if segment is None or not segment.ready:
@@ -515,7 +534,8 @@ def stats_reply(s: ShardStats, store: ShardStore) -> pb.StatsReply:
         staleness=histogram(s.staleness), workers=workers, max_clock_lead=s.max_clock_lead,
         lr=s.lr, apply_seconds=s.apply_seconds, pushes_in_flight=s.pushes_in_flight,
         receive_seconds=s.receive_seconds, check_seconds=s.check_seconds,
-        workers_dropped=s.workers_dropped)
+        workers_dropped=s.workers_dropped,
+        expert_staleness={e: histogram(h) for e, h in s.expert_staleness.items()})
 
 
 def handler(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler:

@@ -17,7 +17,12 @@ A push is all or nothing: the servicer assembles and validates the whole
 gradient first (finite values, checksum), then calls `push`, which applies it
 (or, under BSP, adds it to the round) under the lock, or raises and changes
 nothing. Pushes are idempotent by (worker, step): steps below the worker's
-next expected step are answered as duplicates and not applied again.
+next expected step are answered as duplicates and not applied again. A push
+may carry only some ranges of the shard (a Mixture-of-Experts worker leaving
+out the experts no token reached, pserver.ranges): exactly those are updated
+(a lazy step, models.optim.Optimizer.step_ranges), a BSP round updates the
+union of its pushes' ranges, and the staleness of each expert a push carries
+is recorded too (pserver.expert_staleness).
 
 Worker ids. A worker registers under its id, or asks shard 0 to assign one:
 one past the highest id the shard has seen, so a new worker never inherits
@@ -62,7 +67,9 @@ from dtlab.pserver.errors import (
     InvalidArgument,
     Unavailable,
 )
+from dtlab.pserver.expert_staleness import ExpertStaleness
 from dtlab.pserver.leases import Leases
+from dtlab.pserver.ranges import Ranges, gather
 from dtlab.pserver.staleness import Histogram, StalenessLog
 from dtlab.pserver.wire import CHUNK_BYTES, ChunkedArray, Snapshot
 
@@ -130,6 +137,8 @@ class ShardStats:
     receive_seconds: float  # receiving pushes, header to checked data
     check_seconds: float  # of which checking the data (Adler-32, finite values)
     workers_dropped: int = 0  # leases that ran out (pserver.leases)
+    # per MoE expert on this shard: staleness of the pushes that carried it
+    expert_staleness: dict[str, Histogram] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -145,7 +154,8 @@ class ShardStore:
                  optimizer: Optimizer | BlockedOptimizer,
                  schedule: Schedule, policy: Consistency, staleness_lr: str = "none",
                  expected_workers: int = 0, chunk_bytes: int = CHUNK_BYTES,
-                 log_every: int = 100, worker_timeout: float = 0.0):
+                 log_every: int = 100, worker_timeout: float = 0.0,
+                 experts: ExpertStaleness | None = None):
         if params.shape != (layout.length,):
             raise ValueError(f"shard {layout.shard} holds {layout.length} elements, "
                              f"params has shape {params.shape}")
@@ -160,6 +170,7 @@ class ShardStore:
         self._round = Round(np.zeros_like(params)) if policy.aggregate else None
         self._replies: dict[int, tuple[int, PushResult]] = {}  # worker -> (step, reply)
         self.staleness = StalenessLog()
+        self.experts = experts or ExpertStaleness({})  # per MoE expert (pserver.expert_staleness)
         self.counters: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
         self.max_lead = 0
@@ -318,6 +329,7 @@ class ShardStore:
                 self._cond.wait(left)
             self.max_lead = max(self.max_lead, self.clocks.lead(worker))
             self._before_resume.discard(worker)
+            self.experts.pulled(worker)
             self.counters["pulls"] += 1
             if known_version == self.version:
                 self.counters["pulls_not_modified"] += 1
@@ -386,8 +398,9 @@ class ShardStore:
             self.check_seconds += check_seconds
 
     def push(self, worker: int, step: int, version_read: int,
-             grad: np.ndarray | ChunkedArray) -> PushResult:
-        """Apply (ASP, SSP) or add to the round (BSP) one validated gradient."""
+             grad: np.ndarray | ChunkedArray, ranges: Ranges | None = None) -> PushResult:
+        """Apply (ASP, SSP) or add to the round (BSP) one validated gradient; `ranges`: it
+        holds only these ranges of the shard, packed (pserver.ranges; None: all of it)."""
         with self._cond:
             screened = self._screen(worker, step, version_read)
             if screened is not None:
@@ -397,14 +410,15 @@ class ShardStore:
                 version_read = min(version_read, self.version)
             staleness = self.version - version_read
             if self._round is not None:
-                self._round.add(worker, step, version_read, grad)
+                self._round.add(worker, step, version_read, grad, ranges)
+            self.experts.pushed(worker, ranges)
             state.clock += 1
             state.next_step = step + 1
             self.counters["pushes"] += 1
             self.counters["bytes_received"] += grad.nbytes
             lr = self._lr([staleness])
             if self._round is None:
-                self._apply(grad, [(worker, step, version_read)])
+                self._apply(grad, [(worker, step, version_read)], ranges)
             elif self._round.complete(self.clocks):
                 self._apply_round()
             pending = self._round is not None and worker in self._round.contributors
@@ -415,17 +429,23 @@ class ShardStore:
 
     def _apply_round(self) -> None:
         contributions = [(w, step, read) for w, (step, read) in self._round.contributors.items()]
-        self._apply(self._round.mean(), contributions)
+        mean, covered = self._round.mean(), self._round.covered
+        self._apply(mean if covered is None else gather(mean, covered), contributions, covered)
         self._round.contributors.clear()
 
     def _apply(self, grad: np.ndarray | ChunkedArray,
-               contributions: list[tuple[int, int, int]]) -> None:
-        """One optimizer step; called with the lock held."""
+               contributions: list[tuple[int, int, int]], ranges: Ranges | None = None) -> None:
+        """One optimizer step (of `ranges` only, `grad` packed: a lazy step); called with
+        the lock held."""
         stalenesses = [self.version - read for _, _, read in contributions]
         lr = self._lr(stalenesses)
         self._unshare()
         t0 = time.perf_counter()
-        self.optimizer.step(self.params, grad, lr)
+        if ranges is None:
+            self.optimizer.step(self.params, grad, lr)
+        else:
+            self.optimizer.step_ranges(self.params, grad, ranges, lr)
+        self.experts.applied(ranges)
         self.apply_seconds += time.perf_counter() - t0
         for (worker, step, _), s in zip(contributions, stalenesses, strict=True):
             self.staleness.record(worker, s)
@@ -481,7 +501,8 @@ class ShardStore:
                 staleness=self.staleness.shard.copy(), workers=workers,
                 max_clock_lead=self.max_lead, lr=self.last_lr, apply_seconds=self.apply_seconds,
                 pushes_in_flight=c["in_flight"], receive_seconds=self.receive_seconds,
-                check_seconds=self.check_seconds, workers_dropped=self.leases.dropped)
+                check_seconds=self.check_seconds, workers_dropped=self.leases.dropped,
+                expert_staleness=self.experts.copy())
 
     def state(self) -> dict:
         """A consistent copy of everything a checkpoint keeps: parameters, optimizer,
@@ -496,7 +517,8 @@ class ShardStore:
             pending = None
             if self._round is not None and self._round.contributors:
                 pending = {"total": self._round.total.copy(),
-                           "contributors": dict(self._round.contributors)}
+                           "contributors": dict(self._round.contributors),
+                           "covered": self._round.covered}
             return {"version": self.version, "params": self.params.copy(), "optimizer": opt,
                     "workers": workers, "staleness": self.staleness.to_dict(),
                     "round": pending}
@@ -528,3 +550,4 @@ class ShardStore:
                 self._round.total[...] = pending["total"]
                 self._round.contributors = {int(w): (int(step), int(read)) for w, (step, read)
                                             in pending["contributors"].items()}
+                self._round.covered = pending.get("covered")  # a round of ranged pushes

@@ -48,7 +48,10 @@ Flags are those of dtlab.models.run.train (models.session) plus the client's
 the trainer's JSON lines (header, then step, loss, lr, grad_norm, step_s,
 compute_s, elapsed_s) plus pull_s, push_s, and the staleness and version of
 each shard's push; push_s includes the next step's pull where it rode on the
-push (whose own pull_s is then 0). Log lines name the worker ("worker 3: ...").
+push (whose own pull_s is then 0); push_bytes, the gradient bytes pushed, and
+with --moe-sparse-push expert_push_fraction, the fraction of the experts'
+parameters pushed (pserver.expert_push: those no token reached are left out).
+Log lines name the worker ("worker 3: ...").
 """
 
 from __future__ import annotations
@@ -88,10 +91,13 @@ from dtlab.models.run.trace import Trace
 from dtlab.models.run.trainer import Summary
 from dtlab.models.schedule import SCHEDULES
 from dtlab.protos import dtlab_ps_pb2 as pb
+from dtlab.pserver import ranges as ranges_lib
 from dtlab.pserver import runconfig, wire
 from dtlab.pserver.client import PSClient
 from dtlab.pserver.config import ClientConfig
 from dtlab.pserver.errors import PSError
+from dtlab.pserver.expert_push import ExpertPush
+from dtlab.pserver.ranges import Ranges
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +107,10 @@ class WorkerConfig:
                                    "(-1: the launcher's rank, else one the servers assign)")
     num_workers: int = described(0, "workers sharing the data (0: the launcher's size, else "
                                     "the servers' --num-workers, else 1)")
+    moe_sparse_push: bool = described(
+        False, "Mixture-of-Experts models: push no gradient for the experts that received no "
+               "token this step; the servers leave them and their optimizer state as they are "
+               "(a lazy update: for SGD without momentum or decay the same as the dense push)")
 
     def given_id(self) -> int | None:
         """The id from the flag or the launcher; None: the servers assign one."""
@@ -201,8 +211,11 @@ class Worker:
     pull_at_end = False  # the last step pushes alone: no next step to pull for
     agree = None  # sums stop requests over the ranks that must stop together
 
-    def __init__(self, session: Session, client: PSClient, wid: int, metrics: MetricsLog):
+    def __init__(self, session: Session, client: PSClient, wid: int, metrics: MetricsLog,
+                 sparse_push: bool = False):
         self.s, self.client, self.wid, self.metrics = session, client, wid, metrics
+        # --moe-sparse-push: which experts the step's tokens reached (pserver.expert_push)
+        self.experts = ExpertPush(session.model.moe, session.params.specs) if sparse_push else None
         params = session.params
         self.on_device = not isinstance(params.data, np.ndarray)
         self.host = np.empty(params.size, params.dtype) if self.on_device else params.data
@@ -221,17 +234,20 @@ class Worker:
         if not self.pulled:
             self.loaded(self.client.pull(self.host))
         t1 = time.perf_counter()
+        if self.experts is not None:
+            self.experts.begin()
         loss = s.replica.compute_grads(s.loader.next())
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or enable --clip")
         grad_norm = s.model.clip_grad_norm(s.params, s.setup.optim.clip)  # a group's: global
         t2 = time.perf_counter()
         grad = backend.to_host(s.params.grad)
+        ranges, pushed = self.pushed(grad)
         self.pulled = False
         if last:
-            replies = self.client.push(grad, step)
+            replies = self.client.push(grad, step, ranges)
         else:
-            replies, changed = self.client.push_pull(grad, step, self.host)
+            replies, changed = self.client.push_pull(grad, step, self.host, ranges)
             self.loaded(changed)
             self.pulled = True
         t3 = time.perf_counter()
@@ -243,7 +259,17 @@ class Worker:
         return {"step": step + 1, "loss": loss, "lr": replies[0].lr, "grad_norm": grad_norm,
                 "step_s": t3 - t0, "compute_s": t2 - t1, "pull_s": t1 - t0, "push_s": t3 - t2,
                 "staleness": [r.staleness for r in replies],
-                "version": [r.version for r in replies]}
+                "version": [r.version for r in replies], **pushed}
+
+    def pushed(self, grad: np.ndarray) -> tuple[Ranges | None, dict]:
+        """The model's ranges this step pushes (None: all of it) and their figures for the
+        step's record: bytes pushed, and with --moe-sparse-push the fraction of the expert
+        parameters among them."""
+        if self.experts is None:
+            return None, {"push_bytes": grad.nbytes}
+        ranges, fraction = self.experts.ranges()
+        return ranges, {"push_bytes": ranges_lib.size(ranges) * grad.itemsize,
+                        "expert_push_fraction": fraction}
 
     def run(self, first_step: int) -> Summary:
         """Steps to --steps, or until SIGTERM / SIGINT: the step in progress is finished
@@ -317,6 +343,9 @@ def main(argv: list[str]) -> int:
     wcfg = from_namespace(WorkerConfig, setup.extra)
     if setup.extra.tp < 1 or setup.extra.pp < 1:
         raise ConfigError(f"--tp {setup.extra.tp} and --pp {setup.extra.pp} must be positive")
+    if is_group(setup) and wcfg.moe_sparse_push:
+        raise ConfigError("--moe-sparse-push: a model-parallel worker group (--tp/--pp) "
+                          "pushes every parameter; leave it out there")
     if is_group(setup):  # an MPI program: imports mpi4py only here
         from dtlab.pserver import group_worker
 
@@ -341,6 +370,9 @@ def main(argv: list[str]) -> int:
     threads = share_cores()
     log.info("%s", threads.describe())
     session = build_session(setup)
+    if wcfg.moe_sparse_push and not session.model.moe:
+        raise ConfigError(f"--moe-sparse-push needs a Mixture-of-Experts model (--moe-experts "
+                          f"above 0); {setup.model_name} has no experts")
     client = PSClient(client_cfg, transport=client_cfg.transport, shm=client_cfg.shm)
     try:
         first = client.connect(given, setup.model_name, session.params.size,
@@ -384,7 +416,7 @@ def train(session: Session, client: PSClient, wcfg: WorkerConfig, first: int,
                         threads=threads.as_dict())
     metrics = MetricsLog(run.metrics.replace("{worker}", str(wid)), header, append=first > 0)
     try:
-        return Worker(session, client, wid, metrics).run(first)
+        return Worker(session, client, wid, metrics, wcfg.moe_sparse_push).run(first)
     finally:
         metrics.close()
 

@@ -95,7 +95,7 @@ class BucketReducer:
         self.buckets = bucket_bounds(grad.size, bucket_bytes // grad.itemsize)
         self.wire = wire
         self.shadow = None  # (L,) the gradient cast to the wire dtype, bucket by bucket
-        if WIRE_DTYPES[wire] is not None and comm.size > 1:
+        if WIRE_DTYPES[wire] not in (None, grad.dtype) and comm.size > 1:  # not half already
             xp = array_module(grad)
             if xp is not np and wire == "bf16":
                 raise ValueError("--wire bf16 needs NumPy arrays: CuPy has no bfloat16")

@@ -173,15 +173,18 @@ def check_replicas_agree(comm: Communicator, params, when: str) -> None:
 
 
 def memory_split(session: Session, grid: ProcessGrid) -> dict:
-    """This rank's parameter, gradient and optimizer bytes, and the whole dense model's."""
-    params = session.params
+    """This rank's parameter, gradient and optimizer bytes, and the whole dense model's
+    (gradients: the buffer backward writes and the all-reduce moves, half under
+    --precision fp16/bf16)."""
+    params, grad = session.params, session.replica.compute_params.grad
     slots = [v for k, v in session.optimizer.state_dict().items() if k != "steps"]
-    dense = dense_param_count(session.setup) * params.dtype.itemsize  # bytes of one copy
+    count = dense_param_count(session.setup)
+    dense = count * params.dtype.itemsize  # bytes of one copy
     return {"tp": grid.tp_size, "pp": grid.pp_size, "ep": grid.ep_size,
             "param_bytes": params.nbytes,
-            "grad_bytes": params.grad.nbytes,
+            "grad_bytes": grad.nbytes,
             "optimizer_bytes": sum(v.nbytes for v in slots), "dense_param_bytes": dense,
-            "dense_grad_bytes": dense, "dense_optimizer_bytes": len(slots) * dense}
+            "dense_grad_bytes": count * grad.itemsize, "dense_optimizer_bytes": len(slots) * dense}
 
 
 def parse_args(argv: list[str]) -> Setup:
@@ -260,7 +263,9 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
     split = memory_split(session, grid)
 
     flops_per_step = replica_cost(setup).flops_step * grid.dp_size * grid.ep_size
-    reducer = DataParallelReducer(grid.dp_ep_comm, params.grad, int(opts.bucket_mb * 1e6),
+    # the buffer backward writes: params.grad, or its half copy under --precision fp16/bf16
+    reducer = DataParallelReducer(grid.dp_ep_comm, session.replica.compute_params.grad,
+                                  int(opts.bucket_mb * 1e6),
                                   opts.allreduce, opts.overlap, opts.wire,
                                   experts=expert_group(grid, params))
     processes = grid.world.mpi.allgather(f"{os.getpid()}@{socket.gethostname()}")

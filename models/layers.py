@@ -297,7 +297,8 @@ class Sequential(Module):
     with the lowest buffer offset that module owns: from then on every
     gradient at or above that offset is final, because parameters are laid
     out in forward order. The data-parallel trainer starts a bucket's
-    all-reduce from it.
+    all-reduce from it. Parameters that carry a compute-dtype policy (`P.cast`, a
+    mixed-precision working copy: models/precision.py) run each module through it.
     """
 
     def __init__(self, modules: list[Module]):
@@ -310,13 +311,13 @@ class Sequential(Module):
     def forward(self, P, x):
         ctxs = []
         for m in self.modules:
-            x, ctx = m.forward(P, x)
+            x, ctx = m.forward(P, x) if P.cast is None else P.cast.forward(m, P, x)
             ctxs.append(ctx)
         return x, ctxs
 
     def backward(self, P, ctxs, dy, grad_ready=None):
         for m, names, ctx in zip(self.modules[::-1], self._names[::-1], ctxs[::-1], strict=True):
-            dy = m.backward(P, ctx, dy)
+            dy = m.backward(P, ctx, dy) if P.cast is None else P.cast.backward(m, P, ctx, dy)
             if grad_ready is not None and names:
                 grad_ready(P.first_offset(names))
         return dy

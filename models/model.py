@@ -77,7 +77,11 @@ class Model:
         self.set_mode(scale, training)
         inputs, targets = self.prepare(batch, P)
         logits, ctxs = self.body.forward(P, inputs)
-        loss, dlogits = self.loss(logits, targets, scale)
+        if P.cast is None:
+            loss, dlogits = self.loss(logits, targets, scale)
+        else:  # mixed precision: the loss in float32, its (scaled) gradient kept in half
+            loss, dlogits = self.loss(P.cast.up(logits), targets, scale)
+            dlogits = P.cast.down(dlogits)
         return loss, (ctxs, dlogits)
 
     def backward(self, P: FlatParams, ctx, grad_ready: Callable[[int], None] | None = None):
@@ -117,6 +121,7 @@ class Replica:
 
     def __init__(self, model: Model, params: FlatParams):
         self.model, self.params = model, params
+        self.compute_params = params  # what forward and backward run on (a reducer's buffer)
         self.timing: dict = {}  # the last step's figures a subclass measures (a pipeline's bubble)
         self.spans: list = []  # the last step's (name, perf_counter start, end) passes, if kept
 
@@ -140,3 +145,9 @@ class Replica:
             ready = grad_ready if i == k - 1 else None
             total += self.model.loss_and_grad(P, mb, scale=1.0 / k, grad_ready=ready)
         return total / k
+
+    def finish_grads(self) -> tuple[bool, dict]:
+        """After any reduction of compute_params.grad: whether the optimizer may apply
+        params.grad, and the step's record fields (models/precision.py: unscaling and the
+        overflow check). Full precision: always, nothing to record."""
+        return True, {}

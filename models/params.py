@@ -107,6 +107,7 @@ class FlatParams:
     """
 
     deferred: list | None = None  # the queue while deferring, else None
+    cast = None  # a half-precision working copy's compute-dtype policy (models/precision.py)
 
     def __init__(
         self,

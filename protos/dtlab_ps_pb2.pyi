@@ -13,6 +13,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FLOAT32: _ClassVar[DType]
     FLOAT64: _ClassVar[DType]
     FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
 
 class Consistency(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -24,6 +25,7 @@ DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT64: DType
 FLOAT16: DType
+BFLOAT16: DType
 CONSISTENCY_UNSPECIFIED: Consistency
 ASP: Consistency
 SSP: Consistency
@@ -134,7 +136,7 @@ class DeregisterReply(_message.Message):
     def __init__(self) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "shard", "known_version", "wait_timeout_s", "registration", "whole_bytes", "partition")
+    __slots__ = ("worker_id", "shard", "known_version", "wait_timeout_s", "registration", "whole_bytes", "partition", "dtype")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +144,7 @@ class PullRequest(_message.Message):
     REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     WHOLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     shard: int
     known_version: int
@@ -149,7 +152,8 @@ class PullRequest(_message.Message):
     registration: int
     whole_bytes: int
     partition: int
-    def __init__(self, worker_id: _Optional[int] = ..., shard: _Optional[int] = ..., known_version: _Optional[int] = ..., wait_timeout_s: _Optional[float] = ..., registration: _Optional[int] = ..., whole_bytes: _Optional[int] = ..., partition: _Optional[int] = ...) -> None: ...
+    dtype: DType
+    def __init__(self, worker_id: _Optional[int] = ..., shard: _Optional[int] = ..., known_version: _Optional[int] = ..., wait_timeout_s: _Optional[float] = ..., registration: _Optional[int] = ..., whole_bytes: _Optional[int] = ..., partition: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("meta", "not_modified")

@@ -31,7 +31,11 @@ one shard the calls run on the caller's thread, not the pool's. A shard on
 this host agrees on a shared-memory segment for the tensor bytes unless
 `shm=False` (pserver.shm): the pushed gradient is copied into the segment
 and the pulled values out of it, each with its Adler-32 in the same pass,
-and gRPC carries the rest.
+and gRPC carries the rest. With `wire_dtype` "fp16" or "bf16" (--wire) a
+float32 model's gradients are pushed rounded to that dtype and its
+parameters pulled as it (the server rounds them; it keeps float32 and
+converts pushed gradients on receipt): half the bytes, over gRPC only (no
+shared memory); `pushed_bytes` and `pulled_bytes` count the values' bytes.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ _MAX_BACKOFF_S = 2.0
 _WAIT_REPORT_S = 5.0  # a worker waiting for its servers says so this often
 PROCESS_REGISTRATION = random.SystemRandom().getrandbits(64) or 1
 TRANSPORTS = ("session", "calls")
+# --wire: the dtype a float32 model's tensors travel as (None: their own)
+WIRE_DTYPES = {"fp32": None, "fp16": np.dtype(np.float16), "bf16": wire.BFLOAT16}
 
 
 def why_unreachable(e: grpc.RpcError) -> str:
@@ -91,6 +97,8 @@ class ShardClient:
         self._session: Session | None = None
         self._watchdog = watchdog
         self.shm_refused = "" if shm else "the worker runs with shm off"
+        self.wire_dtype: np.dtype | None = None  # PSClient's --wire dtype, None: the shard's
+        self.pushed_bytes = self.pulled_bytes = 0  # tensor bytes this shard's values took
         # a pulled tensor up to this size may come in one message (room for its header)
         self.whole_bytes = max_message_bytes - 1024
         self._metadata = auth.call_metadata(auth.read_token(cfg.token_file, cfg.token_env))
@@ -214,7 +222,8 @@ class ShardClient:
 
     def _check_meta(self, meta: pb.TensorMeta, values: np.ndarray) -> None:
         want = self.info.meta
-        if (meta.dtype, list(meta.shape), meta.offset) != (want.dtype, list(want.shape),
+        code = want.dtype if self.wire_dtype is None else wire.dtype_code(self.wire_dtype)
+        if (meta.dtype, list(meta.shape), meta.offset) != (code, list(want.shape),
                                                            want.offset):
             raise InvalidArgument(f"{self.address}: pulled meta {meta} does not match the "
                                   f"registered shard {want}")
@@ -248,6 +257,8 @@ class ShardClient:
                                          registration=self.registration))
         if known_version is not None:
             req.known_version = known_version
+        if self.wire_dtype is not None:
+            req.dtype = wire.dtype_code(self.wire_dtype)
         if self.transport == "session":
             req.wait_timeout_s = self.cfg.rpc_timeout_s
             req.whole_bytes = self.whole_bytes
@@ -455,8 +466,12 @@ class PSClient:
     def __init__(self, cfg: ClientConfig, transport: str = "session", shm: bool = True,
                  codec: wire.HandCodec | wire.GeneratedCodec = wire.HAND,
                  registration: int = PROCESS_REGISTRATION,
-                 partition: pb.PartitionLayout | None = None):
+                 partition: pb.PartitionLayout | None = None, wire_dtype: str = "fp32"):
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire dtype {wire_dtype!r}: one of {', '.join(WIRE_DTYPES)}")
         self.cfg = cfg
+        self.wire = WIRE_DTYPES[wire_dtype]
+        self._wire_grad = self._wire_params = None  # (n,) the half copies --wire sends
         self._watchdog = Watchdog(min(1.0, cfg.rpc_timeout_s / 4))
         self.shards = [ShardClient(a, cfg, transport=transport, shm=shm, codec=codec,
                                    watchdog=self._watchdog) for a in cfg.addresses()]
@@ -466,6 +481,9 @@ class PSClient:
         self.registration = registration
         for s in self.shards:
             s.registration, s.partition = self.registration, partition
+            s.wire_dtype = self.wire
+            if self.wire is not None:
+                s.shm_refused = f"--wire {wire_dtype}: tensors travel over gRPC as {wire_dtype}"
 
     def _each(self, fn) -> list:
         return self._map(fn, self.shards)
@@ -531,16 +549,53 @@ class PSClient:
         lo = shard.info.meta.offset
         return flat[lo : lo + shard.info.meta.shape[0]]
 
+    def _on_wire(self, flat: np.ndarray, which: str) -> np.ndarray:
+        """The buffer a tensor travels in: `flat` itself, or under --wire its half copy
+        ("grad" or "params", made at first use)."""
+        if self.wire is None:
+            return flat
+        buf = getattr(self, f"_wire_{which}")
+        if buf is None or buf.size != flat.size:
+            buf = np.empty(flat.size, self.wire)
+            setattr(self, f"_wire_{which}", buf)
+        return buf
+
+    def _landed(self, s: ShardClient, changed: bool, flat: np.ndarray, sent: np.ndarray) -> None:
+        """Count a pull's bytes; a half pull's values into the float32 `flat`."""
+        if changed:
+            s.pulled_bytes += s.info.meta.shape[0] * sent.itemsize
+            if sent is not flat:
+                self._slice(s, flat)[...] = self._slice(s, sent)
+
     def pull(self, flat: np.ndarray) -> int:
         """Pull every shard into `flat` in parallel; returns how many shards changed."""
+        sent = self._on_wire(flat, "params")
 
         def one(k: int) -> bool:
             s = self.shards[k]
             known, self.versions[k] = self.versions[k], None  # unknown until the pull succeeds
-            self.versions[k], changed = s.pull_into(self._slice(s, flat), self.worker, known)
+            self.versions[k], changed = s.pull_into(self._slice(s, sent), self.worker, known)
+            self._landed(s, changed, flat, sent)
             return changed
 
         return sum(self._map(one, range(len(self.shards))))
+
+    def _grad_on_wire(self, flat_grad: np.ndarray) -> np.ndarray:
+        """The gradient as it travels: itself, or rounded to the --wire dtype."""
+        grad = self._on_wire(flat_grad, "grad")
+        if grad is not flat_grad:
+            grad[...] = flat_grad
+        return grad
+
+    @property
+    def pushed_bytes(self) -> int:
+        """Gradient bytes pushed (values only, as they travel), over every shard."""
+        return sum(s.pushed_bytes for s in self.shards)
+
+    @property
+    def pulled_bytes(self) -> int:
+        """Parameter bytes pulled (values only, as they travel; not-modified pulls: 0)."""
+        return sum(s.pulled_bytes for s in self.shards)
 
     def _part(self, shard: ShardClient, flat_grad: np.ndarray,
               ranges: Ranges | None) -> tuple[np.ndarray, Ranges | None]:
@@ -559,11 +614,14 @@ class PSClient:
         disjoint), each shard the ones that meet its slice."""
         if any(v is None for v in self.versions):
             raise RuntimeError("push before a successful pull of every shard")
+        flat_grad = self._grad_on_wire(flat_grad)
 
         def one(k: int) -> pb.PushReply:
             s = self.shards[k]
             grad, mine = self._part(s, flat_grad, ranges)
-            return s.push(grad, self.worker, step, self.versions[k], mine)
+            reply = s.push(grad, self.worker, step, self.versions[k], mine)
+            s.pushed_bytes += grad.nbytes
+            return reply
 
         return self._map(one, range(len(self.shards)))
 
@@ -575,13 +633,16 @@ class PSClient:
         as in push). Returns the push replies and how many shards changed."""
         if any(v is None for v in self.versions):
             raise RuntimeError("push before a successful pull of every shard")
+        flat_grad, sent = self._grad_on_wire(flat_grad), self._on_wire(flat, "params")
 
         def one(k: int) -> tuple[pb.PushReply, bool]:
             s = self.shards[k]
             known, self.versions[k] = self.versions[k], None  # unknown until the pull succeeds
             grad, mine = self._part(s, flat_grad, ranges)
             reply, self.versions[k], changed = s.push_pull(
-                grad, self.worker, step, known, self._slice(s, flat), mine)
+                grad, self.worker, step, known, self._slice(s, sent), mine)
+            s.pushed_bytes += grad.nbytes
+            self._landed(s, changed, flat, sent)
             return reply, changed
 
         done = self._map(one, range(len(self.shards)))

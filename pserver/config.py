@@ -104,6 +104,10 @@ class ClientConfig:
                             help="session: one long-lived stream per shard; calls: one gRPC "
                                  "call per pull and per push")
     shm: bool = described(True, "move tensors through shared memory with shards on this host")
+    wire: str = choice("fp32", "fp32", "fp16", "bf16",
+                       help="dtype a float32 model's gradients are pushed and parameters "
+                            "pulled as: fp16 / bf16 halve the bytes (rounded once each way; "
+                            "the servers keep float32; over gRPC, not shared memory)")
 
     def validate(self):
         if not self.addresses():

@@ -178,39 +178,63 @@ class ParameterServerServicer:
             raise InvalidArgument(f"shard {req.shard}: this server holds shard "
                                   f"{self.store.layout.shard}", reason="shard")
         known = req.known_version if req.HasField("known_version") else None
-        return self.store.read(req.worker_id, known, timeout, alive=context.is_active)
+        code = self._wire_code(req.dtype or self.meta.dtype, "dtype")
+        read = self.store.read(req.worker_id, known, timeout, alive=context.is_active)
+        if code == self.meta.dtype or read.tensor is None:
+            return read
+        try:  # a half pull: the values rounded once, into a snapshot of the pull's own
+            rounded = read.tensor.rounded(wire.dtype_of(code))
+        finally:
+            self.store.release(read)
+        rounded.readers = 1  # released like any when the pull is done
+        return Read(read.version, rounded)
 
-    def _header(self, read: Read) -> pb.PullHeader:
-        return pb.PullHeader(meta=self._meta(read.version), not_modified=read.tensor is None)
+    def _wire_code(self, code: int, field: str) -> int:
+        """`code` if values may travel as it: the shard's dtype, or a half dtype for a
+        float32 shard (half the bytes; the server keeps float32)."""
+        if code == self.meta.dtype or (code in wire.HALF_CODES and self.meta.dtype == pb.FLOAT32):
+            return code
+        raise InvalidArgument(f"{field} {_dtype_name(code)}: shard {self.store.layout.shard} "
+                              f"holds {_dtype_name(self.meta.dtype)}, which travels as itself"
+                              + (" or FLOAT16 / BFLOAT16" if self.meta.dtype == pb.FLOAT32
+                                 else ""), reason="dtype")
 
-    def _pull_stream(self, read: Read, whole_bytes: int = 0) -> Iterator[bytes]:
+    def _header(self, read: Read, code: int = 0) -> pb.PullHeader:
+        meta = self._meta(read.version)
+        meta.dtype = code or meta.dtype
+        return pb.PullHeader(meta=meta, not_modified=read.tensor is None)
+
+    def _pull_stream(self, read: Read, whole_bytes: int = 0, code: int = 0) -> Iterator[bytes]:
         """Header, chunks, trailer; or the header alone (not modified); or, on a session
-        that allows `whole_bytes`, a tensor of one chunk in one SessionReply.pulled_whole."""
+        that allows `whole_bytes`, a tensor of one chunk in one SessionReply.pulled_whole.
+        `code`: the dtype the pull asked for (0: the shard's)."""
         try:
             tensor = read.tensor
             if tensor is None:
-                yield wire.header_message(self._header(read))
+                yield wire.header_message(self._header(read, code))
             elif tensor.one_chunk and tensor.nbytes <= whole_bytes:
-                yield tensor.whole(pb.SessionReply, "pulled_whole", self._header(read), self.codec)
+                yield tensor.whole(pb.SessionReply, "pulled_whole", self._header(read, code),
+                                   self.codec)
             else:
-                yield from tensor.stream(self._header(read), self.codec)
+                yield from tensor.stream(self._header(read, code), self.codec)
         finally:
             self.store.release(read)
 
-    def _push_pulled(self, result: PushResult, read: Read, whole_bytes: int) -> Iterator[bytes]:
+    def _push_pulled(self, result: PushResult, read: Read, whole_bytes: int,
+                     code: int = 0) -> Iterator[bytes]:
         """A push's reply and the pull after it in one SessionReply.push_pulled; or, for a
         tensor that does not fit one message, pushed and then the pull's stream."""
         try:
             tensor, pushed = read.tensor, _reply(result)
             if tensor is None:
-                yield wire.wrap(PUSH_PULLED, pb.PushPulled(header=self._header(read),
+                yield wire.wrap(PUSH_PULLED, pb.PushPulled(header=self._header(read, code),
                                                            pushed=pushed))
             elif tensor.one_chunk and tensor.nbytes <= whole_bytes:
-                yield tensor.whole(pb.SessionReply, "push_pulled", self._header(read),
+                yield tensor.whole(pb.SessionReply, "push_pulled", self._header(read, code),
                                    self.codec, pushed=pushed)
             else:
                 yield wire.wrap(PUSHED, pushed)
-                yield from tensor.stream(self._header(read), self.codec)
+                yield from tensor.stream(self._header(read, code), self.codec)
         finally:
             self.store.release(read)
 
@@ -223,16 +247,20 @@ class ParameterServerServicer:
                 read = self._read(req, context, context.time_remaining())
             except PSError as e:
                 self._fail(context, e)
-            yield from self._pull_stream(read)
+            yield from self._pull_stream(read, code=req.dtype)
 
     # -- push -----------------------------------------------------------------------------
 
-    def _check_header(self, h: pb.PushHeader) -> None:
+    def _check_header(self, h: pb.PushHeader, shm: bool = False) -> None:
+        """A push's header; `shm`: the gradient is in the session's segment, which holds
+        the shard's dtype (elsewhere a float32 shard takes a half gradient too)."""
         lay, want = self.store.layout, self.meta
         if h.shard != lay.shard:
             raise InvalidArgument(f"header.shard {h.shard}: this server holds shard {lay.shard}",
                                   reason="shard")
-        if h.meta.dtype != want.dtype:
+        if not shm:
+            self._wire_code(h.meta.dtype, "meta.dtype")
+        elif h.meta.dtype != want.dtype:
             raise InvalidArgument(f"meta.dtype {_dtype_name(h.meta.dtype)}: shard {lay.shard} "
                                   f"holds {_dtype_name(want.dtype)}", reason="dtype")
         if list(h.meta.shape) != list(want.shape):
@@ -248,17 +276,18 @@ class ParameterServerServicer:
             return None
         return ranges_lib.decode(h.ranges, self.store.layout.length)
 
-    def _gradient(self, ranges: ranges_lib.Ranges | None = None) -> wire.ChunkedArray:
-        """An empty received gradient: the shard's size, or the ranges' (packed)."""
-        params = self.store.params
-        n = params.size if ranges is None else ranges_lib.size(ranges)
-        return wire.ChunkedArray(n, params.dtype, finite=True, name="gradient")
+    def _gradient(self, code: int,
+                  ranges: ranges_lib.Ranges | None = None) -> wire.ChunkedArray:
+        """An empty received gradient of the pushed dtype `code` (the header's, checked):
+        the shard's size, or the ranges' (packed)."""
+        n = self.store.params.size if ranges is None else ranges_lib.size(ranges)
+        return wire.ChunkedArray(n, wire.dtype_of(code), finite=True, name="gradient")
 
-    def _receive(self, requests: Iterator[bytes], cls, session: bool,
+    def _receive(self, requests: Iterator[bytes], cls, session: bool, code: int,
                  ranges: ranges_lib.Ranges | None = None) -> wire.ChunkedArray:
         """The pushed gradient, checked in full; raises on any fault. On a call the
         trailer must be the last message; on a session the next operation follows it."""
-        grad = self._gradient(ranges)
+        grad = self._gradient(code, ranges)
         for raw in requests:
             kind, value = self.codec.read(cls, raw)
             if kind == "chunk":
@@ -285,7 +314,7 @@ class ParameterServerServicer:
 
     def _whole_gradient(self, whole: wire.Whole,
                         ranges: ranges_lib.Ranges | None = None) -> wire.ChunkedArray:
-        grad = self._gradient(ranges)
+        grad = self._gradient(whole.header.meta.dtype, ranges)
         if ranges is not None and len(whole.data) != grad.nbytes:
             raise InvalidArgument(f"a push of ranges holding {grad.size} elements carries "
                                   f"{len(whole.data)} bytes, not {grad.nbytes}", reason="ranges")
@@ -309,7 +338,10 @@ class ParameterServerServicer:
             with self.store.receiving():
                 t0 = time.perf_counter()
                 grad = receive(ranges)
-                self.store.received(time.perf_counter() - t0, grad.check_seconds)
+                checked_s = grad.check_seconds
+                if grad.dtype != self.store.params.dtype:  # a half gradient: float32 now
+                    grad = _widened(grad, self.store.params.dtype)
+                self.store.received(time.perf_counter() - t0, checked_s)
                 return self.store.push(h.worker_id, h.step, h.meta.version, grad, ranges)
 
     def Push(self, requests: Iterator[bytes], context) -> pb.PushReply:
@@ -324,7 +356,8 @@ class ParameterServerServicer:
                 if kind != "header":
                     raise InvalidArgument("push stream must start with a header", reason="order")
                 result = self._push(
-                    h, lambda r: self._receive(requests, pb.PushRequest, False, r), hold=True)
+                    h, lambda r: self._receive(requests, pb.PushRequest, False, h.meta.dtype, r),
+                    hold=True)
             except PSError as e:
                 self._fail(context, e)
             except grpc.RpcError:  # the client went away mid-stream: nothing was applied
@@ -349,7 +382,7 @@ class ParameterServerServicer:
                     held.check(kind, value)
                     if kind == "pull":
                         read = self._read(value, context, value.wait_timeout_s or None)
-                        yield from self._pull_stream(read, value.whole_bytes)
+                        yield from self._pull_stream(read, value.whole_bytes, value.dtype)
                     elif kind == "push_whole":
                         result = self._push(value.header, partial(self._whole_gradient, value))
                         then = value.more.get("then_pull")
@@ -358,10 +391,12 @@ class ParameterServerServicer:
                         else:
                             held.check("pull", then)
                             read = self._read(then, context, then.wait_timeout_s or None)
-                            yield from self._push_pulled(result, read, then.whole_bytes)
+                            yield from self._push_pulled(result, read, then.whole_bytes,
+                                                         then.dtype)
                     elif kind == "header":
                         result = self._push(
-                            value, lambda r: self._receive(requests, pb.SessionRequest, True, r),
+                            value, partial(self._receive, requests, pb.SessionRequest, True,
+                                           value.meta.dtype),
                             lambda: self._skip(requests, pb.SessionRequest))
                         yield wire.wrap(PUSHED, _reply(result))
                     elif kind == "shm_request":
@@ -428,7 +463,7 @@ class ParameterServerServicer:
             raise FailedPrecondition("session: shm_push before shm_attach", reason="order")
         t0 = time.perf_counter()
         h = m.header
-        self._check_header(h)
+        self._check_header(h, shm=True)
         ranges = self._ranges(h)
         result = self.store.admit(h.worker_id, h.step, h.meta.version)
         if result is not None:
@@ -451,6 +486,9 @@ class ParameterServerServicer:
     def _shm_pull(self, req: pb.PullRequest, segment: Segment | None, context) -> pb.ShmPulled:
         if segment is None or not segment.ready:
             raise FailedPrecondition("session: shm_pull before shm_attach", reason="order")
+        if req.dtype not in (0, self.meta.dtype):
+            raise InvalidArgument(f"shm_pull.dtype {_dtype_name(req.dtype)}: the segment holds "
+                                  f"{_dtype_name(self.meta.dtype)}", reason="dtype")
         read = self._read(req, context, req.wait_timeout_s or None)
         try:
             if read.tensor is None:
@@ -506,6 +544,13 @@ class Segment:
 
 def _boot_id() -> str:
     return shm.boot_id() if shm.SHM_DIR.is_dir() else ""
+
+
+def _widened(grad: wire.ChunkedArray, dtype) -> np.ndarray:
+    """A received half gradient converted to the shard's dtype, in one pass."""
+    out = np.empty(grad.size, dtype)
+    grad.copy_to(out)
+    return out
 
 
 def _dtype_name(code: int) -> str:

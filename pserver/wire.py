@@ -52,6 +52,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 from google.protobuf.message import DecodeError
 
@@ -71,8 +72,13 @@ from dtlab.pserver.errors import DataLoss, InvalidArgument
 HEADER, CHUNK, TRAILER = 1, 2, 3  # oneof field numbers of PullReply and PushRequest
 CHUNK_BYTES = 1 << 20  # about 1 MiB per message: the streaming sweet spot
 
-DTYPES = {pb.FLOAT32: np.dtype("<f4"), pb.FLOAT64: np.dtype("<f8"), pb.FLOAT16: np.dtype("<f2")}
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = {pb.FLOAT32: np.dtype("<f4"), pb.FLOAT64: np.dtype("<f8"), pb.FLOAT16: np.dtype("<f2"),
+          pb.BFLOAT16: BFLOAT16}
 _CODES = {dt: code for code, dt in DTYPES.items()}
+# A float32 shard's values may travel as one of these (PullRequest.dtype, a push's meta.dtype):
+# half the bytes, rounded once; the server keeps float32 and converts on receipt.
+HALF_CODES = (pb.FLOAT16, pb.BFLOAT16)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name  # dtlab.ps.v1.ParameterServer
 
@@ -109,10 +115,18 @@ def dtype_of(code: int) -> np.dtype:
 
 
 def little_endian(a: np.ndarray) -> np.ndarray:
-    """`a` as a contiguous little-endian array (a no-op view on x86 and ARM)."""
+    """`a` as a contiguous little-endian array (a no-op view on x86 and ARM); bfloat16,
+    which has no buffer format, as its bits (uint16)."""
+    a = bits(a)
     if sys.byteorder == "little" and a.flags.c_contiguous:
         return a
     return np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<"))
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    """A bfloat16 array as a uint16 view of its bits (for buffers, copies and checksums;
+    its values are converted as floats, never as these integers); any other as it is."""
+    return a.view(np.uint16) if a.dtype == BFLOAT16 else a
 
 
 def _varint(n: int) -> bytes:
@@ -493,6 +507,7 @@ class Snapshot:
 
     def __init__(self, values: np.ndarray, chunk_bytes: int = CHUNK_BYTES):
         self.values = little_endian(values)
+        self.chunk_bytes = chunk_bytes
         self.bounds = chunk_bounds(values.size, values.itemsize, chunk_bytes)
         self.nbytes = self.values.nbytes
         self.readers = 0
@@ -542,6 +557,11 @@ class Snapshot:
             yield self._message(i, codec)
         yield trailer_message(self._sums[-1], len(self.bounds))
 
+    def rounded(self, dtype) -> Snapshot:
+        """A snapshot of these values rounded to `dtype` (a pull's wire dtype), of its own."""
+        with self._lock:
+            return Snapshot(self.values.astype(dtype), self.chunk_bytes)
+
     def copy_into(self, out: np.ndarray) -> int:
         """out[:] = the values, chunk by chunk (an update may freeze them in between);
         returns the Adler-32 of all their bytes."""
@@ -556,6 +576,7 @@ class Snapshot:
 
 def copy_and_checksum(out: np.ndarray, values: np.ndarray, checksum: int) -> int:
     """out[:] = values, and the running Adler-32 continued over them."""
+    out, values = bits(out), bits(values)
     if _kernels is not None:
         return _kernels.copy_into(out, values, checksum)
     out[...] = values
@@ -565,11 +586,11 @@ def copy_and_checksum(out: np.ndarray, values: np.ndarray, checksum: int) -> int
 def checksum_and_first_nonfinite(values: np.ndarray, checksum: int) -> tuple[int, int]:
     """The running Adler-32 continued over `values`, and the index of their first
     non-finite element (-1 if none)."""
-    if _kernels is not None:
+    if _kernels is not None and values.dtype != BFLOAT16:  # its 2-byte test is IEEE half's
         return _kernels.check_chunk(values, values.itemsize, checksum)
     finite = np.isfinite(values)
     first = -1 if finite.all() else int(np.flatnonzero(~finite)[0])
-    return adler32(values, checksum), first
+    return adler32(bits(values), checksum), first
 
 
 class ChunkedArray:
@@ -641,7 +662,7 @@ class ChunkedArray:
         elif self.into is not None:
             self.checksum = copy_and_checksum(self.into[start:hi], values, self.checksum)
         else:
-            self.checksum = adler32(values, self.checksum)
+            self.checksum = adler32(bits(values), self.checksum)
         self.check_seconds += time.perf_counter() - t0
         if self.into is None:
             self._keep(start, values)

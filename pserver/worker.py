@@ -48,9 +48,14 @@ Flags are those of dtlab.models.run.train (models.session) plus the client's
 the trainer's JSON lines (header, then step, loss, lr, grad_norm, step_s,
 compute_s, elapsed_s) plus pull_s, push_s, and the staleness and version of
 each shard's push; push_s includes the next step's pull where it rode on the
-push (whose own pull_s is then 0); push_bytes, the gradient bytes pushed, and
-with --moe-sparse-push expert_push_fraction, the fraction of the experts'
+push (whose own pull_s is then 0); push_bytes and pull_bytes, the tensor bytes
+the step moved (halved by --wire fp16 / bf16: gradients pushed and parameters
+pulled rounded to that dtype, the servers keeping float32), and with
+--moe-sparse-push expert_push_fraction, the fraction of the experts'
 parameters pushed (pserver.expert_push: those no token reached are left out).
+With --precision fp16 / bf16 the step runs models.precision's MixedReplica; a
+step whose gradients overflow pushes nothing (under BSP, whose round waits for
+every worker, a zero gradient), records skipped, and the loss scale shrinks.
 Log lines name the worker ("worker 3: ...").
 """
 
@@ -91,7 +96,6 @@ from dtlab.models.run.trace import Trace
 from dtlab.models.run.trainer import Summary
 from dtlab.models.schedule import SCHEDULES
 from dtlab.protos import dtlab_ps_pb2 as pb
-from dtlab.pserver import ranges as ranges_lib
 from dtlab.pserver import runconfig, wire
 from dtlab.pserver.client import PSClient
 from dtlab.pserver.config import ClientConfig
@@ -239,12 +243,20 @@ class Worker:
         loss = s.replica.compute_grads(s.loader.next())
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or enable --clip")
-        grad_norm = s.model.clip_grad_norm(s.params, s.setup.optim.clip)  # a group's: global
+        apply, scaling = s.replica.finish_grads()  # mixed precision: unscaled, overflow checked
+        grad_norm = None
+        if apply:
+            grad_norm = s.model.clip_grad_norm(s.params, s.setup.optim.clip)  # a group's: global
+        elif self.client.server.consistency == pb.BSP:
+            s.params.grad.fill(0)  # the round waits for every worker's push: this one adds 0
         t2 = time.perf_counter()
         grad = backend.to_host(s.params.grad)
-        ranges, pushed = self.pushed(grad)
+        ranges, pushed = self.pushed()
         self.pulled = False
-        if last:
+        sent = (self.client.pushed_bytes, self.client.pulled_bytes)
+        if not apply and self.client.server.consistency != pb.BSP:
+            replies = []  # an overflowed step pushes nothing; the next step pulls
+        elif last:
             replies = self.client.push(grad, step, ranges)
         else:
             replies, changed = self.client.push_pull(grad, step, self.host, ranges)
@@ -256,20 +268,22 @@ class Worker:
             trace.span("pull", t0, t1, "comm")
             trace.span("compute", t1, t2, step=step + 1)
             trace.span("push + next pull" if not last else "push", t2, t3, "comm")
-        return {"step": step + 1, "loss": loss, "lr": replies[0].lr, "grad_norm": grad_norm,
+        return {"step": step + 1, "loss": loss, "lr": replies[0].lr if replies else None,
+                "grad_norm": grad_norm,
                 "step_s": t3 - t0, "compute_s": t2 - t1, "pull_s": t1 - t0, "push_s": t3 - t2,
                 "staleness": [r.staleness for r in replies],
-                "version": [r.version for r in replies], **pushed}
+                "version": [r.version for r in replies],
+                "push_bytes": self.client.pushed_bytes - sent[0],
+                "pull_bytes": self.client.pulled_bytes - sent[1], **scaling, **pushed}
 
-    def pushed(self, grad: np.ndarray) -> tuple[Ranges | None, dict]:
-        """The model's ranges this step pushes (None: all of it) and their figures for the
-        step's record: bytes pushed, and with --moe-sparse-push the fraction of the expert
-        parameters among them."""
+    def pushed(self) -> tuple[Ranges | None, dict]:
+        """The model's ranges this step pushes (None: all of it) and, with
+        --moe-sparse-push, the fraction of the expert parameters among them for the
+        step's record."""
         if self.experts is None:
-            return None, {"push_bytes": grad.nbytes}
+            return None, {}
         ranges, fraction = self.experts.ranges()
-        return ranges, {"push_bytes": ranges_lib.size(ranges) * grad.itemsize,
-                        "expert_push_fraction": fraction}
+        return ranges, {"expert_push_fraction": fraction}
 
     def run(self, first_step: int) -> Summary:
         """Steps to --steps, or until SIGTERM / SIGINT: the step in progress is finished
@@ -297,7 +311,7 @@ class Worker:
                 losses.append(record["loss"])
                 self.metrics.write(record)
                 progress.update(step, record["loss"],
-                                f"staleness {max(record['staleness'])}  "
+                                f"staleness {max(record['staleness'], default=0)}  "
                                 f"{record['step_s'] * 1e3:6.1f} ms/step")
                 if stop.agreed(self.agree):
                     if self.main:
@@ -308,6 +322,8 @@ class Worker:
         summary = Summary.of(losses, time.perf_counter() - start, self.s.dataset.floor,
                              run.batch_size * run.grad_accum)
         summary.stopped_by, summary.exit_code = stop.name, stop.exit_code
+        if hasattr(self.s.replica, "summary_line"):
+            summary.extra_lines.append(self.s.replica.summary_line())
         return summary
 
     def trace(self) -> Trace:
@@ -349,9 +365,13 @@ def main(argv: list[str]) -> int:
     if is_group(setup):  # an MPI program: imports mpi4py only here
         from dtlab.pserver import group_worker
 
+        client_cfg = from_namespace(ClientConfig, setup.extra)
+        for flag, value in (("--precision", setup.run.precision), ("--wire", client_cfg.wire)):
+            if value != "fp32":
+                raise ConfigError(f"{flag} {value} with --tp/--pp worker groups: not yet")
         name = start_logging()
         keep_freed_memory()
-        return group_worker.main(setup, from_namespace(ClientConfig, setup.extra),
+        return group_worker.main(setup, client_cfg,
                                  on_name=lambda who: setattr(name, "who", who))
     for flag, value in (("--stages", setup.extra.stages),
                         ("--pp-schedule", setup.extra.pp_schedule)):
@@ -373,7 +393,8 @@ def main(argv: list[str]) -> int:
     if wcfg.moe_sparse_push and not session.model.moe:
         raise ConfigError(f"--moe-sparse-push needs a Mixture-of-Experts model (--moe-experts "
                           f"above 0); {setup.model_name} has no experts")
-    client = PSClient(client_cfg, transport=client_cfg.transport, shm=client_cfg.shm)
+    client = PSClient(client_cfg, transport=client_cfg.transport, shm=client_cfg.shm,
+                      wire_dtype=client_cfg.wire)
     try:
         first = client.connect(given, setup.model_name, session.params.size,
                                wire.layout_crc(session.params.specs),
@@ -413,7 +434,7 @@ def train(session: Session, client: PSClient, wcfg: WorkerConfig, first: int,
                         consistency=pb.Consistency.Name(server.consistency).lower(),
                         staleness_bound=server.staleness_bound,
                         schedule_steps=server.schedule_steps, staleness_lr=server.staleness_lr,
-                        threads=threads.as_dict())
+                        wire=client_cfg.wire, threads=threads.as_dict())
     metrics = MetricsLog(run.metrics.replace("{worker}", str(wid)), header, append=first > 0)
     try:
         return Worker(session, client, wid, metrics, wcfg.moe_sparse_push).run(first)

@@ -193,10 +193,10 @@ class Servers:
     """S shard daemons in their own processes, for one (size, S, optimizer)."""
 
     def __init__(self, elements: int, num_shards: int, optimizer: str, tmp: Path,
-                 codec: str = "hand", lr: float = 1e-6):
+                 codec: str = "hand", lr: float = 1e-6, name: str = ""):
         self.procs, ready = [], []
         for i in range(num_shards):
-            path = tmp / f"ready-{elements}-{num_shards}-{optimizer}-{codec}-{i}.json"
+            path = tmp / f"ready-{elements}-{num_shards}-{optimizer}-{codec}{name}-{i}.json"
             path.unlink(missing_ok=True)
             ready.append(path)
             self.procs.append(subprocess.Popen(
@@ -477,9 +477,16 @@ PATHS = {  # name: (server codec, PSClient keyword arguments, push_pull rounds)
     "shm": ("hand", {"transport": "session", "shm": True}, True),
     "generated": ("generated", {"transport": "session", "shm": False,
                                 "codec": wire.CODECS["generated"]}, False),
+    "fp16": ("hand", {"transport": "session", "shm": False, "wire_dtype": "fp16"}, True),
+    "bf16": ("hand", {"transport": "session", "shm": False, "wire_dtype": "bf16"}, True),
 }
-BASE = {"shm": "fused", "session": "generated"}  # the path each one's "x base" is over
+HALF = ("fp16", "bf16")  # the --wire paths, each with a shard of its own
+# the path each one's "x base" is over
+BASE = {"shm": "fused", "session": "generated", "fp16": "fused", "bf16": "fused"}
 GRAD = 2.0**-12  # lr 1: parameters after k pushes are exactly -k * GRAD
+# A half wire's paths each have a shard of their own and push 0.1 rounded to their dtype:
+# exact in float32 for every k * g here, and rarely a half value, so a pull rounds.
+HALF_GRAD = 0.1
 
 
 class RoundClient:
@@ -491,7 +498,9 @@ class RoundClient:
         self.client = PSClient(build(ClientConfig, {"servers": address}), **PATHS[path][1])
         self.step = self.client.connect(0, MODEL, elements)
         self.params = np.zeros(elements, np.float32)
-        self.grad = np.full(elements, GRAD, np.float32)
+        wire_dtype = self.client.wire
+        self.g = GRAD if wire_dtype is None else float(np.float32(HALF_GRAD).astype(wire_dtype))
+        self.grad = np.full(elements, self.g, np.float32)
         if self.fused:
             self.client.pull(self.params)
 
@@ -508,14 +517,23 @@ class RoundClient:
         self.step += 1
         return t1 - t0, time.perf_counter() - t1
 
-    def wrong(self) -> int:
-        """1 if the parameters pulled now are not exactly -pushes * GRAD, or if the shm path
-        did not use shared memory (or another path did)."""
+    def check(self) -> tuple[int, float]:
+        """(wrong, error): wrong is 1 if the parameters pulled now are not exactly
+        -pushes * g (a half wire: that value rounded once to its dtype), or if the shm
+        path did not use shared memory (or another path did); error is the pulled values'
+        largest relative difference from -pushes * g (0 but for a half wire)."""
         self.client.pull(self.params)
         pushes = self.client.stats()[0].pushes
         uses_shm = self.client.shards[0].shared_memory
-        return int(not np.array_equal(self.params, np.float32(-pushes * GRAD) + 0 * self.params)
-                   or uses_shm != (self.path == "shm"))
+        exact = np.float32(-pushes * self.g)
+        sent = exact if self.client.wire is None else exact.astype(self.client.wire)
+        wrong = not np.array_equal(self.params, np.float32(sent) + 0 * self.params)
+        return (int(wrong or uses_shm != (self.path == "shm")),
+                float(np.abs(self.params - exact).max() / abs(exact)))
+
+    def wire_bytes(self) -> int:
+        """Tensor bytes pushed and pulled so far (values as they travel)."""
+        return self.client.pushed_bytes + self.client.pulled_bytes
 
     def close(self) -> None:
         self.client.close()
@@ -539,20 +557,25 @@ def rounds_mode(cfg: BenchConfig) -> list[dict]:
 
 def rounds_at(nbytes: int, cfg: BenchConfig, tmp: Path) -> list[dict]:
     elements = nbytes // 4
-    servers = {codec: Servers(elements, 1, "sgd", tmp, codec=codec, lr=1.0)
-               for codec in ("hand", "generated")}
+    servers = {key: Servers(elements, 1, "sgd", tmp, codec="hand" if key in HALF else key,
+                            lr=1.0, name=key) for key in ("hand", "generated", *HALF)}
     clients = {}
     try:
         for path, (codec, *_) in PATHS.items():
-            clients[path] = RoundClient(path, servers[codec].addresses[0], elements)
+            key = path if path in HALF else codec
+            clients[path] = RoundClient(path, servers[key].addresses[0], elements)
         times = {path: [] for path in PATHS}
         for _ in range(cfg.warmup):
             for c in clients.values():
                 c.round()
+        moved = {path: c.wire_bytes() for path, c in clients.items()}
         for _ in range(round_count(nbytes, cfg)):
             for path, c in clients.items():
                 times[path].append(c.round())
-        wrong = sum(c.wrong() for c in clients.values())
+        moved = {path: (c.wire_bytes() - moved[path]) / len(times[path])
+                 for path, c in clients.items()}
+        checks = {path: c.check() for path, c in clients.items()}
+        wrong = sum(w for w, _ in checks.values())
     finally:
         for c in clients.values():
             c.close()
@@ -569,6 +592,7 @@ def rounds_at(nbytes: int, cfg: BenchConfig, tmp: Path) -> list[dict]:
                     "x_calls": medians["calls"][2] / rnd,
                     "x_base": None if base is None else medians[base][2] / rnd,
                     "hand_vs_generated": _codec(medians) if path == "session" else None,
+                    "wire_bytes_per_round": moved[path], "error": checks[path][1],
                     "rounds": len(times[path]), "wrong": wrong})
         print(show_round(out[-1]), flush=True)
     return out
@@ -583,11 +607,14 @@ def _codec(medians: dict) -> dict:
 ROUNDS_LEGEND = ("# size: tensor bytes; path: see --help; round/pull/push: median ms (fused "
                  "and shm: one push_pull per round); rounds/s = 1/round; x calls: rounds/s "
                  "over the calls path of the same run; x base: shm over fused, session over "
-                 "generated (the hand codec's gain; pull and push ratios in cdc pull/push); "
-                 "wrong: paths with wrong final parameters")
+                 "generated (the hand codec's gain; pull and push ratios in cdc pull/push), "
+                 "fp16 and bf16 over fused (--wire: what half the bytes buy); MB/rnd: tensor "
+                 "bytes a round moved, pushed and pulled (1e6 B); error: the final pull's "
+                 "largest relative difference from the exact float32 parameters (a half "
+                 "wire's rounding); wrong: paths with wrong final parameters")
 ROUNDS_HEADER = (f"#{'size':>9} {'path':>9} {'round':>9} {'pull':>8} {'push':>8} "
                  f"{'rounds/s':>9} {'x calls':>7} {'x base':>6} {'cdc pull':>8} "
-                 f"{'cdc push':>8} {'wrong':>5}")
+                 f"{'cdc push':>8} {'MB/rnd':>8} {'error':>8} {'wrong':>5}")
 
 
 def show_round(r: dict) -> str:
@@ -597,7 +624,8 @@ def show_round(r: dict) -> str:
     pull_ms, push_ms = ("-" if r[k] is None else f"{r[k]:.3f}" for k in ("pull_ms", "push_ms"))
     return (f" {r['bytes']:>9} {r['path']:>9} {r['round_ms']:>9.3f} {pull_ms:>8} "
             f"{push_ms:>8} {r['rounds_per_s']:>9.1f} {r['x_calls']:>7.2f} {base:>6} "
-            f"{pull:>8} {push:>8} {r['wrong']:>5}")
+            f"{pull:>8} {push:>8} {r['wire_bytes_per_round'] / 1e6:>8.3f} {r['error']:>8.1e} "
+            f"{r['wrong']:>5}")
 
 
 def launches(cfg: BenchConfig, argv: list[str]) -> list[dict]:

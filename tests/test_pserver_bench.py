@@ -8,6 +8,8 @@ import sys
 
 from pserver_util import ONE_BLAS_THREAD, ROOT
 
+from dtlab.models.precision import UNIT_ROUNDOFF
+
 KEYS = {"op", "bytes", "workers", "shards", "optimizer", "gbps", "ceiling_gbps", "apply_ms"}
 
 
@@ -32,7 +34,8 @@ def test_tiny_benchmark(tmp_path):
             assert (row[server_time] is None) == (row["op"] == "pull")
 
 
-PATHS = {"calls", "session", "fused", "shm", "generated"}
+PATHS = {"calls", "session", "fused", "shm", "generated", "fp16", "bf16"}
+FUSED = {"fused", "shm", "fp16", "bf16"}  # one push_pull per round
 
 
 def test_tiny_rounds_benchmark(tmp_path):
@@ -54,5 +57,13 @@ def test_tiny_rounds_benchmark(tmp_path):
         assert row["wrong"] == 0  # every path's parameters exact, shm used where asked
         assert row["rounds_per_s"] > 0 and row["x_calls"] > 0
         assert (row["hand_vs_generated"] is None) == (row["path"] != "session")
-        fused = row["path"] in ("fused", "shm")  # one push_pull per round: no pull, push apart
+        fused = row["path"] in FUSED  # one push_pull per round: no pull, push apart
         assert (row["pull_ms"] is None) == (row["push_ms"] is None) == fused
+    by = {(row["bytes"], row["path"]): row for row in rows}
+    for kb in (64, 256):  # a half wire moves half the bytes, rounded within its unit roundoff
+        full = by[kb * 1024, "fused"]
+        assert full["wire_bytes_per_round"] == 2 * kb * 1024 and full["error"] == 0
+        for half in ("fp16", "bf16"):
+            row = by[kb * 1024, half]
+            assert 2 * row["wire_bytes_per_round"] == full["wire_bytes_per_round"]
+            assert row["error"] <= UNIT_ROUNDOFF[half] and row["x_base"] > 0

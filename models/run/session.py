@@ -48,6 +48,7 @@ from dtlab.models.optim import OptimConfig, Optimizer, Schedule, make_optimizer
 from dtlab.models.params import FlatParams
 from dtlab.models.partition import balance, explicit, module_costs
 from dtlab.models.pipeline import PipelineReplica, PipelineStage
+from dtlab.models.precision import MixedReplica, make_scaler
 from dtlab.models.run.straggler import parse_straggler
 from dtlab.models.zoo import MODELS, build_model
 
@@ -59,6 +60,16 @@ class RunConfig:
     grad_accum: int = described(1, "micro-batches accumulated per optimizer step")
     seed: int = described(0, "initial weights and data order (the data itself: --data-seed)")
     dtype: str = choice("float32", "float32", "float64", help="parameter and compute dtype")
+    precision: str = choice("fp32", "fp32", "fp16", "bf16",
+                            help="fp16 / bf16: activations and gradients in half precision, "
+                                 "float32 master weights and optimizer state (fp16 with "
+                                 "dynamic loss scaling; models/precision.py)")
+    loss_scale: float = described(65536.0, "fp16: the initial loss scale (2^16)")
+    loss_scale_window: int = described(2000, "fp16: grow the loss scale after this many "
+                                             "finite steps in a row")
+    loss_scale_growth: float = described(2.0, "fp16: factor the loss scale grows by")
+    loss_scale_backoff: float = described(0.5, "fp16: factor the loss scale shrinks by when a "
+                                               "step's gradients overflow (the step is skipped)")
     log_every: int = described(50, "print a progress line every N steps (off a terminal)")
     metrics: str = described("", "JSON-lines metrics file")
     checkpoint_dir: str = described("", "directory of step-NNNNNN checkpoints")
@@ -89,6 +100,14 @@ class RunConfig:
             raise ConfigError(f"--eval-every must not be negative (got {self.eval_every})")
         if self.keep < 0:
             raise ConfigError(f"--keep must be 0 (keep all) or a positive count (got {self.keep})")
+        positive(self, "loss_scale", "loss_scale_window")
+        if self.loss_scale_growth < 1 or not 0 < self.loss_scale_backoff < 1:
+            raise ConfigError(f"--loss-scale-growth must be >= 1 and --loss-scale-backoff in "
+                              f"(0, 1) (got {self.loss_scale_growth}, "
+                              f"{self.loss_scale_backoff})")
+        if self.precision != "fp32" and self.dtype != "float32":
+            raise ConfigError(f"--precision {self.precision} keeps float32 master weights: "
+                              f"give --dtype float32, not {self.dtype}")
         if (self.checkpoint_every or self.resume or self.keep) and not self.checkpoint_dir:
             raise ConfigError("--checkpoint-every, --resume and --keep need --checkpoint-dir")
 
@@ -261,8 +280,18 @@ def build_session(setup: Setup, rank: int = 0, world: int = 1, tp: Comm | None =
         model = PipelineStage(model, stage_bounds(setup, pipeline, len(model.body.modules)),
                               pipeline.pp)
     params = model.init_params(seed=setup.run.seed, dtype=setup.run.dtype)
-    replica = Replica(model, params) if pipeline is None else \
-        PipelineReplica(model, params, pipeline.schedule)
+    if setup.run.precision != "fp32":
+        if pipeline is not None:
+            raise ConfigError(f"--precision {setup.run.precision} with --pp "
+                              f"{pipeline.pp.size}: not yet")
+        if getattr(model_cfg, "moe_bias_rate", 0):
+            raise ConfigError(f"--precision {setup.run.precision} with --moe-bias-rate: not "
+                              "yet (the bias would be updated on the half copy)")
+        replica = MixedReplica(model, params, setup.run.precision, make_scaler(setup.run))
+    elif pipeline is None:
+        replica = Replica(model, params)
+    else:
+        replica = PipelineReplica(model, params, pipeline.schedule)
     optimizer = make_optimizer(setup.optim, params.data, decay_mask=params.decay_mask())
     loader = ShardedLoader(dataset, setup.run.batch_size, rank=rank, world=world,
                            seed=setup.run.seed, micro_batches=setup.run.grad_accum)

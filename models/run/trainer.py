@@ -1,7 +1,8 @@
 """The training loop shared by the single-process and sync data-parallel trainers.
 
 One step:  micro-batches -> Replica.compute_grads -> (reduce across ranks)
-           -> clip global norm -> optimizer step at the scheduled lr
+           -> Replica.finish_grads (mixed precision: unscale, skip the step on an
+              overflow) -> clip global norm -> optimizer step at the scheduled lr
 
 A `reducer` (collective/ supplies one for data parallelism) sees gradient
 ranges become final during backward (`ready(offset)`), finishes averaging in
@@ -26,7 +27,7 @@ from dtlab.models.run import checkpoint, moe_report
 from dtlab.models.run.checkpoint import CheckpointError
 from dtlab.models.run.metrics import MetricsLog
 from dtlab.models.run.progress import Progress
-from dtlab.models.run.session import Session
+from dtlab.models.run.session import GROUPS, Session
 from dtlab.models.run.stop import StopSignals
 from dtlab.models.run.straggler import Straggler
 from dtlab.models.run.trace import Trace
@@ -130,9 +131,12 @@ class Trainer:
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or enable --clip")
         t2 = time.perf_counter()
-        grad_norm = s.model.clip_grad_norm(s.params, s.setup.optim.clip)
         lr = s.schedule(step)
-        s.optimizer.step(s.params.data, s.params.grad, lr)
+        apply, scaling = s.replica.finish_grads()  # every rank sees the same reduced gradient
+        grad_norm = None
+        if apply:
+            grad_norm = s.model.clip_grad_norm(s.params, s.setup.optim.clip)
+            s.optimizer.step(s.params.data, s.params.grad, lr)
         t3 = time.perf_counter()
         self.trace.span("compute", t0, t1, step=step + 1)
         if reducer:
@@ -141,7 +145,7 @@ class Trainer:
         for name, start, end in s.replica.spans:
             self.trace.span(name, start, end, "pipeline")
         return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                "step_s": t3 - t0, "compute_s": (t1 - t0) + (t3 - t2), **comm,
+                "step_s": t3 - t0, "compute_s": (t1 - t0) + (t3 - t2), **comm, **scaling,
                 **s.replica.timing, **extra,
                 **moe_report.merge(self.stages(moe_report.step_record(s.model.moe)))}
 
@@ -175,6 +179,8 @@ class Trainer:
         summary.stopped_by, summary.exit_code = stop.name, stop.exit_code
         every = self.stages(moe_report.layer_summaries(self.s.model.moe))
         summary.extra_lines = moe_report.summary_lines([row for rows in every for row in rows])
+        if hasattr(self.s.replica, "summary_line"):
+            summary.extra_lines.append(self.s.replica.summary_line())
         return summary
 
     def _stopped(self, signal_name: str, steps: int, saved: bool) -> None:
@@ -197,6 +203,8 @@ class Trainer:
                 "optimizer_steps": s.optimizer.steps, "loader": s.loader.state_dict(),
                 "dp": s.world, "global_batch": self.samples_per_step,
                 "moe_noise_steps": [m.noise_step for m in s.model.moe]}
+        if hasattr(s.replica, "scaler"):
+            meta["loss_scaler"] = s.replica.scaler.state_dict()
         return checkpoint.save(self.root, next_step, arrays, meta, keep=s.setup.run.keep or None)
 
     def _resume(self) -> int:
@@ -222,6 +230,8 @@ class Trainer:
         s.loader.load_state_dict(meta["loader"])
         for m, noise_step in zip(s.model.moe, meta.get("moe_noise_steps", []), strict=False):
             m.noise_step = noise_step  # the router noise goes on where it stopped
+        if "loss_scaler" in meta and hasattr(s.replica, "scaler"):
+            s.replica.scaler.load_state_dict(meta["loss_scaler"])
         step, saved_steps = int(meta["step"]), saved["run"]["steps"]
         self._say(f"resumed from step {step} of {run.checkpoint_dir}")
         if saved_steps != run.steps:
@@ -323,6 +333,15 @@ def config_differences(saved: dict, now: dict) -> list[str]:
         for key in sorted(set(old) | set(new)):
             if section == "run" and key in RESUMABLE:
                 continue
-            if old.get(key) != new.get(key):
-                out.append(f"{section}.{key}: {old.get(key)!r} -> {new.get(key)!r}")
+            was = old[key] if key in old else added_default(section, key)
+            if was != new.get(key):
+                out.append(f"{section}.{key}: {was!r} -> {new.get(key)!r}")
     return out
+
+
+def added_default(section: str, key: str):
+    """The default of a data, optim or run field that a saved config predates (a
+    checkpoint written before the field existed ran as its default did); None else."""
+    field = {f.name: f for f in dataclasses.fields(GROUPS[section])}.get(key) \
+        if section in GROUPS else None
+    return None if field is None else field.default

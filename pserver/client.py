@@ -32,6 +32,10 @@ this host agrees on a shared-memory segment for the tensor bytes unless
 `shm=False` (pserver.shm): the pushed gradient is copied into the segment
 and the pulled values out of it, each with its Adler-32 in the same pass,
 and gRPC carries the rest.
+
+A shard kept by a primary and a backup (`--replicas 2`) is listed as
+PRIMARY|BACKUP: pserver.failover sends its calls to the primary and, when
+that one is gone, to the backup that took over.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import random
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import grpc
 import numpy as np
@@ -52,6 +57,7 @@ from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver import auth, wire
 from dtlab.pserver.config import ClientConfig
 from dtlab.pserver.errors import DataLoss, InvalidArgument
+from dtlab.pserver.failover import SEPARATOR, ReplicatedShard
 from dtlab.pserver.session import PULL, SHM_PULL, SHM_PUSH, Session, StatusError, Watchdog
 from dtlab.pserver.wire import SERVICE
 
@@ -450,8 +456,10 @@ class PSClient:
                  partition: pb.PartitionLayout | None = None):
         self.cfg = cfg
         self._watchdog = Watchdog(min(1.0, cfg.rpc_timeout_s / 4))
-        self.shards = [ShardClient(a, cfg, transport=transport, shm=shm, codec=codec,
-                                   watchdog=self._watchdog) for a in cfg.addresses()]
+        make = partial(ShardClient, transport=transport, shm=shm, codec=codec,
+                       watchdog=self._watchdog)
+        self.shards = [ReplicatedShard(a.split(SEPARATOR), cfg, make) if SEPARATOR in a
+                       else make(a, cfg) for a in cfg.addresses()]
         self._pool = ThreadPoolExecutor(len(self.shards), thread_name_prefix="ps-client")
         self.versions: list[int | None] = [None] * len(self.shards)
         self.worker = -1
@@ -477,7 +485,7 @@ class PSClient:
         layout_crc: wire.layout_crc of the model's parameter specs; run_config: the
         worker's run config (pserver.runconfig), checked by every shard.
         """
-        self._each(ShardClient.wait_ready)
+        self._each(lambda s: s.wait_ready())
         config = json.dumps(run_config, sort_keys=True) if run_config else ""
         try:
             return self._register(worker, model, model_size, layout_crc, config)
@@ -489,7 +497,7 @@ class PSClient:
                   config: str) -> int:
         first, assigned = None, None
         if worker is None:
-            first = next((s for s, st in zip(self.shards, self._each(ShardClient.stats),
+            first = next((s for s, st in zip(self.shards, self._each(lambda s: s.stats()),
                                              strict=True) if st.shard == 0), None)
             if first is None:
                 raise InvalidArgument(f"--servers {','.join(self.cfg.addresses())}: no shard 0 "
@@ -565,7 +573,7 @@ class PSClient:
         return [reply for reply, _ in done], sum(changed for _, changed in done)
 
     def stats(self) -> list[pb.StatsReply]:
-        return self._each(ShardClient.stats)
+        return self._each(lambda s: s.stats())
 
     @property
     def server(self) -> pb.RegisterReply:

@@ -50,6 +50,7 @@ from dtlab.pserver.consistency import Consistency
 from dtlab.pserver.errors import FailedPrecondition
 from dtlab.pserver.metrics import MetricsServer
 from dtlab.pserver.partitions import NOT_CHECKPOINTED, Partitions
+from dtlab.pserver.replication import Replication
 from dtlab.pserver.servicer import ParameterServerServicer, handler
 from dtlab.pserver.store import ShardLayout, ShardStore
 from dtlab.pserver.wire import SERVICE
@@ -142,9 +143,13 @@ class Daemon:
                 log.info("resumed from %s (version %d)", path, store.version)
         self._ckpt_lock = threading.Lock()
         token = auth.read_token(cfg.token_file, cfg.token_env)
+        self.replication = Replication(cfg, store, config) if cfg.replicas > 1 else None
+        self.stopping = threading.Event()  # set by a signal, or by a failure (self.failure)
+        self.failure = ""
         self.server = grpc.server(
             futures.ThreadPoolExecutor(cfg.threads, thread_name_prefix="ps"),
-            interceptors=[auth.TokenInterceptor(token)] if token else [],
+            interceptors=([auth.TokenInterceptor(token)] if token else [])
+            + ([self.replication.gate] if self.replication else []),
             options=[*wire.transport_options(cfg.max_message_bytes), ("grpc.so_reuseport", 0)])
         self.servicer = ParameterServerServicer(
             self.store, cfg.max_message_bytes,
@@ -153,6 +158,8 @@ class Daemon:
         self.partitions = Partitions(self.servicer, partial(self._partition, shm, codec),
                                      self._dense_specs, cfg.seed, cfg.dtype)
         self.server.add_generic_rpc_handlers((handler(self.partitions), *handlers))
+        if self.replication is not None:
+            self.server.add_generic_rpc_handlers((self.replication.handler(),))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if cfg.reflection:
@@ -206,8 +213,12 @@ class Daemon:
         self.server.start()
         if self.metrics is not None:
             self.metrics.start()
-        for name in ("", SERVICE):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.replication is None:
+            for name in ("", SERVICE):
+                self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        else:  # it sets the health as its role and its backup come and go
+            self.replication.start(host_port(self.cfg.bind, self.port), self.health,
+                                   self._fail)
         lay = self.store.layout
         log.info("shard %d/%d of %s: elements [%d, %d) of %d, %s, version %d, listening on %s%s",
                  lay.shard, lay.num_shards, lay.model, lay.offset, lay.offset + lay.length,
@@ -233,10 +244,18 @@ class Daemon:
         log.info("checkpoint %s (version %d)", path, state["version"])
         return path, state["version"]
 
+    def _fail(self, why: str) -> None:
+        """This daemon cannot go on: logged, and the process stops with an error."""
+        log.error("%s", why)
+        self.failure = why
+        self.stopping.set()
+
     def shutdown(self) -> None:
         """NOT_SERVING, finish in-flight pushes, checkpoint if configured."""
         log.info("shutting down: finishing in-flight calls (up to %.1f s)", self.cfg.grace_s)
         self.health.enter_graceful_shutdown()
+        if self.replication is not None:
+            self.replication.stop()
         self.store.close()
         self.partitions.close()
         stopped = self.server.stop(self.cfg.grace_s)

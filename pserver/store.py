@@ -157,6 +157,8 @@ class ShardStore:
         self._snapshot: Read | None = None
         self._spare: list[np.ndarray] = []  # frozen snapshot arrays nobody reads any more
         self._closed = False
+        # pserver.replication.Journal: every change, in the order made here, for a backup
+        self.journal = None
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -192,6 +194,8 @@ class ShardStore:
             state = self.clocks.register(worker)
             if registration and state.registration != registration:
                 state.registration, state.live = registration, 0
+            if self.journal is not None:
+                self.journal.register(worker, registration)
             self._cond.notify_all()
             log.info("worker %d registered (clock %d, next step %d)", worker, state.clock,
                      state.next_step)
@@ -223,6 +227,8 @@ class ShardStore:
         with self._cond:
             self._known(worker, registration)
             self.clocks.deregister(worker)
+            if self.journal is not None:
+                self.journal.deregister(worker, registration)
             if self._round is not None and self._round.complete(self.clocks):
                 self._apply_round()
             self._cond.notify_all()
@@ -347,6 +353,8 @@ class ShardStore:
             self.counters["pushes"] += 1
             self.counters["bytes_received"] += grad.nbytes
             lr = self._lr([staleness])
+            if self.journal is not None:  # the backup receives it while this applies it
+                self.journal.push(worker, step, version_read, grad)
             if self._round is None:
                 self._apply(grad, [(worker, step, version_read)])
             elif self._round.complete(self.clocks):
@@ -399,6 +407,12 @@ class ShardStore:
         """Let waiting pulls re-check (e.g. after their RPC was cancelled)."""
         with self._cond:
             self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """No change happens while this lasts (the store's own lock, reentrant)."""
+        with self._cond:
+            yield
 
     @property
     def closed(self) -> bool:

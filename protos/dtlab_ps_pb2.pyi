@@ -472,3 +472,115 @@ class CheckpointReply(_message.Message):
     path: str
     version: int
     def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class ReplicaJoin(_message.Message):
+    __slots__ = ("shard", "num_shards", "model", "model_size", "layout_crc32", "address", "config")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_CRC32_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    num_shards: int
+    model: str
+    model_size: int
+    layout_crc32: int
+    address: str
+    config: str
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., model: _Optional[str] = ..., model_size: _Optional[int] = ..., layout_crc32: _Optional[int] = ..., address: _Optional[str] = ..., config: _Optional[str] = ...) -> None: ...
+
+class ReplicaApplied(_message.Message):
+    __slots__ = ("seq",)
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    def __init__(self, seq: _Optional[int] = ...) -> None: ...
+
+class ReplicaUp(_message.Message):
+    __slots__ = ("join", "applied")
+    JOIN_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    join: ReplicaJoin
+    applied: ReplicaApplied
+    def __init__(self, join: _Optional[_Union[ReplicaJoin, _Mapping]] = ..., applied: _Optional[_Union[ReplicaApplied, _Mapping]] = ...) -> None: ...
+
+class ReplicaState(_message.Message):
+    __slots__ = ("seq", "nbytes", "adler32")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    ADLER32_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    nbytes: int
+    adler32: int
+    def __init__(self, seq: _Optional[int] = ..., nbytes: _Optional[int] = ..., adler32: _Optional[int] = ...) -> None: ...
+
+class ReplicaEntry(_message.Message):
+    __slots__ = ("seq", "kind", "worker_id", "registration")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[ReplicaEntry.Kind]
+        REGISTER: _ClassVar[ReplicaEntry.Kind]
+        DEREGISTER: _ClassVar[ReplicaEntry.Kind]
+        PUSH: _ClassVar[ReplicaEntry.Kind]
+    KIND_UNSPECIFIED: ReplicaEntry.Kind
+    REGISTER: ReplicaEntry.Kind
+    DEREGISTER: ReplicaEntry.Kind
+    PUSH: ReplicaEntry.Kind
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    kind: ReplicaEntry.Kind
+    worker_id: int
+    registration: int
+    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[ReplicaEntry.Kind, str]] = ..., worker_id: _Optional[int] = ..., registration: _Optional[int] = ...) -> None: ...
+
+class ReplicaHeartbeat(_message.Message):
+    __slots__ = ("seq",)
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    def __init__(self, seq: _Optional[int] = ...) -> None: ...
+
+class ReplicaDown(_message.Message):
+    __slots__ = ("header", "chunk", "trailer", "entry", "state", "state_part", "heartbeat")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STATE_PART_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunk: Chunk
+    trailer: Trailer
+    entry: ReplicaEntry
+    state: ReplicaState
+    state_part: Chunk
+    heartbeat: ReplicaHeartbeat
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ..., entry: _Optional[_Union[ReplicaEntry, _Mapping]] = ..., state: _Optional[_Union[ReplicaState, _Mapping]] = ..., state_part: _Optional[_Union[Chunk, _Mapping]] = ..., heartbeat: _Optional[_Union[ReplicaHeartbeat, _Mapping]] = ...) -> None: ...
+
+class ReplicaStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaStatusReply(_message.Message):
+    __slots__ = ("role", "primary", "backup", "seq", "acked", "version", "shard", "failovers")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ACKED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    FAILOVERS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    primary: str
+    backup: str
+    seq: int
+    acked: int
+    version: int
+    shard: int
+    failovers: int
+    def __init__(self, role: _Optional[str] = ..., primary: _Optional[str] = ..., backup: _Optional[str] = ..., seq: _Optional[int] = ..., acked: _Optional[int] = ..., version: _Optional[int] = ..., shard: _Optional[int] = ..., failovers: _Optional[int] = ...) -> None: ...

@@ -379,3 +379,152 @@ class ParameterServer:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ReplicationStub:
+    """Chain replication of one shard (van Renesse and Schneider 2004; Li et al.
+    2014, section 4.3): a daemon started with --replica-of joins the shard's
+    primary as its backup. The backup opens Replicate and sends join; the
+    primary answers with a snapshot of the shard (state, then state_parts),
+    then every change it makes (Register, Deregister, an accepted push), in
+    the order it made them, each as an entry (a push's entry followed by its
+    header, chunks and trailer, as on Push), and a heartbeat when idle. The
+    backup applies each change to its own store in that order and answers
+    applied. The primary answers a worker only once the backup has applied
+    every change made so far. A primary refuses a second backup, and a backup
+    refuses joins (FAILED_PRECONDITION).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Replicate = channel.stream_stream(
+                '/dtlab.ps.v1.Replication/Replicate',
+                request_serializer=dtlab_dot_protos_dot_dtlab__ps__pb2.ReplicaUp.SerializeToString,
+                response_deserializer=dtlab_dot_protos_dot_dtlab__ps__pb2.ReplicaDown.FromString,
+                _registered_method=True)
+        self.ReplicaStatus = channel.unary_unary(
+                '/dtlab.ps.v1.Replication/ReplicaStatus',
+                request_serializer=dtlab_dot_protos_dot_dtlab__ps__pb2.ReplicaStatusRequest.SerializeToString,
+                response_deserializer=dtlab_dot_protos_dot_dtlab__ps__pb2.ReplicaStatusReply.FromString,
+                _registered_method=True)
+
+
+class ReplicationServicer:
+    """Chain replication of one shard (van Renesse and Schneider 2004; Li et al.
+    2014, section 4.3): a daemon started with --replica-of joins the shard's
+    primary as its backup. The backup opens Replicate and sends join; the
+    primary answers with a snapshot of the shard (state, then state_parts),
+    then every change it makes (Register, Deregister, an accepted push), in
+    the order it made them, each as an entry (a push's entry followed by its
+    header, chunks and trailer, as on Push), and a heartbeat when idle. The
+    backup applies each change to its own store in that order and answers
+    applied. The primary answers a worker only once the backup has applied
+    every change made so far. A primary refuses a second backup, and a backup
+    refuses joins (FAILED_PRECONDITION).
+    """
+
+    def Replicate(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReplicaStatus(self, request, context):
+        """The daemon's role in its shard's chain and how far replication is.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ReplicationServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Replicate': grpc.stream_stream_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=dtlab_dot_protos_dot_dtlab__ps__pb2.ReplicaUp.FromString,
+                    response_serializer=dtlab_dot_protos_dot_dtlab__ps__pb2.ReplicaDown.SerializeToString,
+            ),
+            'ReplicaStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReplicaStatus,
+                    request_deserializer=dtlab_dot_protos_dot_dtlab__ps__pb2.ReplicaStatusRequest.FromString,
+                    response_serializer=dtlab_dot_protos_dot_dtlab__ps__pb2.ReplicaStatusReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'dtlab.ps.v1.Replication', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('dtlab.ps.v1.Replication', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Replication:
+    """Chain replication of one shard (van Renesse and Schneider 2004; Li et al.
+    2014, section 4.3): a daemon started with --replica-of joins the shard's
+    primary as its backup. The backup opens Replicate and sends join; the
+    primary answers with a snapshot of the shard (state, then state_parts),
+    then every change it makes (Register, Deregister, an accepted push), in
+    the order it made them, each as an entry (a push's entry followed by its
+    header, chunks and trailer, as on Push), and a heartbeat when idle. The
+    backup applies each change to its own store in that order and answers
+    applied. The primary answers a worker only once the backup has applied
+    every change made so far. A primary refuses a second backup, and a backup
+    refuses joins (FAILED_PRECONDITION).
+    """
+
+    @staticmethod
+    def Replicate(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/dtlab.ps.v1.Replication/Replicate',
+            dtlab_dot_protos_dot_dtlab__ps__pb2.ReplicaUp.SerializeToString,
+            dtlab_dot_protos_dot_dtlab__ps__pb2.ReplicaDown.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplicaStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dtlab.ps.v1.Replication/ReplicaStatus',
+            dtlab_dot_protos_dot_dtlab__ps__pb2.ReplicaStatusRequest.SerializeToString,
+            dtlab_dot_protos_dot_dtlab__ps__pb2.ReplicaStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -25,7 +25,6 @@ import dataclasses
 import logging
 import signal
 import sys
-import threading
 
 from dtlab.models.config import add_flags, from_namespace
 from dtlab.models.data.factory import implied_model
@@ -73,13 +72,12 @@ def serve(argv: list[str]) -> int:
     store = build_store(cfg, setup.model_name, setup.model, setup.optim)
     daemon = Daemon(cfg, store, config_record(cfg, setup.model_name, setup.model, setup.optim,
                                               setup.data), shm=cfg.shm)
-    stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda *_: daemon.stopping.set())
     daemon.start()
-    stop.wait()
+    daemon.stopping.wait()
     daemon.shutdown()
-    return 0
+    return 1 if daemon.failure else 0
 
 
 def usage() -> str:

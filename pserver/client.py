@@ -36,6 +36,11 @@ float32 model's gradients are pushed rounded to that dtype and its
 parameters pulled as it (the server rounds them; it keeps float32 and
 converts pushed gradients on receipt): half the bytes, over gRPC only (no
 shared memory); `pushed_bytes` and `pulled_bytes` count the values' bytes.
+and gRPC carries the rest.
+
+A shard kept by a primary and a backup (`--replicas 2`) is listed as
+PRIMARY|BACKUP: pserver.failover sends its calls to the primary and, when
+that one is gone, to the backup that took over.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import random
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import grpc
 import numpy as np
@@ -57,6 +63,7 @@ from dtlab.pserver import auth, wire
 from dtlab.pserver import ranges as ranges_lib
 from dtlab.pserver.config import ClientConfig
 from dtlab.pserver.errors import DataLoss, InvalidArgument
+from dtlab.pserver.failover import SEPARATOR, ReplicatedShard
 from dtlab.pserver.ranges import Ranges
 from dtlab.pserver.session import PULL, SHM_PULL, SHM_PUSH, Session, StatusError, Watchdog
 from dtlab.pserver.wire import SERVICE
@@ -473,8 +480,10 @@ class PSClient:
         self.wire = WIRE_DTYPES[wire_dtype]
         self._wire_grad = self._wire_params = None  # (n,) the half copies --wire sends
         self._watchdog = Watchdog(min(1.0, cfg.rpc_timeout_s / 4))
-        self.shards = [ShardClient(a, cfg, transport=transport, shm=shm, codec=codec,
-                                   watchdog=self._watchdog) for a in cfg.addresses()]
+        make = partial(ShardClient, transport=transport, shm=shm, codec=codec,
+                       watchdog=self._watchdog)
+        self.shards = [ReplicatedShard(a.split(SEPARATOR), cfg, make) if SEPARATOR in a
+                       else make(a, cfg) for a in cfg.addresses()]
         self._pool = ThreadPoolExecutor(len(self.shards), thread_name_prefix="ps-client")
         self.versions: list[int | None] = [None] * len(self.shards)
         self.worker = -1
@@ -503,7 +512,7 @@ class PSClient:
         layout_crc: wire.layout_crc of the model's parameter specs; run_config: the
         worker's run config (pserver.runconfig), checked by every shard.
         """
-        self._each(ShardClient.wait_ready)
+        self._each(lambda s: s.wait_ready())
         config = json.dumps(run_config, sort_keys=True) if run_config else ""
         try:
             return self._register(worker, model, model_size, layout_crc, config)
@@ -515,7 +524,7 @@ class PSClient:
                   config: str) -> int:
         first, assigned = None, None
         if worker is None:
-            first = next((s for s, st in zip(self.shards, self._each(ShardClient.stats),
+            first = next((s for s, st in zip(self.shards, self._each(lambda s: s.stats()),
                                              strict=True) if st.shard == 0), None)
             if first is None:
                 raise InvalidArgument(f"--servers {','.join(self.cfg.addresses())}: no shard 0 "
@@ -649,7 +658,7 @@ class PSClient:
         return [reply for reply, _ in done], sum(changed for _, changed in done)
 
     def stats(self) -> list[pb.StatsReply]:
-        return self._each(ShardClient.stats)
+        return self._each(lambda s: s.stats())
 
     @property
     def server(self) -> pb.RegisterReply:

@@ -54,6 +54,15 @@ class ServerConfig:
     grace_s: float = described(10.0, "seconds in-flight calls get to finish at shutdown")
     log_every: int = described(100, "log a staleness summary every N updates")
     log_level: str = choice("info", "debug", "info", "warning", help="daemon log verbosity")
+    replicas: int = described(1, "daemons holding this shard: 2 is a primary and a backup that "
+                                 "holds every push before it is acknowledged (chain "
+                                 "replication, pserver.replication)")
+    replica_of: str = described("", "host:port of this shard's primary: start as its backup "
+                                    "(with --replicas 2; also to rejoin after a failure)")
+    replica_timeout_s: float = described(2.0, "a replica that says nothing for this long is "
+                                              "taken for dead (heartbeats every quarter); "
+                                              "longer than a push takes to reach the backup "
+                                              "and be applied there")
 
     def validate(self):
         positive(self, "num_shards", "chunk_bytes", "max_message_bytes", "threads",
@@ -81,13 +90,29 @@ class ServerConfig:
         for name in ("resume", "checkpoint_every_s", "keep"):
             if getattr(self, name) and not self.checkpoint_dir:
                 raise ConfigError(f"--{name.replace('_', '-')} needs --checkpoint-dir")
+        self._validate_replicas()
+
+    def _validate_replicas(self):
+        positive(self, "replica_timeout_s")
+        if self.replicas not in (1, 2):
+            raise ConfigError(f"--replicas {self.replicas}: 1, or 2 (a primary and a backup)")
+        if self.replica_of and self.replicas != 2:
+            raise ConfigError("--replica-of makes this daemon a backup: give --replicas 2 too")
+        host, _, port = self.replica_of.rpartition(":")
+        if self.replica_of and (not host or not port.isdigit()):
+            raise ConfigError(f"--replica-of {self.replica_of!r} is not host:port")
+        if self.replicas > 1 and (self.tls_cert or self.resume):
+            raise ConfigError("--replicas 2 does not go with "
+                              f"{'--tls-cert' if self.tls_cert else '--resume'} (the replicas "
+                              "speak plain gRPC to each other; a backup starts from its primary)")
 
 
 @dataclass
 class ClientConfig:
     """How a worker reaches the shards."""
 
-    servers: str = described("", "host:port of every shard, comma-separated, any order")
+    servers: str = described("", "host:port of every shard, comma-separated, any order; "
+                                 "a replicated shard as PRIMARY|BACKUP")
     token_file: str = described("", "file holding the servers' bearer token")
     token_env: str = described("", "environment variable holding the servers' bearer token")
     tls: bool = described(False, "use TLS (implied by --tls-ca / --tls-cert; alone: system roots)")
@@ -112,7 +137,7 @@ class ClientConfig:
     def validate(self):
         if not self.addresses():
             raise ConfigError("--servers needs at least one host:port")
-        for a in self.addresses():
+        for a in (r for shard in self.addresses() for r in shard.split("|")):
             host, _, port = a.rpartition(":")
             if not host or not port.isdigit():
                 raise ConfigError(f"--servers: {a!r} is not host:port")

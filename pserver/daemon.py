@@ -58,6 +58,7 @@ from dtlab.pserver.leases import LeaseReaper, keepalive_options
 from dtlab.pserver.metrics import MetricsServer
 from dtlab.pserver.partitions import Partitions
 from dtlab.pserver.periodic import PeriodicCheckpoints
+from dtlab.pserver.replication import Replication
 from dtlab.pserver.servicer import ParameterServerServicer, handler
 from dtlab.pserver.store import ShardLayout, ShardStore
 from dtlab.pserver.wire import SERVICE
@@ -152,9 +153,13 @@ class Daemon:
                 log.info("resumed from %s (version %d)", path, store.version)
         self._ckpt_lock = threading.Lock()
         token = auth.read_token(cfg.token_file, cfg.token_env)
+        self.replication = Replication(cfg, store, config) if cfg.replicas > 1 else None
+        self.stopping = threading.Event()  # set by a signal, or by a failure (self.failure)
+        self.failure = ""
         self.server = grpc.server(
             futures.ThreadPoolExecutor(cfg.threads, thread_name_prefix="ps"),
-            interceptors=[auth.TokenInterceptor(token)] if token else [],
+            interceptors=([auth.TokenInterceptor(token)] if token else [])
+            + ([self.replication.gate] if self.replication else []),
             options=[*wire.transport_options(cfg.max_message_bytes), ("grpc.so_reuseport", 0),
                      *keepalive_options(cfg.worker_timeout)])
         self.servicer = ParameterServerServicer(
@@ -166,6 +171,8 @@ class Daemon:
         if cfg.resume:
             self._resume_partitions(config["optim"]["optimizer"])
         self.server.add_generic_rpc_handlers((handler(self.partitions), *handlers))
+        if self.replication is not None:
+            self.server.add_generic_rpc_handlers((self.replication.handler(),))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if cfg.reflection:
@@ -191,6 +198,7 @@ class Daemon:
                 self.metrics = MetricsServer(cfg.bind, cfg.metrics_port, self.servicer.stats)
             except OSError as e:
                 raise ConfigError(f"--metrics-port {cfg.metrics_port}: {e.strerror}") from None
+        self._leases_primary = False  # whether the last reaper pass found this a primary
         self.reaper = LeaseReaper(cfg.worker_timeout, self._expire_leases) \
             if cfg.worker_timeout else None
         self.periodic = PeriodicCheckpoints(cfg.checkpoint_every_s, self._changes,
@@ -239,7 +247,16 @@ class Daemon:
         return sum(st.version for st in stats), sum(st.pushes for st in stats)
 
     def _expire_leases(self) -> None:
-        """Drop the workers whose lease ran out, of the dense store and every partition's."""
+        """Drop the workers whose lease ran out, of the dense store and every partition's.
+        A backup drops none (no worker calls it; its primary's drops reach it through the
+        journal), and one that took over counts every lease from then on."""
+        if self.replication is not None:
+            primary = self.replication.role == "primary"
+            if primary and not self._leases_primary:
+                self.store.restart_leases()
+            self._leases_primary = primary
+            if not primary:
+                return
         self.store.expire_leases()
         for known in list(self.partitions.known.values()):
             known.servicer.store.expire_leases()
@@ -251,8 +268,12 @@ class Daemon:
         for thread in (self.metrics, self.reaper, self.periodic):
             if thread is not None:
                 thread.start()
-        for name in ("", SERVICE):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.replication is None:
+            for name in ("", SERVICE):
+                self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        else:  # it sets the health as its role and its backup come and go
+            self.replication.start(host_port(self.cfg.bind, self.port), self.health,
+                                   self._fail)
         lay = self.store.layout
         log.info("shard %d/%d of %s: elements [%d, %d) of %d, %s, version %d, listening on %s%s",
                  lay.shard, lay.num_shards, lay.model, lay.offset, lay.offset + lay.length,
@@ -295,6 +316,12 @@ class Daemon:
         log.info("checkpoint %s (version %d)", path, state["version"])
         return path, state["version"]
 
+    def _fail(self, why: str) -> None:
+        """This daemon cannot go on: logged, and the process stops with an error."""
+        log.error("%s", why)
+        self.failure = why
+        self.stopping.set()
+
     def shutdown(self) -> None:
         """NOT_SERVING, finish in-flight pushes, checkpoint if configured."""
         log.info("shutting down: finishing in-flight calls (up to %.1f s)", self.cfg.grace_s)
@@ -302,6 +329,8 @@ class Daemon:
             if thread is not None:
                 thread.stop()
         self.health.enter_graceful_shutdown()
+        if self.replication is not None:
+            self.replication.stop()
         self.store.close()
         self.partitions.close()
         stopped = self.server.stop(self.cfg.grace_s)

@@ -70,6 +70,11 @@ class Leases:
         idle = [(w, now - self._last.setdefault(w, now)) for w in active if not self._open[w]]
         return [(w, s) for w, s in idle if s > self.timeout]
 
+    def restart(self) -> None:
+        """Every lease counted from the next look (a backup that took over: the workers'
+        calls went to the primary until now)."""
+        self._last.clear()
+
     def expire(self, worker: int) -> None:
         self.expired.add(worker)
         self.dropped += 1

@@ -182,6 +182,8 @@ class ShardStore:
         # workers of a resumed checkpoint that have not read from this server yet: the
         # versions they hold are of the server before the restart (load_state)
         self._before_resume: set[int] = set()
+        # pserver.replication.Journal: every change, in the order made here, for a backup
+        self.journal = None
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -217,6 +219,8 @@ class ShardStore:
             state = self.clocks.register(worker)
             if registration and state.registration != registration:
                 state.registration, state.live = registration, 0
+            if self.journal is not None:
+                self.journal.register(worker, registration)
             self._lease_renewed(worker, "registers again")
             self._cond.notify_all()
             log.info("worker %d registered (clock %d, next step %d)", worker, state.clock,
@@ -253,6 +257,8 @@ class ShardStore:
             self._known(worker, registration)
             self.clocks.deregister(worker)
             self.leases.back(worker)  # it left: no longer counted as expired
+            if self.journal is not None:
+                self.journal.deregister(worker, registration)
             if self._round is not None and self._round.complete(self.clocks):
                 self._apply_round()
             self._cond.notify_all()
@@ -264,10 +270,17 @@ class ShardStore:
         self.leases.renew(worker)
         if self.leases.back(worker):
             state = self.clocks.register(worker)
+            if self.journal is not None:  # the backup takes it back too, at this point
+                self.journal.register(worker, state.registration)
             self._cond.notify_all()
             log.info("worker %d rejoins after its lease expired: it %s; clock %d (the "
                      "slowest active worker's or its own), next step %d", worker, how,
                      state.clock, state.next_step)
+
+    def restart_leases(self) -> None:
+        """Every worker's lease counted from now on (a backup taking over)."""
+        with self._cond:
+            self.leases.restart()
 
     def expire_leases(self) -> list[int]:
         """Drop every active worker whose lease ran out (pserver.leases): SSP and BSP stop
@@ -277,6 +290,8 @@ class ShardStore:
             for worker, idle in overdue:
                 self.clocks.deregister(worker)
                 self.leases.expire(worker)
+                if self.journal is not None:  # the backup drops it too, at this point
+                    self.journal.deregister(worker, self.clocks.workers[worker].registration)
                 state = self.clocks.workers[worker]
                 log.warning("worker %d dropped: no call and no open session for %.1f s "
                             "(--worker-timeout %g); clock %d, next step %d; %d active "
@@ -417,6 +432,8 @@ class ShardStore:
             self.counters["pushes"] += 1
             self.counters["bytes_received"] += grad.nbytes
             lr = self._lr([staleness])
+            if self.journal is not None:  # the backup receives it while this applies it
+                self.journal.push(worker, step, version_read, grad, ranges)
             if self._round is None:
                 self._apply(grad, [(worker, step, version_read)], ranges)
             elif self._round.complete(self.clocks):
@@ -475,6 +492,12 @@ class ShardStore:
         """Let waiting pulls re-check (e.g. after their RPC was cancelled)."""
         with self._cond:
             self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """No change happens while this lasts (the store's own lock, reentrant)."""
+        with self._cond:
+            yield
 
     @property
     def closed(self) -> bool:

@@ -6,6 +6,11 @@ training, predicted by alpha-beta-gamma formulas, calibrated on this host, valid
     python scripts/simulate.py --link 400gbit --intra-link nvlink --gpus-per-node 8 \\
         --tflops 400 --steps-to-target 5000 --d-model 4096 --n-layers 32 --json pred.json
     python scripts/simulate.py --link local                  # N ranks on this host
+    python scripts/simulate.py --link 400gbit --intra-link nvlink --gpus-per-node 8 \\
+        --tflops 400 --pp 4 --pp-schedule zb-h1 --microbatches 16 --tp 8 \\
+        --moe-experts 64 --moe-top-k 2 --ep 8 --d-model 4096 --n-layers 32
+    flock /tmp/dtlab-bench.lock python scripts/simulate.py --validate-parallel \\
+        --out runs/sim-par                          # pipelines (pp 2) and MoE ep 2, measured
     flock /tmp/dtlab-bench.lock python scripts/simulate.py --validate --ranks 2,3,4 \\
         --val-steps 200 --out runs/sim-val               # or --measured DIR: earlier runs
     flock /tmp/dtlab-bench.lock python scripts/simulate.py --validate --hosts 2 \\
@@ -22,6 +27,20 @@ modelled, McCandlish et al. 2018). The formulas are in
 simulate_lib/formulas.py, the overlap and core-sharing rules in
 simulate_lib/step.py.
 
+Model parallelism: --pp P (--pp-schedule gpipe|1f1b|zb-h1, --microbatches M,
+default --grad-accum; --stages as dtlab-sync's), --tp T, --ep E (with
+--moe-experts N --moe-top-k k) predict a dp x pp x ep x tp layout instead:
+N = dp P E T ranks (N not a multiple of P E T is left out); the step is the
+schedule's op lists (models/schedule.py) replayed with each stage's F/B/W
+times (its models/cost.py FLOPs / T at the compute rate) and the receives of
+the activations and gradients between stages at the link's alpha-beta
+(simulate_lib/pipeline.py), with Megatron's 4 all-reduces of (b, T, d) per
+block inside the passes (simulate_lib/tensor.py, on --intra-link), the MoE
+layers' 4 all-to-alls of the dispatched rows per micro-batch
+(simulate_lib/moe.py), and the gradient all-reduce, dense over dp x ep,
+experts over dp (simulate_lib/parallel.py). The table gains the bubble, p2p,
+tp and a2a columns of the dimensions used.
+
 Links: --link (between nodes) and --intra-link (within one, default the
 same) name a preset (simulate_lib/links.py: nvlink, 400gbit, 200gbit,
 100gbit, 25gbit, 10gbit, 1gbit) or `local`, this host as --calibration
@@ -36,7 +55,11 @@ prints predicted against measured step time per run, the relative error
 and whether it is within 25% (simulate_lib/validate.py); with --hosts H the
 runs go across H emulated hosts (compare.py --hosts H --link-gbit X, at every
 rate of --link-gbit) and are predicted with that link (simulate_lib/emulated.py:
-one rank or worker per host). Exit status: 0, 1
+one rank or worker per host). --validate-parallel measures the pipeline rows of
+scripts/bench_parallel.py (pp 2: GPipe, 1F1B, ZB-H1 at m 4 and 8) and a
+dtlab-sync MoE run with --ep 2 (or reads --measured DIR: an earlier
+--validate-parallel folder) and prints predicted against measured step time
+and bubble (simulate_lib/validate_parallel.py). Exit status: 0, 1
 when a validated run is off by more than the bound, 2 for a bad flag.
 """
 
@@ -48,18 +71,36 @@ import json
 import math
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from compare_lib import cluster
-from simulate_lib import calibrate, links, scale, table, validate
-from simulate_lib.calibrated import host_network, host_server, preset_server
+from simulate_lib import (
+    calibrate,
+    links,
+    parallel,
+    pipeline,
+    scale,
+    table,
+    validate,
+    validate_parallel,
+)
+from simulate_lib.calibrated import (
+    host_alltoall,
+    host_network,
+    host_p2p,
+    host_server,
+    preset_server,
+)
 from simulate_lib.emulated import Cluster
 from simulate_lib.formulas import Network
 from simulate_lib.step import ComputeRate, Host, compute_rate
 
 from dtlab.models.config import ConfigError
+from dtlab.models.cost import estimate
 from dtlab.models.run.cli import run_cli
 from dtlab.models.run.session import parse, replica_cost
+from dtlab.models.schedule import SCHEDULES
 
 ROOT = Path(__file__).resolve().parent.parent
 PROG = "python scripts/simulate.py"
@@ -145,6 +186,25 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=600.0,
                    help="--validate: seconds a run may take (default 600)")
     g.add_argument("--json", default="", metavar="PATH", help="write the rows here")
+    m = p.add_argument_group("model parallelism (a dp x pp x ep x tp layout)")
+    m.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    m.add_argument("--pp-schedule", choices=sorted(SCHEDULES), default="1f1b",
+                   help="pipeline schedule: GPipe, 1F1B or ZB-H1 (default 1f1b)")
+    m.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batches of --batch-size per step (default --grad-accum)")
+    m.add_argument("--stages", default="",
+                   help="modules per stage, e.g. 3,2 (default: balanced by FLOPs)")
+    m.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks (Megatron split, within a node; default 1)")
+    m.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks (must divide --moe-experts; default 1)")
+    m.add_argument("--moe-alltoall", choices=("ours", "mpi"), default="ours",
+                   help="--link local: the all-to-all whose calibration is used (default ours)")
+    m.add_argument("--validate-parallel", action="store_true",
+                   help="predicted vs measured pipeline (bench_parallel.py, pp 2) and MoE "
+                        "(dtlab-sync --ep 2) steps on this host")
+    m.add_argument("--moe-steps", type=int, default=60,
+                   help="--validate-parallel: steps of each MoE run (default 60)")
 
 
 def parse_args(argv: list[str]):
@@ -184,6 +244,35 @@ def parse_args(argv: list[str]):
     if o.hosts > 1 and not o.measured and max(int_list(o.ranks, "--ranks")) > o.hosts:
         raise ConfigError(f"--hosts {o.hosts}: the emulated-cluster model takes one rank or "
                           f"worker per host; give --ranks of at most {o.hosts}")
+    for flag, value in (("--pp", o.pp), ("--tp", o.tp), ("--ep", o.ep),
+                        ("--moe-steps", o.moe_steps)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1 (got {value})")
+    if o.microbatches is not None and o.microbatches < 1:
+        raise ConfigError(f"--microbatches must be at least 1 (got {o.microbatches})")
+    if o.microbatches is not None and setup.run.grad_accum not in (1, o.microbatches):
+        raise ConfigError(f"--microbatches {o.microbatches} and --grad-accum "
+                          f"{setup.run.grad_accum} disagree: give one")
+    o.parallel = o.pp > 1 or o.tp > 1 or o.ep > 1
+    for flag, value, default, needs in (
+            ("--pp-schedule", o.pp_schedule, "1f1b", o.pp > 1),
+            ("--microbatches", o.microbatches, None, o.parallel),
+            ("--moe-alltoall", o.moe_alltoall, "ours", o.ep > 1 and o.link == links.LOCAL)):
+        if value != default and not needs:
+            raise ConfigError(f"{flag} {value} has no effect here (it needs --pp for the "
+                              "schedule, a model-parallel layout for micro-batches, --ep "
+                              "with --link local for the all-to-all)")
+    if o.stages and o.pp == 1:
+        raise ConfigError(f"--stages {o.stages} has no effect without --pp")
+    if o.link != links.LOCAL and o.tp > o.gpus_per_node:
+        raise ConfigError(f"--tp {o.tp} exceeds --gpus-per-node {o.gpus_per_node}: tensor "
+                          "parallelism runs within a node")
+    if o.parallel and (o.calibrate or o.validate or o.validate_parallel):
+        raise ConfigError("--pp, --tp and --ep are predictions' flags; --calibrate and the "
+                          "validations take none")
+    if o.validate_parallel and (o.calibrate or o.validate):
+        raise ConfigError("--validate-parallel is a step of its own: not with --calibrate or "
+                          "--validate")
     o.workers_list = int_list(o.workers, "--workers")
     o.ranks_list = int_list(o.ranks, "--ranks")
     return setup
@@ -275,6 +364,74 @@ def do_validate(setup, o) -> int:
     return 0 if all(r["within"] for r in rows) else 1
 
 
+def parallel_work(setup, o) -> parallel.Work:
+    """The layout's step as `setup` and the model-parallel flags describe it."""
+    b = setup.run.batch_size
+    m = o.microbatches or setup.run.grad_accum
+    w = validate.workload_of(setup)
+    bounds = pipeline.stage_bounds(setup.model_name, setup.model, b, o.pp, o.stages)
+    flops = estimate(setup.model_name, setup.model, b, optimizer=w.optimizer).flops_step
+    work = parallel.Work(setup.model_name, setup.model, b, m, o.pp_schedule,
+                         8 if setup.run.dtype == "float64" else 4, tuple(bounds), flops)
+    parallel.check(work, parallel.Layout(1, o.pp, o.ep, o.tp))
+    return work
+
+
+def do_predict_parallel(setup, o) -> int:
+    work = parallel_work(setup, o)
+    layout = parallel.Layout(1, o.pp, o.ep, o.tp)
+    local = o.link == links.LOCAL
+    cal = calibrate.load(o.calibration) if local or o.tflops is None else None
+    w = validate.workload_of(setup)
+    micro = replace(w, batch_size=work.batch, flops_step=work.flops_microbatch)
+    if local:
+        host = Host(os.cpu_count() or 1)
+        a2a = host_alltoall(cal, o.moe_alltoall) if o.ep > 1 else None
+        p2p = host_p2p(cal) if o.pp > 1 else None
+
+        def fabric_at(n: int) -> parallel.Fabric:
+            return parallel.Fabric(host_network(cal, n), p2p, a2a, one_host=True)
+    else:
+        host = Host(0)
+        inter = links.custom(links.preset(o.link), o.alpha_us, o.gbit)
+        intra = links.preset(o.intra_link) if o.intra_link else inter
+        net = Network(intra, inter, o.gpus_per_node)
+
+        def fabric_at(n: int) -> parallel.Fabric:
+            return parallel.Fabric(net)
+
+    def rate_at(threads: int) -> ComputeRate:
+        if o.tflops is not None:
+            return ComputeRate(o.tflops * 1e12, source=f"--tflops {o.tflops:g}")
+        try:
+            return compute_rate(cal, micro, threads if local else cal["cores"])
+        except LookupError as e:
+            raise ConfigError(f"--calibration {o.calibration}: {e}") from None
+
+    rows = scale.parallel_rows(work, layout, o.workers_list, fabric_at, rate_at, host,
+                               o.bucket_mb * 1e6)
+    if not rows:
+        raise ConfigError(f"--workers {o.workers}: no N is a multiple of pp x ep x tp = "
+                          f"{layout.model_parallel}")
+    where = ("this host (all ranks on it, sharing its cores)" if local else
+             f"{o.gpus_per_node} per node; within: {intra.describe()}; between: "
+             f"{inter.describe()}")
+    sizes = [hi - lo for lo, hi in zip(work.bounds, work.bounds[1:], strict=False)]
+    print(f"# {work.model}: pp {o.pp} ({o.pp_schedule}, {work.microbatches} micro-batches of "
+          f"{work.batch}, modules per stage {','.join(map(str, sizes))}), tp {o.tp}, ep {o.ep}; "
+          f"{work.flops_microbatch / 1e9:.4g} GFLOP a micro-batch of the whole model; {where}; "
+          f"compute {rows[0]['compute_source']}; steps to target "
+          f"{o.steps_to_target if o.steps_to_target else 'not given'}")
+    print(table.parallel_predictions(rows, o.steps_to_target))
+    write_json(o.json, {"model": work.model, "config": w.config, "pp": o.pp, "tp": o.tp,
+                        "ep": o.ep, "schedule": o.pp_schedule, "microbatches": work.microbatches,
+                        "batch_size": work.batch, "stage_bounds": list(work.bounds),
+                        "link": o.link, "intra_link": o.intra_link or o.link,
+                        "gpus_per_node": o.gpus_per_node,
+                        "steps_to_target": o.steps_to_target, "rows": rows})
+    return 0
+
+
 def do_predict(setup, o) -> int:
     cost = replica_cost(setup)
     w = validate.workload_of(setup)
@@ -326,7 +483,9 @@ def main(argv: list[str]) -> int:
         return do_calibrate(o)
     if o.validate:
         return do_validate(setup, o)
-    return do_predict(setup, o)
+    if o.validate_parallel:
+        return validate_parallel.main(o, new_folder)
+    return do_predict_parallel(setup, o) if o.parallel else do_predict(setup, o)
 
 
 if __name__ == "__main__":

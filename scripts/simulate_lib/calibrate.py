@@ -9,6 +9,10 @@
     bench_pserver.py --json      rounds rows (path, bytes, pull_ms, push_ms): per data path
                                  t = alpha + n beta for pull and for push; sweep rows with
                                  the shards' apply_ms: gamma_apply per optimizer
+    bench_moe.py --json          alltoall rows (ranks, bytes, ours_s, mpi_s): per
+                                 all-to-all (ours, MPI's) alpha and beta of
+                                 t = s ((n-1) alpha + (n-1)/n B beta) (formulas.terms
+                                 "alltoall"; B bytes per rank, s as above)
     bench_model.py --json        rows (model, config, flops_step, step_s_median) by BLAS
                                  threads: t = t0 + F / R per model kind (t0 the per-step
                                  overhead, R the FLOP rate), and each row as it is, used
@@ -82,6 +86,22 @@ def fit_allreduce(rows: list[dict], cores: int) -> dict:
     return out
 
 
+def fit_alltoall(rows: list[dict], cores: int) -> dict:
+    """{"ours", "mpi": alpha, beta and the fit's errors} from bench_moe's alltoall rows."""
+    out = {}
+    for name in ("ours", "mpi"):
+        rs = [r for r in rows if r["ranks"] >= 2 and r.get(f"{name}_s")]
+        if not rs:
+            continue
+        x = np.array([[a * share, b * r["bytes"] * share] for r in rs
+                      for a, b, _ in [terms("alltoall", r["ranks"])]
+                      for share in [max(1.0, r["ranks"] / cores)]])  # (rows, 2)
+        k, rel = fit_relative(x, np.array([r[f"{name}_s"] for r in rs]))
+        out[name] = {"alpha_s": k[0], "beta_s_per_byte": k[1],
+                     "ranks": sorted({r["ranks"] for r in rs}), **errors(rel)}
+    return out
+
+
 def fit_line(nbytes: list[float], seconds: list[float]) -> dict:
     x = np.column_stack([np.ones(len(nbytes)), nbytes])
     k, rel = fit_relative(x, np.asarray(seconds))
@@ -130,20 +150,22 @@ def exact_rows(rows: list[dict], threads: int) -> list[dict]:
 
 
 def kind_of(data: dict) -> str:
+    if "alltoall" in data and "header" in data:
+        return "moe"
     if "medians" in data or ("meta" in data and "rows" in data):
         return "allreduce"
     if "env" in data and "rows" in data:
         return "pserver"
     if "header" in data and "rows" in data:
         return "model"
-    raise ValueError("not the JSON of bench_allreduce, bench_pserver or bench_model")
+    raise ValueError("not the JSON of bench_allreduce, bench_pserver, bench_moe or bench_model")
 
 
 def calibrate(paths: list[str], cores: int) -> dict:
     """The calibration of one host from the benchmark JSON files at `paths`."""
     if not paths:
         raise ConfigError("--calibrate needs benchmark JSON files (--bench FILE ...)")
-    ar, ps, model, sources = [], [], [], []
+    ar, ps, a2a, model, sources = [], [], [], [], []
     for path in paths:
         try:
             data = json.loads(Path(path).read_text())
@@ -155,6 +177,8 @@ def calibrate(paths: list[str], cores: int) -> dict:
             ar += allreduce_rows(data)
         elif kind == "pserver":
             ps += data["rows"]
+        elif kind == "moe":
+            a2a += data["alltoall"]
         else:
             model.append((data["header"]["threads"]["threads"], data["rows"]))
     paths_fit, apply = fit_pserver(ps)
@@ -164,7 +188,8 @@ def calibrate(paths: list[str], cores: int) -> dict:
         exact += exact_rows(rows, threads)
     return {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "cores": cores, "sources": sources, "allreduce": fit_allreduce(ar, cores),
-            "pserver": paths_fit, "apply_s_per_byte": apply, "compute": compute,
+            "pserver": paths_fit, "alltoall": fit_alltoall(a2a, cores),
+            "apply_s_per_byte": apply, "compute": compute,
             "compute_rows": exact}
 
 

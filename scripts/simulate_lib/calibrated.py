@@ -1,5 +1,5 @@
 """A calibration (calibrate.py's JSON) as the model's links: the measured host's all-reduce
-constants by algorithm and its parameter server's pull and push."""
+constants by algorithm, its all-to-all and its parameter server's pull and push."""
 
 from __future__ import annotations
 
@@ -24,6 +24,27 @@ def host_network(cal: dict, ranks: int) -> Network:
         raise ConfigError("the calibration has no all-reduce fit: add a bench_allreduce.py JSON")
     base = per_algo.get("ring") or per_algo.get("halving") or next(iter(per_algo.values()))
     return Network(base, base, ranks, per_algo)
+
+
+def host_p2p(cal: dict) -> Link:
+    """A point-to-point message on this host: the ring all-reduce's fit (every ring step is
+    one send and receive of n / N bytes; bench_allreduce.py --ours ring measures it at
+    every size), else halving-doubling's (its steps too are sends and receives)."""
+    for name in ("ring", "halving"):
+        if name in cal["allreduce"]:
+            return fitted(f"local p2p ({name} fit)", cal["allreduce"][name])
+    raise ConfigError("the calibration has no ring or halving all-reduce fit for the point to "
+                      "point alpha-beta: add a bench_allreduce.py --ours ring JSON")
+
+
+def host_alltoall(cal: dict, which: str = "ours") -> Link:
+    """The all-to-all(v) as bench_moe.py measured it on this host (`which`: ours or mpi,
+    dtlab-sync's --moe-alltoall)."""
+    fit = cal.get("alltoall", {}).get(which)
+    if fit is None:
+        raise ConfigError(f"the calibration has no {which} all-to-all fit: add a "
+                          "bench_moe.py --only-ep --json JSON to --calibrate")
+    return Link(f"local alltoall {which}", fit["alpha_s"], fit["beta_s_per_byte"])
 
 
 def host_server(cal: dict, optimizer: str, path: str = LOCAL_PATH) -> ServerLink:

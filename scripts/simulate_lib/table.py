@@ -54,6 +54,11 @@ def fits(cal: dict) -> str:
             out.append(f" {'ps ' + path + ' ' + op:>14}{'1':>8}{f['alpha_s'] * 1e6:>11.2f}"
                        f"{bw:>9.3f}{f['rows']:>6}{100 * f['median_rel_err']:>8.1f}%"
                        f"{100 * f['max_rel_err']:>8.1f}%")
+    for name, f in cal.get("alltoall", {}).items():
+        bw = 1 / f["beta_s_per_byte"] / 1e9 if f["beta_s_per_byte"] else float("inf")
+        out.append(f" {'alltoall ' + name:>14}{','.join(map(str, f['ranks'])):>8}"
+                   f"{f['alpha_s'] * 1e6:>11.2f}{bw:>9.3f}{f['rows']:>6}"
+                   f"{100 * f['median_rel_err']:>8.1f}%{100 * f['max_rel_err']:>8.1f}%")
     out.append(f"#{'compute':>14}{'threads':>8}{'t0(ms)':>11}{'GFLOP/s':>9}{'rows':>6}"
                f"{'med err':>9}{'max err':>9}")
     for f in cal["compute"]:
@@ -63,7 +68,8 @@ def fits(cal: dict) -> str:
     for optimizer, g in cal["apply_s_per_byte"].items():
         out.append(f"# server apply, {optimizer}: {1 / g / 1e9:.3f} GB/s of gradient")
     out.append("# legend: all-reduce fits t = a alpha + (b + c) n beta (formulas.terms, gamma = "
-               "beta); ps fits t = alpha + n beta per round with 1 worker, 1 shard; compute fits "
+               "beta); alltoall fits t = (n-1) alpha + (n-1)/n B beta (B bytes per rank); ps fits "
+               "t = alpha + n beta per round with 1 worker, 1 shard; compute fits "
                "t = t0 + FLOPs / rate; GB/s = 1 / beta; err = |fit - measured| / measured over "
                "the rows")
     return "\n".join(out)
@@ -100,4 +106,67 @@ def validation(rows: list[dict], cores: int) -> str:
                "compute; comm = exposed communication (sync: the wait after backward; async: "
                "pull + push); TTT = step x measured steps to target (-: not reached); load = the "
                "host's highest 1-minute load average around the launches")
+    return "\n".join(out)
+
+
+def parallel_predictions(rows: list[dict], steps_to_target: int | None) -> str:
+    """The dp x pp x ep x tp rows: a column for bubble, p2p, tp and a2a only where the
+    layout uses that dimension."""
+    r0 = rows[0] if rows else {}
+    extra = [(key, label, fmt) for key, label, fmt, dim in (
+        ("bubble", "bubble", lambda v: f"{v:.3f}", "pp"), ("p2p_s", "p2p", fmt_ms, "pp"),
+        ("tp_s", "tp", fmt_ms, "tp"), ("a2a_s", "a2a", fmt_ms, "ep")) if r0.get(dim, 1) > 1]
+    head = f"#{'N':>6}{'dp':>6}{'nodes':>7}{'compute':>10}"
+    unit = f"#{'':>6}{'':>6}{'':>7}{'(ms)':>10}"
+    for _, label, _ in extra:
+        head += f"{label:>9}"
+        unit += f"{'' if label == 'bubble' else '(ms)':>9}"
+    head += f"{'allreduce':>11}{'step':>10}{'eff':>6}{'TTT':>12}"
+    unit += f"{'(ms)':>11}{'(ms)':>10}{'':>6}{'(s)':>12}"
+    out = [head, unit]
+    for r in rows:
+        ttt = None if steps_to_target is None else r["step_s"] * steps_to_target
+        line = f" {r['n']:>6}{r['dp']:>6}{r['nodes']:>7}{fmt_ms(r['compute_s']):>10}"
+        for key, _, fmt in extra:
+            line += f"{fmt(r[key]):>9}"
+        out.append(line + f"{fmt_ms(r['allreduce_s']):>11}{fmt_ms(r['step_s']):>10}"
+                          f"{r['efficiency']:>6.2f}{fmt_s(ttt):>12}")
+    out.append("# legend: N ranks = dp x pp x ep x tp (N not a multiple of pp ep tp left out); "
+               "compute = the busiest stage's passes over a step's micro-batches (FLOPs / tp at "
+               "the compute rate); bubble = predicted idle fraction of the schedule's replay "
+               "(receives idle); p2p = the most time a stage receives; tp = the busiest "
+               "stage's Megatron all-reduces; a2a = its MoE all-to-alls (4 per MoE layer and "
+               "micro-batch); "
+               "allreduce = exposed gradient all-reduce (dense over dp x ep, experts over dp; "
+               "after the flush when pp > 1); step = pipeline makespan + allreduce + update "
+               "(the optimizer, once a step); eff = "
+               "compute / step; TTT = step x steps to target (-: no --steps-to-target)")
+    return "\n".join(out)
+
+
+def parallel_validation(rows: list[dict]) -> str:
+    out = [f"#{'case':>10}{'sched':>7}{'m':>3}{'L':>3}{'pred':>9}{'meas':>9}{'err':>8}{'ok':>4}"
+           f"{'pred':>8}{'meas':>8}{'p2p':>8}{'a2a':>8}{'allred':>8}{'load':>6}",
+           f"#{'':>10}{'':>7}{'':>3}{'':>3}{'(ms)':>9}{'(ms)':>9}{'':>8}{'':>4}"
+           f"{'bubble':>8}{'bubble':>8}{'(ms)':>8}{'(ms)':>8}{'(ms)':>8}{'':>6}"]
+    for r in rows:
+        def bub(v):
+            return "-" if v is None else f"{v:.3f}"
+
+        out.append(f" {r['case']:>10}{r['schedule']:>7}{r['microbatches']:>3}{r['launches']:>3}"
+                   f"{fmt_ms(r['pred_step_s']):>9}{fmt_ms(r['meas_step_s']):>9}"
+                   f"{100 * r['rel_err']:>+7.1f}%{'yes' if r['within'] else 'NO':>4}"
+                   f"{bub(r['pred_bubble']):>8}{bub(r['meas_bubble']):>8}"
+                   f"{fmt_ms(r['pred_p2p_s']):>8}{fmt_ms(r['pred_a2a_s']):>8}"
+                   f"{fmt_ms(r['pred_allreduce_s']):>8}"
+                   f"{'-' if r['max_load'] is None else format(r['max_load'], '.1f'):>6}")
+    ok = sum(r["within"] for r in rows)
+    out.append(f"# {ok} of {len(rows)} within the bound")
+    out.append("# legend: pred/meas = predicted / measured step (medians over the L launches; "
+               "pipelines: bench_parallel.py's slowest rank, median over steps; MoE: dtlab-sync's "
+               "rank 0 median step after warm-up); err = (pred - meas) / meas; ok = |err| "
+               "within 25%; bubble = idle fraction (measured: blocked in receives or finished "
+               "early); p2p, a2a, allred = the prediction's receives, all-to-alls and exposed "
+               "gradient all-reduce; load = the host's highest 1-minute load average around "
+               "the launches")
     return "\n".join(out)

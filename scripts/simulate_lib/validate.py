@@ -59,7 +59,8 @@ def bench_compute(config_path: str, threads: list[int], out: Path, reps: int = 4
                   warmup: int = 5) -> list[Path]:
     """One process's training step of the runs' model (zero grads, forward, backward,
     update, as bench_model.py times it) at each thread count: every rep's time kept, so
-    the step model can take the slowest of N ranks (step.ComputeRate.slowest_of); written
+    the step model can take the slowest of N ranks (step.ComputeRate.slowest_of), and the
+    medians of its two parts (compute_grads, the optimizer's update) beside them; written
     as bench_model.py JSON rows."""
     setup = parse(["--config", config_path], prog="simulate.py --validate")
     batch = setup.run.batch_size * setup.run.grad_accum
@@ -70,24 +71,26 @@ def bench_compute(config_path: str, threads: list[int], out: Path, reps: int = 4
     data = model.prepare(bench_model.make_batch(setup.model_name, setup.model, batch), P)
     cost = estimate(setup.model_name, setup.model, batch, optimizer=replica_cost(setup).optimizer)
 
-    def step() -> None:
+    def step() -> tuple[float, float]:
+        t0 = time.perf_counter()
         replica.compute_grads([data])
+        t1 = time.perf_counter()
         opt.step(P.data, P.grad)
+        return t1 - t0, time.perf_counter() - t1
 
     paths = []
     for t in threads:
         with threadpool_limits(limits=t):
             for _ in range(warmup):
                 step()
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t0)
+            parts = [step() for _ in range(reps)]  # (grads, update) seconds
+        times = [g + u for g, u in parts]
         row = {"model": setup.model_name, "size": "validate", "config": cost.config,
                "batch_size": batch, "params": cost.params_total, "flops_step": cost.flops_step,
                "step_s_best": min(times), "step_s_median": statistics.median(times),
-               "step_s_samples": times}
+               "step_s_samples": times,
+               "grads_s_median": statistics.median(g for g, _ in parts),
+               "update_s_median": statistics.median(u for _, u in parts)}
         path = out / f"model-t{t}.json"
         path.write_text(json.dumps({"header": {"threads": {"threads": t}, "cpus": os.cpu_count(),
                                                "reps": reps, "warmup": warmup}, "rows": [row]},

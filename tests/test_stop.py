@@ -22,8 +22,10 @@ from dtlab.models.run import checkpoint
 from dtlab.models.run.launcher import mpiexec_path
 from dtlab.models.run.metrics import read_metrics
 
+# a constant lr after warm-up: the interrupted run (--steps 1000000) and the whole one
+# (--steps total) then follow the same schedule wherever the signal lands
 MLP = ["--model", "mlp", "--d-in", "8", "--n-classes", "4", "--d-hidden", "32", "--seed", "4",
-       "--log-every", "20"]
+       "--log-every", "20", "--schedule", "constant"]
 
 
 def run_until_signalled(cmd: list, sig: int, timeout: float = 60.0):

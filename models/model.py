@@ -77,12 +77,16 @@ class Model:
         self.set_mode(scale, training)
         inputs, targets = self.prepare(batch, P)
         logits, ctxs = self.body.forward(P, inputs)
-        if P.cast is None:
-            loss, dlogits = self.loss(logits, targets, scale)
-        else:  # mixed precision: the loss in float32, its (scaled) gradient kept in half
-            loss, dlogits = self.loss(P.cast.up(logits), targets, scale)
-            dlogits = P.cast.down(dlogits)
+        loss, dlogits = self.score(P, logits, targets, scale)
         return loss, (ctxs, dlogits)
+
+    def score(self, P: FlatParams, logits, targets, scale: float):
+        """(loss, dlogits x scale) of `logits`; under mixed precision (P.cast) the loss in
+        float32 and its gradient kept in the half dtype."""
+        if P.cast is None:
+            return self.loss(logits, targets, scale)
+        loss, dlogits = self.loss(P.cast.up(logits), targets, scale)
+        return loss, P.cast.down(dlogits)
 
     def backward(self, P: FlatParams, ctx, grad_ready: Callable[[int], None] | None = None):
         ctxs, dlogits = ctx
@@ -130,11 +134,13 @@ class Replica:
         total = sum(self.model.forward(self.params, b, training=False)[0] for b in batches)
         return total / len(batches)
 
-    def compute_grads(self, micro_batches: Sequence, grad_ready=None) -> float:
+    def compute_grads(self, micro_batches: Sequence, grad_ready=None,
+                      scale: float = 1.0) -> float:
         """Zero the gradients, accumulate the mean gradient over the micro-batches.
 
-        Each micro-batch's loss is scaled by 1/k, so k micro-batches of size b
-        give the gradient of one batch of size k*b. `grad_ready` is passed to
+        Each micro-batch's loss is scaled by scale/k, so k micro-batches of size b
+        give the gradient of one batch of size k*b (times `scale`: a mixed-precision
+        loss scale, models/precision.py). `grad_ready` is passed to
         the last backward only: earlier ones are not final (cf. DDP no_sync).
         Returns the mean loss.
         """
@@ -143,7 +149,7 @@ class Replica:
         total = 0.0
         for i, mb in enumerate(micro_batches):
             ready = grad_ready if i == k - 1 else None
-            total += self.model.loss_and_grad(P, mb, scale=1.0 / k, grad_ready=ready)
+            total += self.model.loss_and_grad(P, mb, scale=scale / k, grad_ready=ready)
         return total / k
 
     def finish_grads(self) -> tuple[bool, dict]:

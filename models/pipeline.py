@@ -104,11 +104,13 @@ class PipelineReplica(Replica):
             self._ops[key] = every[self.stage.pp.rank]
         return self._ops[key]
 
-    def compute_grads(self, micro_batches: Sequence, grad_ready=None) -> float:
+    def compute_grads(self, micro_batches: Sequence, grad_ready=None,
+                      scale: float = 1.0) -> float:
         """Zero the gradients, run this stage's list over the micro-batches; return
         the mean loss over them (computed by the last stage, broadcast to all).
 
-        Each micro-batch's loss is scaled by 1/m, as in Replica.compute_grads.
+        Each micro-batch's loss is scaled by scale/m, as in Replica.compute_grads (scale:
+        a mixed-precision loss scale, models/precision.py).
         `grad_ready` is not called: gradients are final only at the end of the
         schedule, and the data-parallel reducer then covers the whole buffer.
         """
@@ -118,7 +120,7 @@ class PipelineReplica(Replica):
             raise ValueError(f"{m} micro-batches: at most {MAX_MICRO_BATCHES} per step")
         ops = self.ops(m)
         P.zero_grad()
-        run = _Step(st, P, micro_batches)
+        run = _Step(st, P, micro_batches, scale=scale)
         pp.barrier()
         t0 = time.perf_counter()
         self.spans = []
@@ -154,9 +156,9 @@ class _Step:
     """One step's passes on one stage: a method per op kind (F, B, W, BW)."""
 
     def __init__(self, stage: PipelineStage, P: FlatParams, micro_batches: Sequence,
-                 forward_only: bool = False):
+                 forward_only: bool = False, scale: float = 1.0):
         self.st, self.P, self.batches, self.forward_only = stage, P, micro_batches, forward_only
-        self.scale = 1.0 / len(micro_batches)
+        self.scale = scale / len(micro_batches)
         self.ctx: dict[int, object] = {}  # micro -> forward context (+ dlogits on the last)
         self.out_shape: dict[int, tuple] = {}
         self.weights: dict[int, list] = {}  # micro -> deferred weight gradients
@@ -174,7 +176,7 @@ class _Step:
         t = time.perf_counter()
         y, ctx = st.body.forward(self.P, x)
         if st.last:
-            loss, dlogits = st.loss(y, targets, self.scale)
+            loss, dlogits = st.score(self.P, y, targets, self.scale)
             self.loss_sum += loss
             ctx = (ctx, dlogits)
         else:

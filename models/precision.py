@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import ml_dtypes
 import numpy as np
@@ -172,9 +173,12 @@ class MixedReplica(Replica):
 
     `params` are the master weights and the float32 gradient the optimizer reads;
     `work.grad` (half) is what backward writes and what a data-parallel reducer averages
-    (`compute_params`); `finish_grads` unscales it into `params.grad`."""
+    (`compute_params`); `finish_grads` unscales it into `params.grad`. `runner(work)`
+    makes the Replica that runs the steps on the half copy (default the plain one; a
+    pipeline stage's PipelineReplica runs its schedule there)."""
 
-    def __init__(self, model, params: FlatParams, precision: str, scaler: LossScaler):
+    def __init__(self, model, params: FlatParams, precision: str, scaler: LossScaler,
+                 runner=None):
         if params.dtype != np.float32:
             raise ConfigError(f"--precision {precision} keeps float32 master weights: "
                               f"--dtype {params.dtype} does not go with it")
@@ -184,6 +188,7 @@ class MixedReplica(Replica):
         self.work = FlatParams(params.specs, dtype=storage, xp=params.xp)
         self.work.cast = Cast(storage)
         self.compute_params = self.work
+        self.inner = (runner or partial(Replica, model))(self.work)
         self._scale_used = scaler.scale
 
     def _refresh(self) -> None:
@@ -191,18 +196,14 @@ class MixedReplica(Replica):
         self.work.data[...] = self.params.data
 
     def compute_grads(self, micro_batches: Sequence, grad_ready=None) -> float:
-        """As Replica.compute_grads, on the half copy, each micro-batch's loss scaled by
-        scale / k; work.grad then holds the scaled mean gradient in half."""
-        W, k = self.work, len(micro_batches)
+        """The inner replica's compute_grads on the half copy, each micro-batch's loss
+        scaled by scale / k; work.grad then holds the scaled mean gradient in half."""
         self._refresh()
-        W.zero_grad()
-        self._scale_used = S = self.scaler.scale
-        total = 0.0
+        self._scale_used = self.scaler.scale
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is finish_grads' to see
-            for i, mb in enumerate(micro_batches):
-                ready = grad_ready if i == k - 1 else None
-                total += self.model.loss_and_grad(W, mb, scale=S / k, grad_ready=ready)
-        return total / k
+            loss = self.inner.compute_grads(micro_batches, grad_ready, scale=self._scale_used)
+        self.timing, self.spans = self.inner.timing, self.inner.spans
+        return loss
 
     def finish_grads(self) -> tuple[bool, dict]:
         """params.grad = float32(work.grad) / scale; whether it is finite (then the
@@ -218,10 +219,10 @@ class MixedReplica(Replica):
                     "skipped_steps": self.scaler.skipped}
 
     def _agreed(self, ok: bool) -> bool:
-        """`ok` on every rank of the model-parallel groups (tp, ep), which hold different
-        gradients: a step is skipped where any one overflowed. (Data-parallel replicas
+        """`ok` on every rank of the model-parallel groups (tp, ep, pp), which hold
+        different gradients: a step is skipped where any one overflowed. (Data-parallel replicas
         need no agreement: they check the same all-reduced gradient.)"""
-        for comm in (self.model.tp, getattr(self.model, "ep", None)):
+        for comm in (self.model.tp, self.model.ep, self.model.pp):
             if comm is not None and comm.size > 1:
                 xp = self.params.xp
                 bad = comm.allreduce(xp.asarray([0.0 if ok else 1.0]))  # ranks that overflowed
@@ -231,8 +232,7 @@ class MixedReplica(Replica):
     def evaluate(self, batches: Sequence) -> float:
         """The mean loss over `batches` at this precision (forward only)."""
         self._refresh()
-        total = sum(self.model.forward(self.work, b, training=False)[0] for b in batches)
-        return total / len(batches)
+        return self.inner.evaluate(batches)
 
     def summary_line(self) -> str:
         """What the scaler did, for the trainer's summary."""

@@ -161,7 +161,7 @@ def run_group(setup: Setup, wcfg: WorkerConfig, client_cfg: ClientConfig,
     layout = pb.PartitionLayout(id=group.partition, count=group.count,
                                 specs=specs_json(params.specs))
     client = PSClient(client_cfg, transport=client_cfg.transport, shm=client_cfg.shm,
-                      partition=layout)
+                      partition=layout, wire_dtype=client_cfg.wire)
     try:
         first = client.connect(group.wid, setup.model_name, params.size,
                                wire.layout_crc(params.specs),

@@ -366,9 +366,6 @@ def main(argv: list[str]) -> int:
         from dtlab.pserver import group_worker
 
         client_cfg = from_namespace(ClientConfig, setup.extra)
-        for flag, value in (("--precision", setup.run.precision), ("--wire", client_cfg.wire)):
-            if value != "fp32":
-                raise ConfigError(f"{flag} {value} with --tp/--pp worker groups: not yet")
         name = start_logging()
         keep_freed_memory()
         return group_worker.main(setup, client_cfg,

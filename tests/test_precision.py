@@ -30,6 +30,7 @@ from dtlab.models.mlp import MLPConfig
 from dtlab.models.model import Replica
 from dtlab.models.params import FlatParams
 from dtlab.models.precision import PRECISIONS, UNIT_ROUNDOFF, Cast, LossScaler, MixedReplica
+from dtlab.models.run import checkpoint
 from dtlab.models.run.metrics import MetricsLog, read_metrics
 from dtlab.models.run.session import build_session, parse
 from dtlab.models.run.trainer import Trainer, config_differences
@@ -260,6 +261,31 @@ def test_sync_ranks_agree_on_skipped_steps_and_stay_identical(tmp_path):
     assert 2 * header["grad_bytes"] == header["param_bytes"]
 
 
+@pytest.mark.parametrize("precision", HALVES)
+def test_a_pipeline_in_half_precision_equals_one_process_and_its_stages_skip_together(
+        tmp_path, precision):
+    """pp 2 with 1F1B (each stage accumulates its micro-batches' gradients in the order one
+    process does) and a first loss scale that overflows: every stage skips the same steps
+    and the final parameters equal single-process training at that precision, bit for
+    bit: half activations and gradients cross the stages as they cross the modules.
+    (--clip 0: a clip's norm sums the stages' squares in another order, an ulp apart.)"""
+    flags = ["--model", "mlp", "--d-hidden", "32", "--n-layers", "2", "--steps", "12",
+             "--batch-size", "8", "--grad-accum", "2", "--precision", precision,
+             "--loss-scale", "1e9", "--seed", "5", "--clip", "0"]
+    ck = tmp_path / "single"
+    r = mpirun(1, "-m", "dtlab.models.run.train", *flags, "--checkpoint-dir", ck,
+               "--checkpoint-every", "12", timeout=120)
+    assert r.rc == 0, r
+    single = checkpoint.load(checkpoint.latest(str(ck)))[0]["params"]
+    out, metrics = tmp_path / "pp.npy", tmp_path / "pp.jsonl"
+    r = mpirun(2, "tests/mpi_progs/grid_train.py", out, "--pp", "2", "--pp-schedule", "1f1b",
+               *flags, "--metrics", metrics, timeout=120)
+    assert r.rc == 0, r
+    np.testing.assert_array_equal(np.load(out), single)
+    records = read_metrics(str(metrics))[1]
+    assert precision == "bf16" or any(x["skipped"] for x in records)  # fp16: 1e9 overflows
+
+
 def test_tensor_split_ranks_agree_on_a_skip():
     r = mpirun(2, "tests/mpi_progs/precision_agree.py", timeout=60)
     assert r.rc == 0 and "PASS precision agree 2" in r.stdout, r
@@ -286,8 +312,7 @@ def test_resume_carries_the_loss_scaler_on(tmp_path):
 
 @pytest.mark.parametrize("flags, words", [
     (["--wire", "fp8"], "fp8"),
-    (["--precision", "fp16", "--tp", "2"], "--precision fp16 with --tp/--pp worker groups"),
-    (["--wire", "bf16", "--pp", "2"], "--wire bf16 with --tp/--pp worker groups"),
+    (["--precision", "fp4"], "fp4"),
 ])
 def test_worker_refuses_what_it_cannot_do_by_name(flags, words):
     r = subprocess.run([sys.executable, "-m", "dtlab.pserver.worker", "--servers",

@@ -97,6 +97,35 @@ def test_worker_groups_under_bsp_equal_one_process_on_the_global_batch(
             assert all(rec["grad_norm"] > float(clip) for rec in records)
 
 
+@pytest.mark.parametrize("wire_dtype", ["fp32", "bf16"])
+def test_a_worker_group_in_mixed_precision_trains_as_one_process_does(tmp_path, wire_dtype):
+    """A tp 2 x pp 2 group with --precision bf16 under BSP: with a float32 wire its
+    parameters end as single-process bf16 training's (the servers' optimizer is the
+    trainer's); with --wire bf16 the pushed gradients and pulled parameters are rounded
+    once more each step, so only close to it."""
+    B, m = 4, 2
+    want = single_params(tmp_path, [*MLP, "--precision", "bf16", "--grad-accum", str(m)], B,
+                         "0")
+    out, metrics = tmp_path / "group.npy", tmp_path / "w{worker}.jsonl"
+    with serve(shards=2, model="mlp", model_cfg=MLP_CFG, data=DATA, optim=OPTIM,
+               consistency="bsp", num_workers=1, schedule_steps=K, seed=3) as daemons:
+        r = mpirun(4, "tests/mpi_progs/ps_group_train.py", out, "--servers",
+                   addresses(daemons), "--tp", "2", "--pp", "2", *MLP, *RUN, "--clip", "0",
+                   "--batch-size", B, "--grad-accum", m, "--precision", "bf16",
+                   "--wire", wire_dtype, "--metrics", metrics, timeout=120)
+        assert r.rc == 0, str(r)
+    err = float(np.abs(np.load(out) - want).max())
+    print(f"tp 2 x pp 2 group, bf16, {wire_dtype} wire: max |difference| {err:.2e}")
+    assert err < (1e-5 if wire_dtype == "fp32" else 2e-2), err
+    records = read_metrics(str(tmp_path / "w0.jsonl"))[1]
+    assert len(records) == K and all("loss_scale" in rec for rec in records)
+    # partition 0 (tp rank 0 of stage 0: rows 0..15 of the first layer, its bias half) moves
+    # its elements each way at 4 bytes, or 2 on a bf16 wire
+    elements = 12 * 16 + 16
+    size = 2 if wire_dtype == "bf16" else 4
+    assert all(rec["push_bytes"] == rec["pull_bytes"] == elements * size for rec in records)
+
+
 # -- the servers' rules, through real clients ---------------------------------------------
 
 def dense_specs() -> list[ParamSpec]:

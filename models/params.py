@@ -108,6 +108,7 @@ class FlatParams:
 
     deferred: list | None = None  # the queue while deferring, else None
     cast = None  # a half-precision working copy's compute-dtype policy (models/precision.py)
+    master = None  # that copy's float32 master parameters (state nudged outside backprop)
 
     def __init__(
         self,

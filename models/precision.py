@@ -186,7 +186,7 @@ class MixedReplica(Replica):
         super().__init__(model, params)
         self.precision, self.scaler = precision, scaler
         self.work = FlatParams(params.specs, dtype=storage, xp=params.xp)
-        self.work.cast = Cast(storage)
+        self.work.cast, self.work.master = Cast(storage), params
         self.compute_params = self.work
         self.inner = (runner or partial(Replica, model))(self.work)
         self._scale_used = scaler.scale

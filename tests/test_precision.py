@@ -261,6 +261,23 @@ def test_sync_ranks_agree_on_skipped_steps_and_stay_identical(tmp_path):
     assert 2 * header["grad_bytes"] == header["param_bytes"]
 
 
+def test_bias_balancing_in_half_precision_nudges_the_float32_bias():
+    """--moe-bias-rate under bf16: each backward nudges the master (float32) bias by
+    +-rate, so after k steps every entry is an integer multiple of the rate, however far
+    below bf16's resolution, and the half copy selects with it rounded."""
+    rate = 1e-3
+    setup = parse([*TINY_LM[:-2], "--steps", "6", "--moe-experts", "4", "--moe-top-k", "1",
+                   "--moe-bias-rate", str(rate), "--precision", "bf16"], prog="t")
+    s = build_session(setup)
+    Trainer(s, MetricsLog("", {})).run()
+    bias = s.params["h0.moe.router.bias"]
+    assert bias.dtype == np.float32 and np.abs(bias).max() > 0
+    np.testing.assert_allclose(bias / rate, np.round(bias / rate), atol=1e-3)
+    assert np.abs(np.round(bias / rate)).max() <= 6  # at most one step per backward
+    np.testing.assert_array_equal(s.replica.work["h0.moe.router.bias"],
+                                  bias.astype(s.replica.work.dtype))
+
+
 @pytest.mark.parametrize("precision", HALVES)
 def test_a_pipeline_in_half_precision_equals_one_process_and_its_stages_skip_together(
         tmp_path, precision):

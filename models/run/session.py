@@ -282,9 +282,6 @@ def build_session(setup: Setup, rank: int = 0, world: int = 1, tp: Comm | None =
                               pipeline.pp)
     params = model.init_params(seed=setup.run.seed, dtype=setup.run.dtype)
     if setup.run.precision != "fp32":
-        if getattr(model_cfg, "moe_bias_rate", 0):
-            raise ConfigError(f"--precision {setup.run.precision} with --moe-bias-rate: not "
-                              "yet (the bias would be updated on the half copy)")
         runner = None if pipeline is None else \
             partial(PipelineReplica, model, schedule=pipeline.schedule)
         replica = MixedReplica(model, params, setup.run.precision, make_scaler(setup.run),

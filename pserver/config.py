@@ -51,6 +51,9 @@ class ServerConfig:
     shm: bool = described(True, "offer workers on this host a shared-memory data plane "
                                 "(gRPC stays the control plane)")
     ready_file: str = described("", "write {pid, port, metrics_port} JSON here once serving")
+    trace: str = described("", "write a Chrome trace (JSON, opens in Perfetto) of the shard's "
+                               "pushes received, optimizer applies and pull waits here at "
+                               "shutdown")
     grace_s: float = described(10.0, "seconds in-flight calls get to finish at shutdown")
     log_every: int = described(100, "log a staleness summary every N updates")
     log_level: str = choice("info", "debug", "info", "warning", help="daemon log verbosity")

@@ -46,6 +46,7 @@ from dtlab.models.data import DataConfig
 from dtlab.models.optim import OptimConfig, Schedule
 from dtlab.models.params import FlatParams
 from dtlab.models.run.checkpoint import CheckpointError, latest_valid
+from dtlab.models.run.trace import Trace
 from dtlab.models.zoo import build_model, config_class
 from dtlab.pserver import auth, checkpoint, shm, wire
 from dtlab.pserver.allocator import huge_empty
@@ -152,6 +153,9 @@ class Daemon:
                     raise CheckpointError(f"{path}: does not fit this shard ({e})") from None
                 log.info("resumed from %s (version %d)", path, store.version)
         self._ckpt_lock = threading.Lock()
+        self.trace = Trace(cfg.trace, pid=cfg.shard, process=f"shard {cfg.shard}") \
+            if cfg.trace else None
+        store.trace = self.trace
         token = auth.read_token(cfg.token_file, cfg.token_env)
         self.replication = Replication(cfg, store, config) if cfg.replicas > 1 else None
         self.stopping = threading.Event()  # set by a signal, or by a failure (self.failure)
@@ -223,6 +227,7 @@ class Daemon:
         """A servicer over a new store for this shard's slice of partition `flat`."""
         name, _, optim_cfg = self._record()
         store = store_of(self.cfg, name, flat, optim_cfg)
+        store.trace = self.trace
         return ParameterServerServicer(store, self.cfg.max_message_bytes, checkpoint=None,
                                        shm=shm, codec=codec, config=self.config_record)
 
@@ -343,6 +348,9 @@ class Daemon:
             self.save_checkpoint()
         if self.metrics is not None:
             self.metrics.stop()
+        if self.trace is not None:
+            self.trace.close()
+            log.info("trace %s", self.cfg.trace)
         h = self.store.staleness.shard
         log.info("stopped at version %d: %d gradients applied, staleness mean %.2f max %d",
                  self.store.version, h.total, h.sum / max(1, h.total), h.max)

@@ -179,7 +179,11 @@ class ParameterServerServicer:
                                   f"{self.store.layout.shard}", reason="shard")
         known = req.known_version if req.HasField("known_version") else None
         code = self._wire_code(req.dtype or self.meta.dtype, "dtype")
+        t0 = time.perf_counter()
         read = self.store.read(req.worker_id, known, timeout, alive=context.is_active)
+        if self.store.trace is not None:  # the time a pull waited for its SSP / BSP turn
+            self.store.trace.span("pull", t0, time.perf_counter(), "wait",
+                                  worker=req.worker_id, version=read.version)
         if code == self.meta.dtype or read.tensor is None:
             return read
         try:  # a half pull: the values rounded once, into a snapshot of the pull's own
@@ -341,8 +345,16 @@ class ParameterServerServicer:
                 checked_s = grad.check_seconds
                 if grad.dtype != self.store.params.dtype:  # a half gradient: float32 now
                     grad = _widened(grad, self.store.params.dtype)
-                self.store.received(time.perf_counter() - t0, checked_s)
+                t1 = time.perf_counter()
+                self.store.received(t1 - t0, checked_s)
+                self._traced_receive(h, t0, t1)
                 return self.store.push(h.worker_id, h.step, h.meta.version, grad, ranges)
+
+    def _traced_receive(self, h: pb.PushHeader, start: float, end: float) -> None:
+        """A received push's span in the daemon's trace (--trace), if it keeps one."""
+        if self.store.trace is not None:
+            self.store.trace.span("receive push", start, end, "comm", worker=h.worker_id,
+                                  step=h.step)
 
     def Push(self, requests: Iterator[bytes], context) -> pb.PushReply:
         requests = iter(requests)
@@ -481,6 +493,7 @@ class ParameterServerServicer:
                 raise DataLoss(f"shm_push.adler32 {m.adler32:#010x} != {checksum:#010x} "
                                "computed over the segment", reason="checksum")
             self.store.received(t2 - t0, t2 - t1)
+            self._traced_receive(h, t0, t2)
             return self.store.push(h.worker_id, h.step, h.meta.version, grad, ranges)
 
     def _shm_pull(self, req: pb.PullRequest, segment: Segment | None, context) -> pb.ShmPulled:

@@ -184,6 +184,7 @@ class ShardStore:
         self._before_resume: set[int] = set()
         # pserver.replication.Journal: every change, in the order made here, for a backup
         self.journal = None
+        self.trace = None  # models.run.trace.Trace of the daemon (--trace): apply spans
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -463,7 +464,11 @@ class ShardStore:
         else:
             self.optimizer.step_ranges(self.params, grad, ranges, lr)
         self.experts.applied(ranges)
-        self.apply_seconds += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.apply_seconds += t1 - t0
+        if self.trace is not None:
+            self.trace.span("apply", t0, t1, version=self.version + 1,
+                            workers=[w for w, _, _ in contributions])
         for (worker, step, _), s in zip(contributions, stalenesses, strict=True):
             self.staleness.record(worker, s)
             log.debug("applied worker %d step %d staleness %d at version %d lr %.3g",

@@ -188,10 +188,20 @@ def test_traces_merged_and_the_cost_model_beside_each_run(tmp_path):
         assert f"[{run['name']}]({run['trace']})" in report
         events = json.loads((out / run["trace"]).read_text())["traceEvents"]
         procs = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
-        assert procs == {0: f"{names[run['name']]} 0", 1: f"{names[run['name']]} 1"}
-        for pid in (0, 1):
+        workers = {pid: who for pid, who in procs.items() if not who.startswith("shard")}
+        assert sorted(workers.values()) == [f"{names[run['name']]} {i}" for i in (0, 1)]
+        for pid in workers:
             compute = [e for e in events if e["pid"] == pid and e["name"] == "compute"]
             assert sorted(e["args"]["step"] for e in compute) == list(range(1, steps + 1))
+        if run["name"] == "async-bsp":  # each shard's trace: a BSP round applied per step
+            shards = [pid for pid, who in procs.items() if who.startswith("shard")]
+            assert sorted(procs[p] for p in shards) == ["shard 0", "shard 1"]
+            for pid in shards:
+                applies = [e for e in events if e["pid"] == pid and e["name"] == "apply"]
+                assert sorted(e["args"]["version"] for e in applies) == list(
+                    range(1, steps + 1))
+                assert all(sorted(e["args"]["workers"]) == [0, 1] for e in applies)
+                assert any(e["pid"] == pid and e["name"] == "receive push" for e in events)
     # the model's step beside the measured median step after warm-up
     cores = os.cpu_count()
     share, threads = max(1.0, 2 / cores), max(1, cores // 2)
@@ -235,7 +245,8 @@ def test_model_parallel_replicas_run_under_both_topologies(tmp_path, grid):
     for run in summary["runs"]:
         assert run["status"] == "ok" and run["stats"]["final_eval_loss"] is not None, run
         events = json.loads((out / run["trace"]).read_text())["traceEvents"]
-        assert len({e["pid"] for e in events if e["name"] == "process_name"}) == 2
+        names = [e["args"]["name"] for e in events if e["name"] == "process_name"]
+        assert len([n for n in names if not n.startswith("shard")]) == 2  # the replica's ranks
     assert "every replica: " in (out / "report.md").read_text()
 
 

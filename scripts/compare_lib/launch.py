@@ -7,9 +7,10 @@
               --consistency C [--staleness S] --staleness-lr none|divide --ready-file ...
         mpiexec -n N dtlab-worker --config CFG --servers ... --metrics OUT/NAME.w{worker}.jsonl
 
-With --trace, every rank adds --trace OUT/NAME.trace.{rank}.json and every
-worker --trace OUT/NAME.trace.w{worker}.json, every rank of a worker group
-OUT/NAME.trace.{rank}.json (compare_lib/traces.py merges them). --tp/--pp/--ep
+With --trace, every rank adds --trace OUT/NAME.trace.{rank}.json, every shard
+OUT/NAME.trace.sK.json, every worker --trace OUT/NAME.trace.w{worker}.json,
+every rank of a worker group OUT/NAME.trace.{rank}.json (compare_lib/traces.py
+merges them). --tp/--pp/--ep
 (Grid) are passed through: N x tp x pp processes per launch.
 
 The processes are started, tracked and stopped by processes.Processes.
@@ -263,6 +264,8 @@ def run_async(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
                    "--staleness-lr", spec.staleness_lr, "--ready-file", str(ready[k])]
             if spec.consistency == "ssp":
                 cmd += ["--staleness", str(spec.staleness)]
+            if bench.trace:
+                cmd += ["--trace", str(out / f"{name}.trace.s{k}.json")]
             if bench.cluster:
                 host = k % bench.cluster.hosts
                 cmd = bench.cluster.in_host(host, [*cmd, "--bind", bench.cluster.address(host),

@@ -1,10 +1,12 @@
 """One Chrome trace per run (compare.py --trace), merged from its processes' traces.
 
-Every sync rank writes OUT/NAME.trace.R.json and every async worker
-OUT/NAME.trace.wK.json (models/run/trace.py: complete events on the wall clock,
-so the files of one host line up; pid = the rank or worker number). After the
-run, models/run/trace.merge joins them into OUT/NAME.trace.json, process i of
-the files (ranks, then workers, by number) shifted to pid i (pid_offsets), so
+Every sync rank writes OUT/NAME.trace.R.json, every parameter-server shard
+OUT/NAME.trace.sK.json (received pushes, optimizer applies, pulls waiting for
+their SSP / BSP turn) and every async worker OUT/NAME.trace.wK.json
+(models/run/trace.py: complete events on the wall clock, so the files of one
+host line up; pid = the rank, shard or worker number). After the run,
+models/run/trace.merge joins them into OUT/NAME.trace.json, process i of the
+files (ranks, then shards, then workers, by number) shifted to pid i (pid_offsets), so
 that every process is its own track in Perfetto (ui.perfetto.dev, "Open trace
 file") or chrome://tracing. A failed run merges the files its processes wrote.
 """
@@ -19,8 +21,9 @@ from dtlab.models.run.trace import merge
 
 
 def process_files(out: Path, name: str) -> list[tuple[Path, int]]:
-    """(file, its pid) of every process trace of run `name`, ranks then workers, by number."""
-    pattern = re.compile(rf"{re.escape(name)}\.trace\.(w?)(\d+)\.json")
+    """(file, its pid) of every process trace of run `name`: ranks, shards, then workers,
+    by number."""
+    pattern = re.compile(rf"{re.escape(name)}\.trace\.([sw]?)(\d+)\.json")
     found = []
     for path in out.iterdir():
         m = pattern.fullmatch(path.name)

@@ -190,6 +190,9 @@ def synthetic_bench(tmp: Path) -> list[str]:
     ps = [{"mode": "rounds", "path": path, "bytes": b, "pull_ms": 1e3 * (3e-4 + b / 2e9),
            "push_ms": 1e3 * (4e-4 + b / 1e9)} for b in (1 << 16, 1 << 20, 1 << 24)
           for path in ("shm", "session")]
+    # paths timed by the whole round only, as bench_pserver writes them: no pull/push fit
+    ps += [{"mode": "rounds", "path": path, "bytes": b, "pull_ms": None, "push_ms": None,
+            "round_ms": 1.0} for b in (1 << 16, 1 << 20) for path in ("fused", "bf16")]
     ps += [{"op": "push", "bytes": 1 << 20, "shards": 2, "optimizer": o,
             "apply_ms": 1e3 * (1 << 19) * g} for o, g in (("sgd", 1e-10), ("adam", 3e-10))]
     (tmp / "ps.json").write_text(json.dumps({"config": {}, "env": {}, "rows": ps}))

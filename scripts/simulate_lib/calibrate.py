@@ -116,8 +116,8 @@ def fit_pserver(rows: list[dict]) -> tuple[dict, dict]:
             paths.setdefault(r["path"], []).append(r)
     fits = {}
     for path, rs in paths.items():
-        if len({r["bytes"] for r in rs}) < 2:
-            continue
+        if len({r["bytes"] for r in rs}) < 2 or any(r.get("pull_ms") is None for r in rs):
+            continue  # one size, or a path timed by the round only (fused, shm, half wire)
         fits[path] = {op: fit_line([r["bytes"] for r in rs], [r[f"{op}_ms"] * 1e-3 for r in rs])
                       for op in ("pull", "push")}
     apply: dict[str, list[float]] = {}

@@ -210,10 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, size, cfg, batch in TINY if args.tiny else SIZES:
         rows.append(bench_one(name, size, cfg, batch, reps, warmup))
         print(row_line(rows[-1]), flush=True)
+    return finish(rows, header, args.json)
+
+
+def finish(rows: list[dict], header: dict, path: str) -> int:
+    """The closing line (rows' #wrong summed), the JSON at `path` if given; exit status."""
     wrong = sum(r["wrong"] for r in rows)
     print(f"# Out of bounds values : {wrong} {'OK' if not wrong else 'FAILED'}")
-    if args.json:
-        with open(args.json, "w") as f:
+    if path:
+        with open(path, "w") as f:
             json.dump({"header": header, "rows": rows}, f, indent=1)
     return 1 if wrong else 0
 

@@ -31,17 +31,17 @@ point.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
 
-from bench_model import machine_header
+from bench_model import finish, machine_header
 
 from dtlab.models import backend
 from dtlab.models.cost import OPTIMIZER_STATES, estimate
 from dtlab.models.memory import context_bytes
 from dtlab.models.precision import PRECISIONS
+from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.metrics import MetricsLog
 from dtlab.models.run.session import build_session, parse
 from dtlab.models.run.threads import share_cores
@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps if args.steps is not None else (20 if args.tiny else 300)
     if steps < 1:
         p.error("--steps must be at least 1")
+    keep_freed_memory()
     threads = share_cores()
     try:
         device = backend.device_name()
@@ -158,12 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             base = base or row
             rows.append(row)
             print(row_line(row, base["step_s_median"]), flush=True)
-    wrong = sum(r["wrong"] for r in rows)
-    print(f"# Out of bounds values : {wrong} {'OK' if not wrong else 'FAILED'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"header": header, "rows": rows}, f, indent=1)
-    return 1 if wrong else 0
+    return finish(rows, header, args.json)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ sees one node per host (no shared-memory path between them, our
 collectives' MPI-3 windows included). UCX_TLS=tcp,self keeps the wheel's
 UCX off shared memory: with `sm` listed, UCX would move data between
 namespaces of one kernel without ever touching the link. The qdisc byte
-counters show the bytes did cross it.
+counters show the bytes did cross it. Each host owns an equal share of the
+machine's CPUs (`taskset`): its processes size their BLAS threads by them
+(models/run/threads.py reads the affinity), where otherwise every host would
+count all the machine's cores and the hosts' threads would fight over them.
 
 Everything made is removed on exit, after a failure too: processes left in
 a namespace (SIGKILL), the namespaces, the bridge (the veths go with their
@@ -35,10 +38,14 @@ from pathlib import Path
 
 LAUNCHER = """#!/bin/sh
 # Hydra's launcher, called as ssh would be: options (-x ...), the host, then a command
-# line that a remote shell would parse. The host is a network namespace of this machine.
+# line that a remote shell would parse. The host is a network namespace of this machine,
+# its processes pinned to the host's own CPUs.
 while [ "${1#-}" != "$1" ]; do shift; done
 host="$1"; shift
-exec ip netns exec "%(prefix)s-$host" unshare --uts sh -c "hostname $host; $*"
+case "$host" in
+%(cpus)s
+esac
+exec ip netns exec "%(prefix)s-$host" taskset -c "$cpus" unshare --uts sh -c "hostname $host; $*"
 """
 BURST = "256kb"  # tbf bucket: a few packets' worth at 1 Gbit/s
 LATENCY = "50ms"  # tbf queue limit, as time
@@ -107,7 +114,9 @@ class EmulatedCluster:
                      "tbf", "rate", f"{self.gbit * 1000:g}mbit", "burst", BURST,
                      "latency", LATENCY)
             self.work.mkdir(parents=True, exist_ok=True)
-            self.launcher.write_text(LAUNCHER % {"prefix": self.prefix})
+            cases = "\n".join(f"  {h}) cpus={self.cpu_list(i)} ;;"
+                              for i, h in enumerate(self.host_names))
+            self.launcher.write_text(LAUNCHER % {"prefix": self.prefix, "cpus": cases})
             self.launcher.chmod(0o755)
         except BaseException:
             self.close()
@@ -140,9 +149,24 @@ class EmulatedCluster:
     def env(self) -> dict[str, str]:
         return {"UCX_TLS": "tcp,self"}
 
+    def cpus(self, host: int) -> list[int]:
+        """The CPUs of this machine that host `host` owns: an equal share of them (one
+        each, shared round-robin, when there are more hosts than CPUs). A host's
+        processes see only these (their affinity), so each sizes its threads by its own
+        host's cores, as on separate machines, instead of every host counting them all."""
+        every = sorted(os.sched_getaffinity(0))
+        if self.hosts > len(every):
+            return [every[host % len(every)]]
+        k = len(every) // self.hosts
+        return every[host * k:(host + 1) * k]
+
+    def cpu_list(self, host: int) -> str:
+        return ",".join(map(str, self.cpus(host)))
+
     def in_host(self, host: int, cmd: list[str]) -> list[str]:
-        """`cmd` run inside host `host`."""
-        return ["ip", "netns", "exec", self.namespace(host), *cmd]
+        """`cmd` run inside host `host`, on its CPUs."""
+        return ["ip", "netns", "exec", self.namespace(host), "taskset", "-c",
+                self.cpu_list(host), *cmd]
 
     def bytes_sent(self) -> list[int]:
         """Bytes each host's shaped link has sent so far (its qdisc's counter)."""
@@ -154,5 +178,7 @@ class EmulatedCluster:
         return out
 
     def describe(self) -> str:
+        cpus = "; ".join(f"host {i} CPUs {self.cpu_list(i)}" for i in range(self.hosts))
         return (f"{self.hosts} emulated hosts (network namespaces on a bridge), each link "
-                f"shaped to {self.gbit:g} Gbit/s by tc tbf; MPI over TCP (UCX_TLS=tcp,self)")
+                f"shaped to {self.gbit:g} Gbit/s by tc tbf; MPI over TCP (UCX_TLS=tcp,self); "
+                f"{cpus}")

@@ -190,9 +190,11 @@ def synthetic_bench(tmp: Path) -> list[str]:
     ps = [{"mode": "rounds", "path": path, "bytes": b, "pull_ms": 1e3 * (3e-4 + b / 2e9),
            "push_ms": 1e3 * (4e-4 + b / 1e9)} for b in (1 << 16, 1 << 20, 1 << 24)
           for path in ("shm", "session")]
-    # paths timed by the whole round only, as bench_pserver writes them: no pull/push fit
+    # paths timed by the whole round only, as bench_pserver writes them: half the round
+    # each way
     ps += [{"mode": "rounds", "path": path, "bytes": b, "pull_ms": None, "push_ms": None,
-            "round_ms": 1.0} for b in (1 << 16, 1 << 20) for path in ("fused", "bf16")]
+            "round_ms": 1e3 * (6e-4 + b / 5e8)} for b in (1 << 16, 1 << 20)
+           for path in ("fused", "bf16")]
     ps += [{"op": "push", "bytes": 1 << 20, "shards": 2, "optimizer": o,
             "apply_ms": 1e3 * (1 << 19) * g} for o, g in (("sgd", 1e-10), ("adam", 3e-10))]
     (tmp / "ps.json").write_text(json.dumps({"config": {}, "env": {}, "rows": ps}))
@@ -220,6 +222,11 @@ def test_calibration_recovers_known_constants(tmp_path):
         shm["pull"]["beta_s_per_byte"] == pytest.approx(1 / 2e9)
     assert shm["push"]["alpha_s"] == pytest.approx(4e-4) and \
         shm["push"]["beta_s_per_byte"] == pytest.approx(1 / 1e9)
+    for path in ("fused", "bf16"):  # timed by the round: half of it each way
+        for op in ("pull", "push"):
+            f = cal["pserver"][path][op]
+            assert f["alpha_s"] == pytest.approx(3e-4) and \
+                f["beta_s_per_byte"] == pytest.approx(1 / 1e9)
     assert cal["apply_s_per_byte"] == pytest.approx({"sgd": 1e-10, "adam": 3e-10})
     (fit,) = cal["compute"]
     assert fit["overhead_s"] == pytest.approx(2e-3) and fit["flops_per_s"] == pytest.approx(50e9)

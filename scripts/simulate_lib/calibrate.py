@@ -116,10 +116,18 @@ def fit_pserver(rows: list[dict]) -> tuple[dict, dict]:
             paths.setdefault(r["path"], []).append(r)
     fits = {}
     for path, rs in paths.items():
-        if len({r["bytes"] for r in rs}) < 2 or any(r.get("pull_ms") is None for r in rs):
-            continue  # one size, or a path timed by the round only (fused, shm, half wire)
-        fits[path] = {op: fit_line([r["bytes"] for r in rs], [r[f"{op}_ms"] * 1e-3 for r in rs])
-                      for op in ("pull", "push")}
+        if len({r["bytes"] for r in rs}) < 2:
+            continue
+        if all(r.get("pull_ms") is not None for r in rs):
+            fits[path] = {op: fit_line([r["bytes"] for r in rs],
+                                       [r[f"{op}_ms"] * 1e-3 for r in rs])
+                          for op in ("pull", "push")}
+        elif all(r.get("round_ms") is not None for r in rs):
+            # a path timed by the whole round only (the push carries the next pull: fused,
+            # shared memory, half wire): each half of the round is taken as the pull, the
+            # other as the push, so that pull + push is the round
+            half = fit_line([r["bytes"] for r in rs], [r["round_ms"] * 0.5e-3 for r in rs])
+            fits[path] = {"pull": half, "push": half}
     apply: dict[str, list[float]] = {}
     for r in rows:
         if r.get("op") == "push" and r.get("apply_ms") is not None:

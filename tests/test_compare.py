@@ -348,7 +348,11 @@ def test_an_emulated_cluster_runs_both_topologies_over_its_shaped_links(tmp_path
         assert "2 emulated hosts" in summary["cluster"]
         sync, bsp = summary["runs"]
         assert sync["status"] == bsp["status"] == "ok"
-        comm = [r["comm_s"] for r in read_metrics(str(out / "sync-ring.jsonl"))[1][2:]]
+        header, records = read_metrics(str(out / "sync-ring.jsonl"))
+        # each host owns its share of the machine's CPUs, and its rank sizes its threads by it
+        assert header["threads"]["source"] == "affinity mask set by the launcher"
+        assert header["threads"]["cores"] == max(1, len(os.sched_getaffinity(0)) // 2)
+        comm = [r["comm_s"] for r in records[2:]]
         comm_ms[gbit] = 1e3 * float(np.median(comm))  # after the connections' warm-up
         sent[gbit] = sync["link_bytes"]
         assert all(b > 0 for b in bsp["link_bytes"])  # gRPC crossed the links too

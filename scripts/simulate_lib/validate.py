@@ -31,6 +31,7 @@ from dtlab.models.config import ConfigError
 from dtlab.models.cost import estimate
 from dtlab.models.model import Replica
 from dtlab.models.optim import make_optimizer
+from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.metrics import read_metrics
 from dtlab.models.run.session import parse, replica_cost
 from dtlab.models.zoo import build_model
@@ -61,7 +62,9 @@ def bench_compute(config_path: str, threads: list[int], out: Path, reps: int = 4
     update, as bench_model.py times it) at each thread count: every rep's time kept, so
     the step model can take the slowest of N ranks (step.ComputeRate.slowest_of), and the
     medians of its two parts (compute_grads, the optimizer's update) beside them; written
-    as bench_model.py JSON rows."""
+    as bench_model.py JSON rows. The process keeps freed memory from then on, as the
+    trainers whose steps this predicts do (models/run/allocator.py)."""
+    keep_freed_memory()  # as every trainer does: the same allocator as the runs timed
     setup = parse(["--config", config_path], prog="simulate.py --validate")
     batch = setup.run.batch_size * setup.run.grad_accum
     model = build_model(setup.model_name, setup.model)

@@ -170,6 +170,18 @@ def row_line(r: dict) -> str:
             f"{r['wrong']:>7}")
 
 
+def start(prog: str):
+    """What every trainer does first (freed memory kept, the cores shared) and the device's
+    name: (threads, device), or None after printing why there is no device."""
+    keep_freed_memory()
+    threads = share_cores()
+    try:
+        return threads, backend.device_name()
+    except backend.DeviceError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return None
+
+
 def machine_header(device: str, threads, **fields) -> dict:
     """The JSON header of a single-process benchmark: where it ran, then `fields`."""
     return {"device": device, "numpy": np.__version__, "python": platform.python_version(),
@@ -189,14 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     if reps < 1 or warmup < 0:
         p.error("--reps must be at least 1 and --warmup not negative")
 
-    keep_freed_memory()
-
-    threads = share_cores()
-    try:
-        device = backend.device_name()
-    except backend.DeviceError as e:
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
+    started = start(p.prog)
+    if started is None:
         return 2
+    threads, device = started
     header = machine_header(device, threads, reps=reps, warmup=warmup, timing="best of reps")
     print(f"# dtlab model step benchmark on {header['device']}: best of {reps} after "
           f"{warmup} warm-up, {threads.describe()}; "

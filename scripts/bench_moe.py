@@ -48,16 +48,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_model import machine_header
+from bench_model import machine_header, start
 
 from dtlab.models import backend
 from dtlab.models.moe import MoE, expert_ffn
 from dtlab.models.moe_stats import PHASES, MoEStats
 from dtlab.models.params import FlatParams
 from dtlab.models.router import RouterOptions
-from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.launcher import mpiexec_path
-from dtlab.models.run.threads import share_cores
 
 FLOOR = 1.5  # MoE top-2 of 8 step / dense FFN step of equal active parameters
 EP_FLOOR = 0.9  # our all-to-all busbw / MPI Alltoallv busbw, at >= EP_FLOOR_BYTES per rank
@@ -283,14 +281,10 @@ def main(argv: list[str] | None = None) -> int:
             any(b < 4 for b in args.ep_bytes or []):
         p.error("--ep-chunks and --ep-ranks must be at least 2, --ep-bytes at least 4")
 
-    keep_freed_memory()
-
-    threads = share_cores()
-    try:
-        device = backend.device_name()
-    except backend.DeviceError as e:
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
+    started = start(p.prog)
+    if started is None:
         return 2
+    threads, device = started
     header = machine_header(device, threads, reps=reps, warmup=warmup,
                             timing="median of reps", floor=FLOOR)
     header["ep_floor"], header["ep_floor_bytes"] = EP_FLOOR, EP_FLOOR_BYTES

@@ -35,16 +35,14 @@ import math
 import statistics
 import sys
 
-from bench_model import finish, machine_header
+from bench_model import finish, machine_header, start
 
 from dtlab.models import backend
 from dtlab.models.cost import OPTIMIZER_STATES, estimate
 from dtlab.models.memory import context_bytes
 from dtlab.models.precision import PRECISIONS
-from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.metrics import MetricsLog
 from dtlab.models.run.session import build_session, parse
-from dtlab.models.run.threads import share_cores
 from dtlab.models.run.trainer import Trainer
 
 # (name, flags): the data flags fix a source with an exact loss floor
@@ -132,13 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps if args.steps is not None else (20 if args.tiny else 300)
     if steps < 1:
         p.error("--steps must be at least 1")
-    keep_freed_memory()
-    threads = share_cores()
-    try:
-        device = backend.device_name()
-    except backend.DeviceError as e:
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
+    started = start(p.prog)
+    if started is None:
         return 2
+    threads, device = started
     header = machine_header(device, threads, steps=steps, timing="median step after 5")
     print(f"# dtlab mixed-precision benchmark on {device}: {steps} steps per run, AdamW, "
           f"{threads.describe()}; fp32 trained in the same run is the baseline")

@@ -167,6 +167,15 @@ class FlatParams:
         ("tp", "ep", "ep+tp": the grid dimensions a tensor is split over)."""
         return [self.offsets[s.name] for s in self.specs if s.split in splits]
 
+    def nudge(self, name: str, step) -> None:
+        """Add `step` to parameter `name` outside backprop (state such as an MoE router's
+        selection bias). On a half-precision working copy the float32 master's value takes
+        it, so that steps far below half's resolution still add up, and is copied down."""
+        target = (self if self.master is None else self.master)[name]  # a view of the buffer
+        target += step.astype(target.dtype)
+        if self.master is not None:
+            self[name][...] = self.master[name]
+
     def zero_grad(self) -> None:
         self.grad.fill(0)
 

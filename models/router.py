@@ -195,19 +195,12 @@ class Router:
         return dz @ W.T  # (n, d)
 
     def update_bias(self, P, load, comm: Comm | None) -> None:
-        """b_e += rate sign(mean load - load_e); `load` (N,) summed over `comm` first. On a
-        mixed-precision half copy the float32 master's bias is nudged (and copied down), so
-        that steps of rate far below half's resolution still add up."""
+        """b_e += rate sign(mean load - load_e); `load` (N,) summed over `comm` first
+        (FlatParams.nudge: on a mixed-precision half copy, to the float32 master's bias)."""
         if comm is not None:
             comm.allreduce(load)
         xp = array_module(load)
-        name = f"{self.name}.bias"
-        b = P[name] if P.master is None else P.master[name]  # mixed precision: the float32 one
-        step = xp.sign(load.mean() - load).astype(b.dtype)  # (N,)
-        step *= self.opts.bias_rate
-        b += step
-        if P.master is not None:
-            P[name][...] = b  # the half copy selects with it from the next forward on
+        P.nudge(f"{self.name}.bias", xp.sign(load.mean() - load) * self.opts.bias_rate)  # (N,)
 
 
 def entropy(p) -> float:

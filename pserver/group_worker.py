@@ -62,11 +62,10 @@ from dtlab.models.run.threads import share_cores
 from dtlab.models.run.trace import Trace
 from dtlab.models.run.trainer import Summary
 from dtlab.protos import dtlab_ps_pb2 as pb
-from dtlab.pserver import runconfig, wire
 from dtlab.pserver.client import PSClient
 from dtlab.pserver.config import ClientConfig
 from dtlab.pserver.partitions import specs_json
-from dtlab.pserver.worker import Worker, WorkerConfig, leave, skip_to
+from dtlab.pserver.worker import Worker, WorkerConfig, connect, leave, skip_to
 
 log = logging.getLogger(__name__)
 
@@ -163,10 +162,7 @@ def run_group(setup: Setup, wcfg: WorkerConfig, client_cfg: ClientConfig,
     client = PSClient(client_cfg, transport=client_cfg.transport, shm=client_cfg.shm,
                       partition=layout, wire_dtype=client_cfg.wire)
     try:
-        first = client.connect(group.wid, setup.model_name, params.size,
-                               wire.layout_crc(params.specs),
-                               runconfig.run_config(setup.model_name, setup.model, setup.data,
-                                                    setup.run.seed, setup.run.dtype))
+        first = connect(client, setup, group.wid, params)
         try:
             summary = _train(session, client, group, first, client_cfg, threads)
         finally:

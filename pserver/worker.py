@@ -88,7 +88,7 @@ from dtlab.models.run.cli import command_name, run_cli
 from dtlab.models.run.launcher import launcher_rank, launcher_size
 from dtlab.models.run.metrics import MetricsLog, run_header
 from dtlab.models.run.progress import Progress
-from dtlab.models.run.session import Session, build_session, parse
+from dtlab.models.run.session import Session, Setup, build_session, parse
 from dtlab.models.run.stop import StopSignals
 from dtlab.models.run.straggler import Straggler
 from dtlab.models.run.threads import share_cores
@@ -393,10 +393,7 @@ def main(argv: list[str]) -> int:
     client = PSClient(client_cfg, transport=client_cfg.transport, shm=client_cfg.shm,
                       wire_dtype=client_cfg.wire)
     try:
-        first = client.connect(given, setup.model_name, session.params.size,
-                               wire.layout_crc(session.params.specs),
-                               runconfig.run_config(setup.model_name, setup.model, setup.data,
-                                                    setup.run.seed, setup.run.dtype))
+        first = connect(client, setup, given, session.params)
         wid = client.worker
         name.who = f"worker {wid}"
         try:
@@ -437,6 +434,15 @@ def train(session: Session, client: PSClient, wcfg: WorkerConfig, first: int,
         return Worker(session, client, wid, metrics, wcfg.moe_sparse_push).run(first)
     finally:
         metrics.close()
+
+
+def connect(client: PSClient, setup: Setup, worker: int | None, params) -> int:
+    """Register `worker` (None: an id assigned by shard 0) with every shard, bringing the
+    model's size and layout of `params` and the run config the servers check; the step
+    this worker goes on from."""
+    return client.connect(worker, setup.model_name, params.size, wire.layout_crc(params.specs),
+                          runconfig.run_config(setup.model_name, setup.model, setup.data,
+                                               setup.run.seed, setup.run.dtype))
 
 
 def leave(client: PSClient) -> None:

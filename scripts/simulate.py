@@ -94,7 +94,7 @@ from simulate_lib.calibrated import (
 )
 from simulate_lib.emulated import Cluster
 from simulate_lib.formulas import Network
-from simulate_lib.step import ComputeRate, Host, compute_rate
+from simulate_lib.step import ComputeRate, Host, Workload, compute_rate
 
 from dtlab.models.config import ConfigError
 from dtlab.models.cost import estimate
@@ -377,6 +377,19 @@ def parallel_work(setup, o) -> parallel.Work:
     return work
 
 
+def rate_of(o, cal: dict | None, work: Workload, local: bool):
+    """threads -> the compute rate of `work`: --tflops, or the calibration's fit at that
+    many threads (on this host) or at the calibrated host's cores."""
+    def rate_at(threads: int) -> ComputeRate:
+        if o.tflops is not None:
+            return ComputeRate(o.tflops * 1e12, source=f"--tflops {o.tflops:g}")
+        try:
+            return compute_rate(cal, work, threads if local else cal["cores"])
+        except LookupError as e:
+            raise ConfigError(f"--calibration {o.calibration}: {e}") from None
+    return rate_at
+
+
 def do_predict_parallel(setup, o) -> int:
     work = parallel_work(setup, o)
     layout = parallel.Layout(1, o.pp, o.ep, o.tp)
@@ -400,14 +413,7 @@ def do_predict_parallel(setup, o) -> int:
         def fabric_at(n: int) -> parallel.Fabric:
             return parallel.Fabric(net)
 
-    def rate_at(threads: int) -> ComputeRate:
-        if o.tflops is not None:
-            return ComputeRate(o.tflops * 1e12, source=f"--tflops {o.tflops:g}")
-        try:
-            return compute_rate(cal, micro, threads if local else cal["cores"])
-        except LookupError as e:
-            raise ConfigError(f"--calibration {o.calibration}: {e}") from None
-
+    rate_at = rate_of(o, cal, micro, local)
     rows = scale.parallel_rows(work, layout, o.workers_list, fabric_at, rate_at, host,
                                o.bucket_mb * 1e6)
     if not rows:
@@ -450,14 +456,7 @@ def do_predict(setup, o) -> int:
         net = Network(intra, inter, o.gpus_per_node)
         ps = preset_server(inter, cal, w.optimizer)
 
-    def rate_at(threads: int) -> ComputeRate:
-        if o.tflops is not None:
-            return ComputeRate(o.tflops * 1e12, source=f"--tflops {o.tflops:g}")
-        try:
-            return compute_rate(cal, w, threads if local else cal["cores"])
-        except LookupError as e:
-            raise ConfigError(f"--calibration {o.calibration}: {e}") from None
-
+    rate_at = rate_of(o, cal, w, local)
     rows = scale.rows(w, o.workers_list, net, ps, o.shards, rate_at, host, o.bucket_mb * 1e6)
     where = ("this host (all ranks on it, sharing its cores)" if local else
              f"{net.gpus_per_node} per node; within: {net.intra.describe()}; between: "

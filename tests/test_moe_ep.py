@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from gradcheck import assert_grad_close, numeric_grad, sample_offsets
 from mpirun import mpirun
+from twins import single_params
 
 from dtlab.models.moe import MoE, dispatch, dispatch_groups
 from dtlab.models.moe_ep import chunk_rows, source_to_expert
 from dtlab.models.params import FlatParams
 from dtlab.models.router import RouterOptions
-from dtlab.models.run import checkpoint
 
 LM = ["--model", "transformer", "--vocab", "16", "--seq-len", "8", "--d-model", "16",
       "--n-heads", "2", "--n-layers", "2", "--d-ff", "24", "--moe-experts", "4",
@@ -85,19 +85,10 @@ def test_ep_layers_and_models_equal_their_single_process_twins(n):
     print(r.stdout)
 
 
-def single_params(tmp_path, name, argv):
-    ck = str(tmp_path / name)
-    r = mpirun(1, "-m", "dtlab.models.run.train", *argv, *RUN, "--checkpoint-dir", ck,
-               "--checkpoint-every", "4", timeout=120)
-    assert r.rc == 0, r
-    arrays, _ = checkpoint.load(checkpoint.latest(ck))
-    return arrays["params"]
-
-
 def assert_grid_equals_single(tmp_path, label: str, n: int, single_argv: list, grid_argv: list):
     """Train one process on `single_argv` and `n` ranks of tests/mpi_progs/grid_train.py on
     `grid_argv` (the same RUN steps); their final parameters agree within 1e-5."""
-    single = single_params(tmp_path, "single", single_argv)
+    single = single_params(tmp_path, [*single_argv, *RUN], 4)
     out = tmp_path / "grid.npy"
     r = mpirun(n, "tests/mpi_progs/grid_train.py", out, *grid_argv, *RUN, timeout=180)
     assert r.rc == 0, r

@@ -11,8 +11,8 @@ same global batch.
 import numpy as np
 import pytest
 from mpirun import mpirun
+from twins import single_params
 
-from dtlab.models.run import checkpoint
 from dtlab.models.run.metrics import read_metrics
 
 LM = ["--model", "transformer", "--vocab", "16", "--seq-len", "16", "--d-model", "32",
@@ -27,15 +27,6 @@ def test_pipelined_models_equal_their_dense_twins(n, tp):
     r = mpirun(n, "tests/mpi_progs/pp_twins.py", "--tp", tp, timeout=120)
     assert r.rc == 0 and "PASS pp twins" in r.stdout, r
     print(r.stdout)
-
-
-def single_params(tmp_path, argv):
-    ck = str(tmp_path / "single")
-    r = mpirun(1, "-m", "dtlab.models.run.train", *argv, *RUN, "--checkpoint-dir", ck,
-               "--checkpoint-every", "5", timeout=120)
-    assert r.rc == 0, r
-    arrays, _ = checkpoint.load(checkpoint.latest(ck))
-    return arrays["params"]
 
 
 def grid_params(tmp_path, argv, dp, pp, tp):
@@ -58,7 +49,7 @@ def test_grid_training_equals_one_process_on_the_global_batch(tmp_path, argv, B,
     if "--stages" in single_argv:
         i = single_argv.index("--stages")
         del single_argv[i:i + 2]
-    single = single_params(tmp_path, [*single_argv, "--batch-size", str(dp * m * B)])
+    single = single_params(tmp_path, [*single_argv, *RUN, "--batch-size", str(dp * m * B)], 5)
     split, header, records = grid_params(
         tmp_path, [*argv, "--batch-size", str(B), "--grad-accum", str(m)], dp, pp, tp)
     err = float(np.linalg.norm(split - single) / np.linalg.norm(single))

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from mpirun import mpirun
 from pserver_util import ONE_BLAS_THREAD, ROOT
+from twins import single_params
 
 from dtlab.models.attention import CausalSelfAttention
 from dtlab.models.config import ConfigError
@@ -30,7 +31,6 @@ from dtlab.models.mlp import MLPConfig
 from dtlab.models.model import Replica
 from dtlab.models.params import FlatParams
 from dtlab.models.precision import PRECISIONS, UNIT_ROUNDOFF, Cast, LossScaler, MixedReplica
-from dtlab.models.run import checkpoint
 from dtlab.models.run.metrics import MetricsLog, read_metrics
 from dtlab.models.run.session import build_session, parse
 from dtlab.models.run.trainer import Trainer, config_differences
@@ -289,11 +289,7 @@ def test_a_pipeline_in_half_precision_equals_one_process_and_its_stages_skip_tog
     flags = ["--model", "mlp", "--d-hidden", "32", "--n-layers", "2", "--steps", "12",
              "--batch-size", "8", "--grad-accum", "2", "--precision", precision,
              "--loss-scale", "1e9", "--seed", "5", "--clip", "0"]
-    ck = tmp_path / "single"
-    r = mpirun(1, "-m", "dtlab.models.run.train", *flags, "--checkpoint-dir", ck,
-               "--checkpoint-every", "12", timeout=120)
-    assert r.rc == 0, r
-    single = checkpoint.load(checkpoint.latest(str(ck)))[0]["params"]
+    single = single_params(tmp_path, flags, 12)
     out, metrics = tmp_path / "pp.npy", tmp_path / "pp.jsonl"
     r = mpirun(2, "tests/mpi_progs/grid_train.py", out, "--pp", "2", "--pp-schedule", "1f1b",
                *flags, "--metrics", metrics, timeout=120)

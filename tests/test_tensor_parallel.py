@@ -11,11 +11,11 @@ import inspect
 import numpy as np
 import pytest
 from mpirun import mpirun
+from twins import single_params
 
 from dtlab.collective.comm import Communicator
 from dtlab.models.comm import Comm
 from dtlab.models.params import ParamSpec, initial_value
-from dtlab.models.run import checkpoint
 from dtlab.models.run.metrics import read_metrics
 
 LM = ["--model", "transformer", "--vocab", "16", "--seq-len", "16", "--d-model", "32",
@@ -45,15 +45,6 @@ def test_split_layers_and_models_equal_their_dense_twins(n):
     assert r.rc == 0 and f"PASS tp twins {n}" in r.stdout, r
 
 
-def single_params(tmp_path, name, argv):
-    ck = str(tmp_path / name)
-    r = mpirun(1, "-m", "dtlab.models.run.train", *argv, *RUN, "--checkpoint-dir", ck,
-               "--checkpoint-every", "5", timeout=120)
-    assert r.rc == 0, r
-    arrays, _ = checkpoint.load(checkpoint.latest(ck))
-    return arrays["params"]
-
-
 def split_params(tmp_path, name, argv, dp, tp):
     out = tmp_path / f"{name}.npy"
     r = mpirun(dp * tp, "tests/mpi_progs/grid_train.py", out, "--dp", dp, "--tp", tp, *argv,
@@ -70,7 +61,7 @@ def split_params(tmp_path, name, argv, dp, tp):
     (MLP, 8, 1, 2),
 ], ids=["lm-dp1-tp2", "lm-dp2-tp2", "lm-swiglu-dp2-tp2", "mlp-dp1-tp2"])
 def test_dp_tp_training_equals_one_process_on_the_global_batch(tmp_path, argv, B, dp, tp):
-    single = single_params(tmp_path, "single", [*argv, "--batch-size", str(dp * B)])
+    single = single_params(tmp_path, [*argv, *RUN, "--batch-size", str(dp * B)], 5)
     split, header = split_params(tmp_path, "split", [*argv, "--batch-size", str(B)], dp, tp)
     err = float(np.linalg.norm(split - single) / np.linalg.norm(single))
     assert err < 1e-5, f"dp {dp} tp {tp}: relative difference {err:.2e}"

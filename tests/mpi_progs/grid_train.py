@@ -14,18 +14,11 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
+from dense_out import save_dense
 
 from dtlab.collective.train import parse_args, train
-from dtlab.models.tensor_parallel import dense_values
-from dtlab.models.zoo import build_model
 
 out, argv = sys.argv[1], sys.argv[2:]
 setup = parse_args(argv)
 session, grid, _ = train(setup)
-mine = dense_values(session.params, grid.tp_comm)
-every = grid.world.mpi.gather(mine, root=0)
-if grid.rank == 0:
-    dense = {name: value for part in every for name, value in part.items()}
-    order = build_model(setup.model_name, setup.model).specs()
-    np.save(out, np.concatenate([dense[s.name].ravel() for s in order]))
+save_dense(out, setup, session.params, grid)

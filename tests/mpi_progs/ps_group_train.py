@@ -6,21 +6,17 @@
 Runs pserver.group_worker's `run_group` with the given worker flags (every
 rank ends holding the servers' parameters of its partition after its last
 step), rebuilds every dense tensor of this rank's stage from its tp shards
-(dense_values, collective over the tp group), gathers the stages over the
-pipeline, and has world rank 0 (group 0's partition 0) write them,
-concatenated in the dense model's parameter order, to OUT.npy: the layout of
-a single-process run's flat parameters.
+(dense_out.save_dense: every group holds the servers' values after its last
+pull), and has world rank 0 write them in the dense model's layout to OUT.npy.
 """
 
 from __future__ import annotations
 
 import sys
 
-import numpy as np
+from dense_out import save_dense
 
 from dtlab.models.config import from_namespace
-from dtlab.models.tensor_parallel import dense_values
-from dtlab.models.zoo import build_model
 from dtlab.pserver.config import ClientConfig
 from dtlab.pserver.group_worker import run_group
 from dtlab.pserver.worker import WorkerConfig, parse_args
@@ -29,10 +25,4 @@ out, argv = sys.argv[1], sys.argv[2:]
 setup = parse_args(argv)
 session, group, _ = run_group(setup, from_namespace(WorkerConfig, setup.extra),
                               from_namespace(ClientConfig, setup.extra))
-grid = group.grid
-mine = dense_values(session.params, grid.tp_comm)
-stages = grid.pp_comm.mpi.gather(mine, root=0)
-if grid.rank == 0:
-    dense = {name: value for stage in stages for name, value in stage.items()}
-    order = build_model(setup.model_name, setup.model).specs()
-    np.save(out, np.concatenate([dense[s.name].ravel() for s in order]))
+save_dense(out, setup, session.params, group.grid)

@@ -320,7 +320,8 @@ def do_validate(setup, o) -> int:
         folders = None
     n_list = o.ranks_list
     threads = sorted({host.threads(n) for n in n_list})
-    benches = []
+    benches, together = [], []
+    roles = validate.roles_of(o.val_runs)
     if folders is None:
         folders = []
         for k in range(o.launches):  # the compute benchmark beside each launch's runs
@@ -328,6 +329,8 @@ def do_validate(setup, o) -> int:
             launch.mkdir()
             before = os.getloadavg()[0]
             benches += validate.bench_compute(config, threads, launch)
+            if o.hosts == 1:  # emulated hosts are pinned to their own cores: not this host's
+                together += validate.bench_together(config, n_list, roles, launch, o.timeout)
             folders += validate.run_comparisons(config, n_list, o.val_runs, o.val_shards,
                                                 o.val_steps, launch, o.timeout, o.hosts,
                                                 o.rates)
@@ -339,10 +342,17 @@ def do_validate(setup, o) -> int:
             bench_dir = out / "model-bench"
             bench_dir.mkdir(exist_ok=True)
             benches = validate.bench_compute(config, threads, bench_dir)
+        together = sorted(out.glob("**/together-*.json"))
+        if not together and validate.any_local(folders):
+            bench_dir = out / "model-bench"
+            bench_dir.mkdir(exist_ok=True)
+            together = validate.bench_together(config, n_list, roles, bench_dir, o.timeout)
     cal["compute_rows"] = [*cal.get("compute_rows", []), *validate.compute_rows(benches)]
-    rows = validate.validate(folders, cal, host, o.bucket_mb * 1e6)
+    rows = validate.validate(folders, cal, host, o.bucket_mb * 1e6,
+                             validate.together_rows(together))
     print(f"# validation on this host: {host.cores} cores; calibration {o.calibration}; "
-          f"compute: {len(benches)} benchmark(s) of the model in one process "
+          f"compute: {len(together)} benchmark(s) of N processes stepping together "
+          f"(bench_together.py) and {len(benches)} of the model in one process "
           f"({', '.join(str(p) for p in benches[:3])}{' ...' if len(benches) > 3 else ''}); "
           f"runs in {out}, {len(folders)} compare.py folder(s)")
     for gbit in sorted({r["link_gbit"] for r in rows if r["link_gbit"]}, reverse=True):
@@ -355,9 +365,10 @@ def do_validate(setup, o) -> int:
               f"{host.cores} cores around the launches: other processes took cores from the "
               "runs, which the model does not know of (rerun on a quiet host)")
     if any(r["share"] > 1 for r in rows):
-        print(f"# N > {host.cores} ranks or workers oversubscribe the {host.cores} cores: the "
-              "model divides each one's compute rate by N / cores (they share cores, "
-              "models/run/threads.py) and hides no communication behind backward")
+        print(f"# N > {host.cores} ranks or workers oversubscribe the {host.cores} cores: their "
+              "compute is the N processes' measured stepping together (else one process's "
+              "rate over N / cores), the all-reduce takes N / cores turns, and no "
+              "communication hides behind backward")
     print(table.validation(rows, host.cores))
     write_json(o.json, {"calibration": o.calibration, "cores": host.cores, "bound": validate.BOUND,
                         "rows": rows})

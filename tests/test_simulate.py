@@ -10,6 +10,7 @@ import os
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,8 @@ from dtlab.models.config import ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from simulate_lib import calibrate  # noqa: E402 - scripts/ is put on the path just above
+from simulate_lib import calibrate, validate  # noqa: E402 - scripts/ is put on the path above
+from simulate_lib.calibrated import host_server  # noqa: E402
 from simulate_lib.emulated import Cluster, ps_step_on, sync_step_on  # noqa: E402
 from simulate_lib.formulas import (  # noqa: E402
     Network,
@@ -38,6 +40,7 @@ from simulate_lib.step import (  # noqa: E402
     Workload,
     expected_max_normal,
     ps_step,
+    ps_step_together,
     sync_step,
 )
 
@@ -110,6 +113,47 @@ def test_async_on_a_shared_host_is_its_critical_path_or_its_cpu_work():
     # 2 workers on 4 cores: the critical path
     s = ps_step(w, 2, 2, ps, compute_s=0.010, host=Host(4))
     assert s.step_s == pytest.approx(0.012) and not s.parts["cpu_bound"]
+
+
+def test_shards_beyond_the_first_add_their_cost_to_a_workers_round():
+    ps = ServerLink(Link("p", 1e-4, 1e-9), Link("q", 2e-4, 2e-9), per_shard_s=3e-4)
+    pull, push = pserver_s(1e6, workers=2, shards=4, ps=ps)
+    assert pull == pytest.approx(1e-4 + 1.5 * 3e-4 + 1e6 * 1e-9)
+    assert push == pytest.approx(2e-4 + 1.5 * 3e-4 + 1e6 * 2e-9)
+    assert pserver_s(1e6, 1, 1, ps) == pserver_s(1e6, 1, 1, replace(ps, per_shard_s=0.0))
+
+
+def test_async_measured_together_adds_the_rounds_communication_cpu():
+    ps = ServerLink(Link("p", 1e-3, 0.0), Link("q", 1e-3, 0.0))  # 1 ms pull, 1 ms push
+    w = Workload("mlp", {}, 1, 1.0, grad_bytes=1e3, optimizer="sgd")
+    # 3 workers + 2 shards on 2 cores: the other 2 workers' 2 x 2 rounds of 2 ms (one core
+    # busy each) come out of the 2 cores while the slowest computes
+    s = ps_step_together(w, 3, 2, ps, compute_s=0.010, host=Host(2), straggler_s=0.003)
+    assert s.compute_s == 0.010 and s.parts["comm_cpu_s"] == pytest.approx(2 * 2 * 0.002 / 2)
+    assert s.step_s == pytest.approx(0.010 + 0.003 + 0.004 + 0.002)
+    # 2 workers + 2 shards on 8 cores: idle cores take it; devices: nothing shared
+    for host in (Host(8), Host(0)):
+        s = ps_step_together(w, 2, 2, ps, compute_s=0.010, host=host)
+        assert s.step_s == pytest.approx(0.012) and s.parts["comm_cpu_s"] == 0.0
+
+
+def test_together_rows_pool_the_launches(tmp_path):
+    def write(name: str, role: str, n: int, wall, makespan, cpu) -> Path:
+        path = tmp_path / name
+        path.write_text(json.dumps({"rows": [{"role": role, "ranks": n, "wall_s_samples": wall,
+                                              "makespan_s_samples": makespan,
+                                              "cpu_s_samples": cpu}]}))
+        return path
+
+    paths = [write("a.json", "rank", 3, [1.0, 2.0], [3.0], [1.0]),
+             write("b.json", "rank", 3, [4.0], [5.0, 9.0], [2.0, 3.0]),
+             write("c.json", "worker", 2, [1.0], [0.5], [1.0])]
+    got = validate.together_rows(paths)
+    assert got[("rank", 3)] == validate.Together(own_s=2.0, makespan_s=5.0, cpu_s=2.0)
+    assert got[("rank", 3)].spread_s == 3.0
+    assert got[("worker", 2)].spread_s == 0.0  # a makespan below the median step: no spread
+    assert validate.roles_of("sync-ring,async-bsp") == ["rank", "worker"]
+    assert validate.roles_of("async-asp") == ["worker"]
 
 
 def test_overlap_hides_all_but_the_last_bucket():
@@ -197,6 +241,10 @@ def synthetic_bench(tmp: Path) -> list[str]:
            for path in ("fused", "bf16")]
     ps += [{"op": "push", "bytes": 1 << 20, "shards": 2, "optimizer": o,
             "apply_ms": 1e3 * (1 << 19) * g} for o, g in (("sgd", 1e-10), ("adam", 3e-10))]
+    # bench_fanout's rows: hot ones (gap 0, left out of the fit) and cold ones
+    ps += [{"mode": "fanout", "path": "shm", "bytes": b, "shards": s, "gap_ms": gap,
+            "round_ms": 1e3 * (5e-4 + (s - 1) * 2e-4 + b / 4e9) * (1 if gap else 0.5)}
+           for b in (1 << 16, 1 << 20) for s in (1, 2) for gap in (0.0, 5.0)]
     (tmp / "ps.json").write_text(json.dumps({"config": {}, "env": {}, "rows": ps}))
     model = [{"model": "transformer", "config": {"d": k}, "batch_size": 4, "flops_step": f,
               "step_s_median": 2e-3 + f / 50e9} for k, f in enumerate((1e8, 1e9, 1e10))]
@@ -227,6 +275,14 @@ def test_calibration_recovers_known_constants(tmp_path):
             f = cal["pserver"][path][op]
             assert f["alpha_s"] == pytest.approx(3e-4) and \
                 f["beta_s_per_byte"] == pytest.approx(1 / 1e9)
+    cold = cal["fanout"]["shm"]
+    assert cold["alpha_s"] == pytest.approx(5e-4) and cold["per_shard_s"] == pytest.approx(2e-4)
+    assert cold["beta_s_per_byte"] == pytest.approx(1 / 4e9) and cold["gap_ms"] == 5.0
+    # a worker's round on this host is the cold one: half of it each way, per shard added
+    ps = host_server(cal, "sgd")
+    assert sum(pserver_s(1 << 20, 2, 2, ps)) == pytest.approx(5e-4 + 2e-4 + (1 << 20) / 4e9)
+    assert sum(pserver_s(1 << 20, 1, 1, host_server(cal, "sgd", "session"))) == pytest.approx(
+        7e-4 + 3 * (1 << 20) / 2e9)  # no cold rows for the TCP path: its hot fit
     assert cal["apply_s_per_byte"] == pytest.approx({"sgd": 1e-10, "adam": 3e-10})
     (fit,) = cal["compute"]
     assert fit["overhead_s"] == pytest.approx(2e-3) and fit["flops_per_s"] == pytest.approx(50e9)
@@ -272,7 +328,11 @@ def test_tiny_validation_against_real_runs(tmp_path):
         assert r["rel_err"] == pytest.approx((r["pred_step_s"] - r["meas_step_s"])
                                              / r["meas_step_s"])
         assert r["within"] == (abs(r["rel_err"]) <= 0.25)
-        assert r["compute_source"].startswith("measured step")  # the model benchmarked itself
+        # the model benchmarked itself: 2 processes stepping together, as the runs do
+        assert r["compute_source"] == "2 processes stepping together"
+    for role in ("rank", "worker"):
+        (row,) = json.loads((out / "launch0" / f"together-{role}-n2.json").read_text())["rows"]
+        assert row["ranks"] == 2 and row["role"] == role
     assert (done.returncode == 0) == all(r["within"] for r in rows)
     # the same table again from the runs on disk
     again = simulate("--validate", "--calibration", str(cal), "--measured", str(out),

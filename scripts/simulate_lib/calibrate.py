@@ -9,6 +9,9 @@
     bench_pserver.py --json      rounds rows (path, bytes, pull_ms, push_ms): per data path
                                  t = alpha + n beta for pull and for push; sweep rows with
                                  the shards' apply_ms: gamma_apply per optimizer
+    bench_fanout.py --json       fanout rows (path, bytes, shards, gap_ms, round_ms): per
+                                 data path, over the cold rows, a worker's round over S
+                                 shards t = alpha + (S - 1) per_shard + n beta
     bench_moe.py --json          alltoall rows (ranks, bytes, ours_s, mpi_s): per
                                  all-to-all (ours, MPI's) alpha and beta of
                                  t = s ((n-1) alpha + (n-1)/n B beta) (formulas.terms
@@ -136,6 +139,25 @@ def fit_pserver(rows: list[dict]) -> tuple[dict, dict]:
     return fits, {o: float(np.median(v)) for o, v in apply.items()}
 
 
+def fit_fanout(rows: list[dict]) -> dict:
+    """{path: alpha, per_shard, beta} of round = alpha + (S - 1) per_shard + n beta over
+    bench_fanout.py's cold rows (a compute gap before each round): a worker's round over
+    S shards as a training loop meets it."""
+    paths: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("mode") == "fanout" and r["gap_ms"] > 0:
+            paths.setdefault(r["path"], []).append(r)
+    out = {}
+    for path, rs in paths.items():
+        if len({r["shards"] for r in rs}) < 2 or len({r["bytes"] for r in rs}) < 2:
+            continue
+        x = np.array([[1.0, r["shards"] - 1.0, r["bytes"]] for r in rs])  # (rows, 3)
+        k, rel = fit_relative(x, np.array([r["round_ms"] * 1e-3 for r in rs]))
+        out[path] = {"alpha_s": k[0], "per_shard_s": k[1], "beta_s_per_byte": k[2],
+                     "gap_ms": rs[0]["gap_ms"], **errors(rel)}
+    return out
+
+
 def fit_compute(rows: list[dict], threads: int) -> list[dict]:
     """Per model kind at `threads` BLAS threads: t = t0 + F / R over its rows."""
     out = []
@@ -196,7 +218,7 @@ def calibrate(paths: list[str], cores: int) -> dict:
         exact += exact_rows(rows, threads)
     return {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "cores": cores, "sources": sources, "allreduce": fit_allreduce(ar, cores),
-            "pserver": paths_fit, "alltoall": fit_alltoall(a2a, cores),
+            "pserver": paths_fit, "fanout": fit_fanout(ps), "alltoall": fit_alltoall(a2a, cores),
             "apply_s_per_byte": apply, "compute": compute,
             "compute_rows": exact}
 

@@ -48,15 +48,23 @@ def host_alltoall(cal: dict, which: str = "ours") -> Link:
 
 
 def host_server(cal: dict, optimizer: str, path: str = LOCAL_PATH) -> ServerLink:
-    """Pull and push as bench_pserver's rounds measured them (the shard's SGD apply in the
-    push), plus the apply time `optimizer` adds over SGD (its sweep rows), when measured."""
+    """Pull and push as a training loop meets them: bench_fanout.py's cold rounds over S
+    shards (each half of the round, and the cost of each shard beyond the first) where the
+    calibration has them for `path`, else bench_pserver's hot rounds on one shard; the
+    shard's SGD apply is in the push, plus the apply time `optimizer` adds over SGD (its
+    sweep rows), when measured."""
     fits = cal["pserver"].get(path)
-    if fits is None:
+    cold = cal.get("fanout", {}).get(path)
+    if fits is None and cold is None:
         raise ConfigError(f"the calibration has no parameter-server fit for path {path!r}: add "
-                          "a bench_pserver.py --mode rounds JSON")
+                          "a bench_fanout.py or bench_pserver.py --mode rounds JSON")
     apply = cal.get("apply_s_per_byte", {})
     name = APPLY_NAME.get(optimizer, optimizer)
     extra = max(0.0, apply[name] - apply["sgd"]) if name in apply and "sgd" in apply else 0.0
+    if cold is not None:
+        half = {"alpha_s": cold["alpha_s"] / 2, "beta_s_per_byte": cold["beta_s_per_byte"] / 2}
+        return ServerLink(fitted(f"ps {path} cold pull", half),
+                          fitted(f"ps {path} cold push", half), extra, cold["per_shard_s"])
     return ServerLink(fitted(f"ps {path} pull", fits["pull"]),
                       fitted(f"ps {path} push", fits["push"]), extra)
 

@@ -32,7 +32,10 @@ shard's link carries W n/S bytes each way a round, a worker's n, so
     pull = alpha + max(W/S, 1) n beta
     push = alpha + max(W/S, 1) n beta + (W/S) n gamma_apply
 
-with gamma_apply the shard's optimizer time per byte of gradient.
+with gamma_apply the shard's optimizer time per byte of gradient. On one
+host the S shards do not come free: a worker's per-shard work runs in one
+process, so each shard beyond the first adds per_shard_s to its round
+(calibrated by bench_fanout.py; half to the pull, half to the push).
 """
 
 from __future__ import annotations
@@ -125,17 +128,21 @@ def bucketed_allreduce_s(kind: str, grad_bytes: float, bucket_bytes: float, n_ra
 @dataclass(frozen=True)
 class ServerLink:
     """A parameter server's pull and push: alpha + n beta each (push: the shard's apply of
-    the bench's optimizer included), plus gamma_apply per byte for the run's optimizer."""
+    the bench's optimizer included), plus gamma_apply per byte for the run's optimizer;
+    per_shard_s: what a worker's round costs for each shard beyond the first (a host's:
+    the worker's per-shard work runs in one process; 0 for shards on hosts of their own)."""
 
     pull: Link
     push: Link
     gamma_apply_s_per_byte: float = 0.0
+    per_shard_s: float = 0.0
 
 
 def pserver_s(nbytes: float, workers: int, shards: int, ps: ServerLink) -> tuple[float, float]:
     """(pull, push) seconds of one worker's round with W workers on S shards."""
     load = max(workers / shards, 1.0)
-    pull = ps.pull.alpha_s + load * nbytes * ps.pull.beta_s_per_byte
-    push = (ps.push.alpha_s + load * nbytes * ps.push.beta_s_per_byte
+    fan = (shards - 1) * ps.per_shard_s / 2  # half of the round's per-shard cost each way
+    pull = ps.pull.alpha_s + fan + load * nbytes * ps.pull.beta_s_per_byte
+    push = (ps.push.alpha_s + fan + load * nbytes * ps.push.beta_s_per_byte
             + workers / shards * nbytes * ps.gamma_apply_s_per_byte)
     return pull, push

@@ -36,6 +36,14 @@ spread over the cores, W (compute + one worker's pull + push round) / C;
 a pull or push round is taken as one core busy (the worker and its shard
 take turns), and the parts are stretched in proportion.
 
+Measured together. Where N processes were timed computing at once on the
+host (scripts/bench_together.py, as simulate.py --validate does), their
+typical step and the slowest one's lateness replace the two estimates
+above: the sharing of cores, caches and the scheduler's slices is in them.
+What they leave out is communication: an all-reduce as below, and for an
+async round its pull and push plus the CPU of the other workers' rounds,
+which runs while the slowest worker computes (ps_step_together).
+
 Ranks sharing a host's cores (models/run/threads.py): R processes on C
 cores get max(1, C // R) BLAS threads each, and when R > C each computes at
 C / R of a core's rate; the compute time is the calibrated one at that
@@ -192,3 +200,23 @@ def ps_step(w: Workload, workers: int, shards: int, ps: ServerLink, compute_s: f
     return Step("ps", workers, stretch * compute_s, stretch * (straggler_s + pull + push),
                 f"S={shards}", {"pull_s": stretch * pull, "push_s": stretch * push,
                                 "straggler_s": stretch * straggler_s, "cpu_bound": stretch > 1})
+
+
+def ps_step_together(w: Workload, workers: int, shards: int, ps: ServerLink, compute_s: float,
+                     host: Host, straggler_s: float = 0.0) -> Step:
+    """A round on this host when the workers' compute was measured stepping together
+    (scripts/bench_together.py): compute_s a worker's step and straggler_s how much later
+    the slowest one ends (under BSP), both with the cores already shared. What the
+    measurement leaves out is the communication's CPU: while the slowest worker computes,
+    the other W - 1 workers' pushes and pulls run, and the shards' work on them, each of
+    the S a hot round of n / S bytes with one core busy (the worker and its shard take
+    turns, pserver_s(n / S, 1, 1)); where the processes (W workers, S shards) outnumber
+    the cores, that CPU comes out of the cores the slowest worker computes on, spread over
+    them. Then its own pull and push."""
+    pull, push = pserver_s(w.grad_bytes, workers, shards, ps)
+    op = sum(pserver_s(w.grad_bytes / shards, 1, 1, ps))
+    crowded = host.cores and workers + shards > host.cores
+    steal = (workers - 1) * shards * op / host.cores if crowded else 0.0
+    return Step("ps", workers, compute_s, straggler_s + steal + pull + push, f"S={shards}",
+                {"pull_s": pull, "push_s": push, "straggler_s": straggler_s,
+                 "comm_cpu_s": steal, "cpu_bound": False})

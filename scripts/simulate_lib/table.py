@@ -54,6 +54,12 @@ def fits(cal: dict) -> str:
             out.append(f" {'ps ' + path + ' ' + op:>14}{'1':>8}{f['alpha_s'] * 1e6:>11.2f}"
                        f"{bw:>9.3f}{f['rows']:>6}{100 * f['median_rel_err']:>8.1f}%"
                        f"{100 * f['max_rel_err']:>8.1f}%")
+    for path, f in cal.get("fanout", {}).items():
+        bw = 1 / f["beta_s_per_byte"] / 1e9 if f["beta_s_per_byte"] else float("inf")
+        out.append(f" {'ps cold ' + path:>14}{'S':>8}{f['alpha_s'] * 1e6:>11.2f}{bw:>9.3f}"
+                   f"{f['rows']:>6}{100 * f['median_rel_err']:>8.1f}%"
+                   f"{100 * f['max_rel_err']:>8.1f}%   +{f['per_shard_s'] * 1e6:.1f} us a "
+                   "shard beyond the first")
     for name, f in cal.get("alltoall", {}).items():
         bw = 1 / f["beta_s_per_byte"] / 1e9 if f["beta_s_per_byte"] else float("inf")
         out.append(f" {'alltoall ' + name:>14}{','.join(map(str, f['ranks'])):>8}"
@@ -69,7 +75,8 @@ def fits(cal: dict) -> str:
         out.append(f"# server apply, {optimizer}: {1 / g / 1e9:.3f} GB/s of gradient")
     out.append("# legend: all-reduce fits t = a alpha + (b + c) n beta (formulas.terms, gamma = "
                "beta); alltoall fits t = (n-1) alpha + (n-1)/n B beta (B bytes per rank); ps fits "
-               "t = alpha + n beta per round with 1 worker, 1 shard; compute fits "
+               "t = alpha + n beta per round with 1 worker, 1 shard; ps cold fits a worker's "
+               "round after a compute gap, t = alpha + (S-1) per_shard + n beta; compute fits "
                "t = t0 + FLOPs / rate; GB/s = 1 / beta; err = |fit - measured| / measured over "
                "the rows")
     return "\n".join(out)

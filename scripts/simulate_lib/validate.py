@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import bench_model  # scripts/bench_model.py: scripts/ is on the path, as for simulate_lib
@@ -32,13 +33,21 @@ from dtlab.models.cost import estimate
 from dtlab.models.model import Replica
 from dtlab.models.optim import make_optimizer
 from dtlab.models.run.allocator import keep_freed_memory
+from dtlab.models.run.launcher import mpiexec_path
 from dtlab.models.run.metrics import read_metrics
 from dtlab.models.run.session import parse, replica_cost
 from dtlab.models.zoo import build_model
 from simulate_lib.calibrate import exact_rows
 from simulate_lib.calibrated import host_network, host_server
 from simulate_lib.emulated import Cluster, ps_step_on, sync_step_on
-from simulate_lib.step import Host, Workload, compute_rate, ps_step, sync_step
+from simulate_lib.step import (
+    Host,
+    Workload,
+    compute_rate,
+    ps_step,
+    ps_step_together,
+    sync_step,
+)
 
 SCRIPTS = Path(__file__).resolve().parent.parent
 BOUND = 0.25
@@ -100,6 +109,61 @@ def bench_compute(config_path: str, threads: list[int], out: Path, reps: int = 4
                                    indent=1))
         paths.append(path)
     return paths
+
+
+def bench_together(config_path: str, ranks: list[int], roles: list[str], out: Path,
+                   timeout_s: float = 600.0) -> list[Path]:
+    """scripts/bench_together.py at every N of `ranks` for every role (rank: the sync runs',
+    worker: the async runs'): the compute of N processes stepping at once on this host, as
+    FOLDER/together-ROLE-nN.json."""
+    paths = []
+    for n in ranks:
+        for role in roles:
+            path = out / f"together-{role}-n{n}.json"
+            cmd = [mpiexec_path(), "-n", str(n), sys.executable,
+                   str(SCRIPTS / "bench_together.py"), "--config", config_path,
+                   "--role", role, "--json", str(path)]
+            done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True, timeout=timeout_s)
+            if done.returncode != 0:
+                raise RuntimeError(f"bench_together.py at N={n} ({role}) exited with "
+                                   f"{done.returncode}: {done.stderr.strip()[-2000:]}")
+            paths.append(path)
+    return paths
+
+
+def roles_of(runs: str) -> list[str]:
+    """bench_together.py's roles that compare.py's runs (a comma list of names) need."""
+    names = runs.split(",")
+    return [role for role, prefix in (("rank", "sync-"), ("worker", "async-"))
+            if any(n.startswith(prefix) for n in names)]
+
+
+@dataclass(frozen=True)
+class Together:
+    """The compute of N processes stepping at once (bench_together.py), medians: a
+    process's own step (wall), the step's makespan over the N, a process's CPU time."""
+
+    own_s: float
+    makespan_s: float
+    cpu_s: float
+
+    @property
+    def spread_s(self) -> float:
+        return max(0.0, self.makespan_s - self.own_s)
+
+
+def together_rows(paths: list[Path]) -> dict[tuple[str, int], Together]:
+    """{(role, N): Together} of bench_together.py files, the samples of one (role, N) in
+    several files (launches) pooled."""
+    pooled: dict[tuple[str, int], dict[str, list[float]]] = {}
+    for path in paths:
+        for row in json.loads(path.read_text())["rows"]:
+            into = pooled.setdefault((row["role"], row["ranks"]), {})
+            for key in ("wall", "makespan", "cpu"):
+                into.setdefault(key, []).extend(row[f"{key}_s_samples"])
+    return {key: Together(*(statistics.median(v[k]) for k in ("wall", "makespan", "cpu")))
+            for key, v in pooled.items()}
 
 
 def compute_rows(paths: list[Path]) -> list[dict]:
@@ -172,11 +236,25 @@ def measure(run: dict, folder: Path) -> dict:
 
 
 def predict_run(name: str, w: Workload, n: int, shards: int, cal: dict, host: Host,
-                bucket_bytes: float, cluster: Cluster | None = None):
+                bucket_bytes: float, cluster: Cluster | None = None,
+                together: dict[tuple[str, int], Together] | None = None):
     """The step of run `name` (compare.py's run names) at N ranks or workers on this host,
-    or across `cluster`'s emulated hosts (simulate_lib/emulated.py)."""
+    or across `cluster`'s emulated hosts (simulate_lib/emulated.py). On this host the
+    compute is `together`'s (N processes measured stepping at once) where it holds N for
+    the run's role, else one process's rate over its share of the cores."""
     threads = host.threads(n)
     rate = compute_rate(cal, w, threads)
+    lockstep = name.startswith("async-bsp")
+    role = "rank" if name.startswith("sync-") else "worker"
+    measured = (together or {}).get((role, n)) if cluster is None else None
+    if measured is not None:
+        rate = replace(rate, source=f"{n} processes stepping together")
+        if role == "rank":
+            kind = name.removeprefix("sync-")
+            return sync_step(kind, w, n, host_network(cal, n), measured.own_s, bucket_bytes,
+                             host, measured.spread_s), rate
+        return ps_step_together(w, n, shards, host_server(cal, w.optimizer), measured.own_s,
+                                host, measured.spread_s if lockstep else 0.0), rate
     compute = rate.seconds(w.flops_step) * host.share(n)
     straggler = rate.straggler_s(n) * host.share(n)
     if name.startswith("sync-"):
@@ -186,7 +264,6 @@ def predict_run(name: str, w: Workload, n: int, shards: int, cal: dict, host: Ho
                                 straggler), rate
         return sync_step(kind, w, n, host_network(cal, n), compute, bucket_bytes, host,
                          straggler), rate
-    lockstep = name.startswith("async-bsp")
     # a worker's own compute and spread: ps_step shares the cores itself
     own, late = rate.seconds(w.flops_step), rate.straggler_s(n) if lockstep else 0.0
     if cluster:
@@ -198,6 +275,18 @@ def cluster_of(summary: dict) -> Cluster | None:
     """The emulated cluster a compare.py folder ran on (its summary's `emulated`), if any."""
     e = summary.get("emulated")
     return Cluster(e["hosts"], e["link_gbit"]) if e else None
+
+
+def any_local(folders: list[Path]) -> bool:
+    """Whether any compare.py folder ran on this host alone (not across emulated hosts)."""
+    return any(cluster_of(json.loads((f / "summary.json").read_text())) is None for f in folders)
+
+
+def launch_together(pooled: dict, folder: Path) -> dict:
+    """bench_together.py's figures of `folder`'s launch (its parent's together-*.json,
+    measured just before its runs) in place of the pooled ones, when there are any."""
+    own = sorted(folder.parent.glob("together-*.json"))
+    return {**pooled, **together_rows(own)} if own else pooled
 
 
 def launch_calibration(cal: dict, folder: Path) -> dict:
@@ -217,9 +306,11 @@ def load_of(folder: Path, summary: dict) -> float | None:
     return max(load["before"][0], load["after"][0]) if load else None
 
 
-def validate(folders: list[Path], cal: dict, host: Host, bucket_bytes: float) -> list[dict]:
+def validate(folders: list[Path], cal: dict, host: Host, bucket_bytes: float,
+             together: dict[tuple[str, int], Together] | None = None) -> list[dict]:
     """One row per (run, N, S): the medians over the folders (launches) that hold it of the
-    measured figures and of the predictions (each launch's from its own compute benchmark)."""
+    measured figures and of the predictions (each launch's from its own compute benchmarks;
+    `together`: bench_together.py's, pooled, where a launch has none of its own)."""
     found: dict[tuple, list[dict]] = {}
     for folder in folders:
         summary = json.loads((folder / "summary.json").read_text())
@@ -233,7 +324,8 @@ def validate(folders: list[Path], cal: dict, host: Host, bucket_bytes: float) ->
                 continue
             shards_of = shards if run["topology"] == "async" else None
             step, rate = predict_run(run["name"], w, n, shards or 1, launch_cal, host,
-                                     bucket_bytes, cluster)
+                                     bucket_bytes, cluster, launch_together(together or {},
+                                                                            folder))
             found.setdefault((run["name"], n, shards_of, gbit), []).append(
                 {"m": measure(run, folder), "stats": run["stats"], "step": step, "rate": rate,
                  "load": load_of(folder, summary), "hosts": cluster.hosts if cluster else 1})

@@ -1,0 +1,34 @@
+"""scripts/bench_fanout.py runs at a tiny size, so it cannot rot: every path ends with the
+exact parameters, one row per (path, S) cold and the hot baseline beside them."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/bench_fanout.py", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_tiny_fanout_benchmark(tmp_path):
+    out = tmp_path / "fanout.json"
+    r = bench("--tiny", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "Out of bounds values : 0 OK" in r.stdout and "x hot" in r.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["path"], row["shards"], row["gap_ms"]) for row in rows] == [
+        (path, s, gap) for path in ("shm", "fused") for s, gap in ((1, 0.0), (1, 1.0), (2, 1.0))]
+    for row in rows:
+        assert row["mode"] == "fanout" and row["bytes"] == 64 * 1024
+        assert row["round_ms"] > 0 and row["rounds"] == 3 and row["wrong"] == 0
+
+
+def test_bad_flags_are_named():
+    r = bench("--shards", "0")
+    assert r.returncode == 2 and "at least 1 shard" in r.stderr
+    r = bench("--sizes-kb", "x")
+    assert r.returncode == 2 and "comma lists of numbers" in r.stderr

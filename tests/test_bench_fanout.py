@@ -25,6 +25,9 @@ def test_tiny_fanout_benchmark(tmp_path):
     for row in rows:
         assert row["mode"] == "fanout" and row["bytes"] == 64 * 1024
         assert row["round_ms"] > 0 and row["rounds"] == 3 and row["wrong"] == 0
+        assert row["gap_mb"] == (16.0 if row["gap_ms"] else 0.0)
+        # the worker's CPU in its rounds (its gaps left out) and the shards' own: both work
+        assert 0 < row["client_cpu_ms"] and 0 < row["server_cpu_ms"]
 
 
 def test_bad_flags_are_named():
@@ -32,3 +35,5 @@ def test_bad_flags_are_named():
     assert r.returncode == 2 and "at least 1 shard" in r.stderr
     r = bench("--sizes-kb", "x")
     assert r.returncode == 2 and "comma lists of numbers" in r.stderr
+    r = bench("--gap-mb", "-1")
+    assert r.returncode == 2 and "no negative" in r.stderr

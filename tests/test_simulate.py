@@ -26,6 +26,7 @@ from simulate_lib.calibrated import host_server  # noqa: E402
 from simulate_lib.emulated import Cluster, ps_step_on, sync_step_on  # noqa: E402
 from simulate_lib.formulas import (  # noqa: E402
     Network,
+    RoundCPU,
     ServerLink,
     allreduce_s,
     pserver_s,
@@ -135,6 +136,10 @@ def test_async_measured_together_adds_the_rounds_communication_cpu():
     for host in (Host(8), Host(0)):
         s = ps_step_together(w, 2, 2, ps, compute_s=0.010, host=host)
         assert s.step_s == pytest.approx(0.012) and s.parts["comm_cpu_s"] == 0.0
+    # a measured round's CPU (bench_fanout.py) in place of the estimate: 2 x 3 ms over 2 cores
+    measured = replace(ps, cpu=RoundCPU(2e-3, 1e-3, 0.0))
+    s = ps_step_together(w, 3, 2, measured, compute_s=0.010, host=Host(2))
+    assert s.parts["comm_cpu_s"] == pytest.approx(2 * 0.003 / 2)
 
 
 def test_together_rows_pool_the_launches(tmp_path):
@@ -243,7 +248,9 @@ def synthetic_bench(tmp: Path) -> list[str]:
             "apply_ms": 1e3 * (1 << 19) * g} for o, g in (("sgd", 1e-10), ("adam", 3e-10))]
     # bench_fanout's rows: hot ones (gap 0, left out of the fit) and cold ones
     ps += [{"mode": "fanout", "path": "shm", "bytes": b, "shards": s, "gap_ms": gap,
-            "round_ms": 1e3 * (5e-4 + (s - 1) * 2e-4 + b / 4e9) * (1 if gap else 0.5)}
+            "round_ms": 1e3 * (5e-4 + (s - 1) * 2e-4 + b / 4e9) * (1 if gap else 0.5),
+            "client_cpu_ms": 1e3 * (4e-4 + (s - 1) * 3e-4 + b / 8e9),
+            "server_cpu_ms": 1e3 * (2e-4 + (s - 1) * 1e-4 + b / 8e9)}
            for b in (1 << 16, 1 << 20) for s in (1, 2) for gap in (0.0, 5.0)]
     (tmp / "ps.json").write_text(json.dumps({"config": {}, "env": {}, "rows": ps}))
     model = [{"model": "transformer", "config": {"d": k}, "batch_size": 4, "flops_step": f,
@@ -278,9 +285,13 @@ def test_calibration_recovers_known_constants(tmp_path):
     cold = cal["fanout"]["shm"]
     assert cold["alpha_s"] == pytest.approx(5e-4) and cold["per_shard_s"] == pytest.approx(2e-4)
     assert cold["beta_s_per_byte"] == pytest.approx(1 / 4e9) and cold["gap_ms"] == 5.0
+    assert cold["cpu"]["alpha_s"] == pytest.approx(6e-4)  # the worker's and the shards' CPU
+    assert cold["cpu"]["per_shard_s"] == pytest.approx(4e-4)
+    assert cold["cpu"]["beta_s_per_byte"] == pytest.approx(1 / 4e9)
     # a worker's round on this host is the cold one: half of it each way, per shard added
     ps = host_server(cal, "sgd")
     assert sum(pserver_s(1 << 20, 2, 2, ps)) == pytest.approx(5e-4 + 2e-4 + (1 << 20) / 4e9)
+    assert ps.cpu.seconds(1 << 20, 2) == pytest.approx(6e-4 + 4e-4 + (1 << 20) / 4e9)
     assert sum(pserver_s(1 << 20, 1, 1, host_server(cal, "sgd", "session"))) == pytest.approx(
         7e-4 + 3 * (1 << 20) / 2e9)  # no cold rows for the TCP path: its hot fit
     assert cal["apply_s_per_byte"] == pytest.approx({"sgd": 1e-10, "adam": 3e-10})

@@ -9,9 +9,10 @@
     bench_pserver.py --json      rounds rows (path, bytes, pull_ms, push_ms): per data path
                                  t = alpha + n beta for pull and for push; sweep rows with
                                  the shards' apply_ms: gamma_apply per optimizer
-    bench_fanout.py --json       fanout rows (path, bytes, shards, gap_ms, round_ms): per
-                                 data path, over the cold rows, a worker's round over S
-                                 shards t = alpha + (S - 1) per_shard + n beta
+    bench_fanout.py --json       fanout rows (path, bytes, shards, gap_ms, round_ms, CPU):
+                                 per data path, over the cold rows, a worker's round over
+                                 S shards t = alpha + (S - 1) per_shard + n beta, and the
+                                 same form over the round's CPU (worker and shards)
     bench_moe.py --json          alltoall rows (ranks, bytes, ours_s, mpi_s): per
                                  all-to-all (ours, MPI's) alpha and beta of
                                  t = s ((n-1) alpha + (n-1)/n B beta) (formulas.terms
@@ -155,6 +156,11 @@ def fit_fanout(rows: list[dict]) -> dict:
         k, rel = fit_relative(x, np.array([r["round_ms"] * 1e-3 for r in rs]))
         out[path] = {"alpha_s": k[0], "per_shard_s": k[1], "beta_s_per_byte": k[2],
                      "gap_ms": rs[0]["gap_ms"], **errors(rel)}
+        if all("client_cpu_ms" in r for r in rs):
+            c, crel = fit_relative(x, np.array([(r["client_cpu_ms"] + r["server_cpu_ms"]) * 1e-3
+                                                for r in rs]))
+            out[path]["cpu"] = {"alpha_s": c[0], "per_shard_s": c[1], "beta_s_per_byte": c[2],
+                                **errors(crel)}
     return out
 
 

@@ -4,7 +4,7 @@ constants by algorithm, its all-to-all and its parameter server's pull and push.
 from __future__ import annotations
 
 from dtlab.models.config import ConfigError
-from simulate_lib.formulas import Network, ServerLink
+from simulate_lib.formulas import Network, RoundCPU, ServerLink
 from simulate_lib.links import Link
 
 # the parameter-server data path a worker takes to shards on its own host (pserver/config.py)
@@ -63,8 +63,11 @@ def host_server(cal: dict, optimizer: str, path: str = LOCAL_PATH) -> ServerLink
     extra = max(0.0, apply[name] - apply["sgd"]) if name in apply and "sgd" in apply else 0.0
     if cold is not None:
         half = {"alpha_s": cold["alpha_s"] / 2, "beta_s_per_byte": cold["beta_s_per_byte"] / 2}
+        cpu = RoundCPU(**{k: cold["cpu"][k] for k in ("alpha_s", "per_shard_s",
+                                                      "beta_s_per_byte")}) \
+            if "cpu" in cold else None
         return ServerLink(fitted(f"ps {path} cold pull", half),
-                          fitted(f"ps {path} cold push", half), extra, cold["per_shard_s"])
+                          fitted(f"ps {path} cold push", half), extra, cold["per_shard_s"], cpu)
     return ServerLink(fitted(f"ps {path} pull", fits["pull"]),
                       fitted(f"ps {path} push", fits["push"]), extra)
 

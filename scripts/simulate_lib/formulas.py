@@ -126,16 +126,31 @@ def bucketed_allreduce_s(kind: str, grad_bytes: float, bucket_bytes: float, n_ra
 
 
 @dataclass(frozen=True)
+class RoundCPU:
+    """CPU seconds of one worker's round over S shards, its side and the shards' together:
+    alpha + (S - 1) per_shard + n beta (bench_fanout.py's cpu column)."""
+
+    alpha_s: float
+    per_shard_s: float
+    beta_s_per_byte: float
+
+    def seconds(self, nbytes: float, shards: int) -> float:
+        return self.alpha_s + (shards - 1) * self.per_shard_s + nbytes * self.beta_s_per_byte
+
+
+@dataclass(frozen=True)
 class ServerLink:
     """A parameter server's pull and push: alpha + n beta each (push: the shard's apply of
     the bench's optimizer included), plus gamma_apply per byte for the run's optimizer;
     per_shard_s: what a worker's round costs for each shard beyond the first (a host's:
-    the worker's per-shard work runs in one process; 0 for shards on hosts of their own)."""
+    the worker's per-shard work runs in one process; 0 for shards on hosts of their own);
+    cpu: the CPU a round takes on a host, where measured."""
 
     pull: Link
     push: Link
     gamma_apply_s_per_byte: float = 0.0
     per_shard_s: float = 0.0
+    cpu: RoundCPU | None = None  # measured CPU of a round on a host, where calibrated
 
 
 def pserver_s(nbytes: float, workers: int, shards: int, ps: ServerLink) -> tuple[float, float]:

@@ -208,15 +208,18 @@ def ps_step_together(w: Workload, workers: int, shards: int, ps: ServerLink, com
     (scripts/bench_together.py): compute_s a worker's step and straggler_s how much later
     the slowest one ends (under BSP), both with the cores already shared. What the
     measurement leaves out is the communication's CPU: while the slowest worker computes,
-    the other W - 1 workers' pushes and pulls run, and the shards' work on them, each of
-    the S a hot round of n / S bytes with one core busy (the worker and its shard take
-    turns, pserver_s(n / S, 1, 1)); where the processes (W workers, S shards) outnumber
-    the cores, that CPU comes out of the cores the slowest worker computes on, spread over
-    them. Then its own pull and push."""
+    the other W - 1 workers' rounds run, and the shards' work on them, each taking the CPU
+    bench_fanout.py measured (ps.cpu; without it, S rounds of n / S bytes with one core
+    busy: the worker and its shard taking turns); where the processes (W workers, S
+    shards) outnumber the cores, that CPU comes out of the cores the slowest worker
+    computes on, spread over them. Then its own pull and push."""
     pull, push = pserver_s(w.grad_bytes, workers, shards, ps)
-    op = sum(pserver_s(w.grad_bytes / shards, 1, 1, ps))
+    if ps.cpu is not None:
+        round_cpu = ps.cpu.seconds(w.grad_bytes, shards)
+    else:
+        round_cpu = shards * sum(pserver_s(w.grad_bytes / shards, 1, 1, ps))
     crowded = host.cores and workers + shards > host.cores
-    steal = (workers - 1) * shards * op / host.cores if crowded else 0.0
+    steal = (workers - 1) * round_cpu / host.cores if crowded else 0.0
     return Step("ps", workers, compute_s, straggler_s + steal + pull + push, f"S={shards}",
                 {"pull_s": pull, "push_s": push, "straggler_s": straggler_s,
                  "comm_cpu_s": steal, "cpu_bound": False})

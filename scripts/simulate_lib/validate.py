@@ -6,10 +6,13 @@ from a folder of earlier ones (--measured DIR: every folder under it with a
 summary.json). The measured step is the median over the steps after
 warm-up (the first tenth, at least 2) of rank 0's step_s (sync) or of the
 workers' mean step_s (async), and with several launches (--launches K, the
-N interleaved) the median over the launches. The model's compute comes from a benchmark of
-the very model and batch in one process at the thread counts the runs get
-(written as bench_model.py JSON beside the runs), its communication from
-the calibration; nothing measured in the runs goes into the prediction.
+N interleaved) the median over the launches. On this host the model's
+compute comes from scripts/bench_together.py run before each launch: the
+trainers' own compute in N processes at once, per N and role (a sync rank's,
+a worker's), written beside the runs; a benchmark of the very model in one
+process (as bench_model.py JSON) serves the emulated hosts and a folder
+without the former. The communication comes from the calibration; nothing
+measured in the runs goes into the prediction.
 A folder run across emulated hosts (its summary's `emulated`: hosts and link
 rate) is predicted with that cluster's link (simulate_lib/emulated.py).
 """

@@ -33,6 +33,10 @@ round = alpha + (S - 1) per_shard + n beta over the cold rows
 (simulate_lib/calibrate.py), the parameter server's round on this host, and
 the same form over the CPU column, the CPU a round takes from the cores
 that the other workers compute on.
+`--co-runners K` keeps K processes computing dtlab's default transformer
+(a worker's compute, in a loop) beside all of it, as other workers on the
+host: the round then waits for cores that the model's steps hold, and its
+tail grows (the p90 column). Those rows are measurements, not fitted.
 `wrong` counts paths whose final parameters are not the exact sum of what
 was pushed (lr 1, gradients of 2^-12: exact in float32).
 """
@@ -43,10 +47,14 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +62,8 @@ from bench_pserver import GRAD, MODEL, Servers
 
 from dtlab.models.config import build
 from dtlab.models.run.allocator import keep_freed_memory
+from dtlab.models.run.session import build_session, parse
+from dtlab.models.run.threads import share_cores
 from dtlab.pserver.client import PSClient
 from dtlab.pserver.config import ClientConfig
 
@@ -106,6 +116,36 @@ def rounds(client: PSClient, grad: np.ndarray, params: np.ndarray, step: int, co
     return times, time.process_time() - start - gaps, step
 
 
+def co_run(processes: int) -> None:
+    """A co-runner: dtlab's default transformer's worker compute (batch, forward, backward,
+    norm) in a loop until SIGTERM, at its share of the cores among `processes`."""
+    share_cores(processes=processes)
+    session = build_session(parse([], prog="bench_fanout.py --co-run"))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    while not stop.is_set():
+        session.replica.compute_grads(session.loader.next())
+        session.replica.finish_grads()
+        session.model.clip_grad_norm(session.params, session.setup.optim.clip)
+
+
+@contextmanager
+def co_runners(k: int):
+    """K co-runner processes (co_run) for the duration of the block."""
+    procs = [subprocess.Popen([sys.executable, __file__, "--co-run", str(k + 1)])
+             for _ in range(k)]
+    try:
+        time.sleep(2.0 if k else 0.0)  # started and stepping
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a co-runner exited at start")
+        yield
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+
+
 def measure(path: str, nbytes: int, shards: int, gap_ms: float, gap_mb: float, count: int,
             warmup: int, tmp: Path) -> dict:
     elements = nbytes // 4
@@ -132,21 +172,28 @@ def measure(path: str, nbytes: int, shards: int, gap_ms: float, gap_mb: float, c
         servers.stop()
     return {"mode": "fanout", "path": path, "bytes": nbytes, "shards": shards, "gap_ms": gap_ms,
             "gap_mb": gap_mb,
-            "round_ms": 1e3 * statistics.median(times), "client_cpu_ms": 1e3 * cpu / count,
+            "round_ms": 1e3 * statistics.median(times),
+            "round_p90_ms": 1e3 * statistics.quantiles(times, n=10)[-1] if count > 1 else
+            1e3 * times[0], "client_cpu_ms": 1e3 * cpu / count,
             "server_cpu_ms": 1e3 * server_cpu / count, "rounds": count, "wrong": wrong}
 
 
-HEADER = (f"#{'size':>9} {'path':>6} {'S':>3} {'gap ms':>7} {'round ms':>9} {'x hot':>7} "
-          f"{'cpu ms':>7} {'wrong':>5}")
+HEADER = (f"#{'size':>9} {'path':>6} {'S':>3} {'gap ms':>7} {'round ms':>9} {'p90 ms':>8} "
+          f"{'x hot':>7} {'cpu ms':>7} {'wrong':>5}")
 
 
 def line(r: dict, hot: float) -> str:
     cpu = r["client_cpu_ms"] + r["server_cpu_ms"]
     return (f" {r['bytes']:>9} {r['path']:>6} {r['shards']:>3} {r['gap_ms']:>7.1f} "
-            f"{r['round_ms']:>9.3f} {r['round_ms'] / hot:>7.2f} {cpu:>7.3f} {r['wrong']:>5}")
+            f"{r['round_ms']:>9.3f} {r['round_p90_ms']:>8.3f} {r['round_ms'] / hot:>7.2f} "
+            f"{cpu:>7.3f} {r['wrong']:>5}")
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--co-run"]:
+        co_run(int(argv[1]))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes-kb", default="64,1024,4096", help="gradient sizes in KiB")
     p.add_argument("--shards", default="1,2", help="shard counts S")
@@ -158,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=100, help="timed rounds per row (default 100)")
     p.add_argument("--warmup", type=int, default=5, help="untimed rounds first (default 5)")
     p.add_argument("--json", default="", metavar="PATH", help="write the rows here")
+    p.add_argument("--co-runners", type=int, default=0,
+                   help="processes computing dtlab's default transformer beside the rounds "
+                        "all along, as other workers on the host (default 0; not fitted)")
     p.add_argument("--tiny", action="store_true", help="64 KB, 3 rounds: a smoke run (tests)")
     o = p.parse_args(argv)
     try:
@@ -165,31 +215,32 @@ def main(argv: list[str] | None = None) -> int:
         shard_counts = [int(s) for s in o.shards.split(",")]
     except ValueError as e:
         p.error(f"--sizes-kb and --shards take comma lists of numbers: {e}")
-    if min(sizes) < 4 or min(shard_counts) < 1 or o.rounds < 1 or min(o.gap_ms, o.gap_mb,
-                                                                          o.warmup) < 0:
+    if min(sizes) < 4 or min(shard_counts) < 1 or o.rounds < 1 or min(
+            o.gap_ms, o.gap_mb, o.warmup, o.co_runners) < 0:
         p.error("sizes of at least 4 bytes, at least 1 shard, --rounds >= 1, and no negative "
-                "--gap-ms, --gap-mb or --warmup")
+                "--gap-ms, --gap-mb, --warmup or --co-runners")
     if o.tiny:
         sizes, shard_counts, o.rounds, o.warmup, o.gap_ms = [64 * 1024], [1, 2], 3, 1, 1.0
     keep_freed_memory()  # as pserver's worker does
     print(f"# dtlab: a worker's push_pull over S shards, each round after {o.gap_ms:g} ms of "
           f"work over {o.gap_mb:g} MB (cold), against the hot one-shard round; median of "
-          f"{o.rounds} rounds; "
+          f"{o.rounds} rounds; {o.co_runners} co-runner(s); "
           f"load average {os.getloadavg()[0]:.2f}")
-    print("# size: gradient bytes; x hot: round / the same path and size hot on one shard; "
-          "cpu: the worker's and the shards' CPU time a round; wrong: final parameters not "
-          "the exact sum pushed")
+    print("# size: gradient bytes; round, p90: median and 90th percentile; x hot: round / the "
+          "same path and size hot on one shard; cpu: the worker's and the shards' CPU time a "
+          "round; wrong: final parameters not the exact sum pushed")
     print(HEADER)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-fanout-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-fanout-") as tmp, co_runners(o.co_runners):
         for nbytes in sizes:
             for path in PATHS:
                 hot = measure(path, nbytes, 1, 0.0, 0.0, o.rounds, o.warmup, Path(tmp))
-                rows.append(hot)
+                rows.append({**hot, "co_runners": o.co_runners})
                 print(line(hot, hot["round_ms"]), flush=True)
                 for shards in shard_counts:
-                    rows.append(measure(path, nbytes, shards, o.gap_ms, o.gap_mb, o.rounds,
-                                        o.warmup, Path(tmp)))
+                    rows.append({**measure(path, nbytes, shards, o.gap_ms, o.gap_mb,
+                                           o.rounds, o.warmup, Path(tmp)),
+                                 "co_runners": o.co_runners})
                     print(line(rows[-1], hot["round_ms"]), flush=True)
     wrong = sum(r["wrong"] for r in rows)
     print(f"# Out of bounds values : {wrong} {'OK' if not wrong else 'FAILED'}")

@@ -252,6 +252,8 @@ def synthetic_bench(tmp: Path) -> list[str]:
             "client_cpu_ms": 1e3 * (4e-4 + (s - 1) * 3e-4 + b / 8e9),
             "server_cpu_ms": 1e3 * (2e-4 + (s - 1) * 1e-4 + b / 8e9)}
            for b in (1 << 16, 1 << 20) for s in (1, 2) for gap in (0.0, 5.0)]
+    # rows measured beside co-runners are not fitted: these would spoil the fit if they were
+    ps += [{**r, "round_ms": 10 * r["round_ms"], "co_runners": 1} for r in ps[-8:]]
     (tmp / "ps.json").write_text(json.dumps({"config": {}, "env": {}, "rows": ps}))
     model = [{"model": "transformer", "config": {"d": k}, "batch_size": 4, "flops_step": f,
               "step_s_median": 2e-3 + f / 50e9} for k, f in enumerate((1e8, 1e9, 1e10))]

@@ -146,7 +146,7 @@ def fit_fanout(rows: list[dict]) -> dict:
     S shards as a training loop meets it."""
     paths: dict[str, list[dict]] = {}
     for r in rows:
-        if r.get("mode") == "fanout" and r["gap_ms"] > 0:
+        if r.get("mode") == "fanout" and r["gap_ms"] > 0 and not r.get("co_runners"):
             paths.setdefault(r["path"], []).append(r)
     out = {}
     for path, rs in paths.items():

@@ -397,10 +397,41 @@ class ShardClient:
             lambda s: self._push_pull_session(s, header, grad, chunk, req, out),
             timeout=2 * self.cfg.rpc_timeout_s), "PushPull")
 
+    def start_push_pull(self, grad: np.ndarray, worker: int, step: int, version: int,
+                        ranges: Ranges | None = None) -> None:
+        """push_pull's first half on the open session, without retries: the push (carrying
+        the pull) sent; finish_push_pull reads the answer. PSClient sends to every shard
+        this way before it reads any answer, from one thread. After a failure of either
+        half, end_session() and push_pull (which retries; a push is applied once)."""
+        s = self._session
+        with s.operation(self.cfg.rpc_timeout_s):
+            s.send(self._push_messages(s, self._push_header(grad, worker, step, version, ranges),
+                                       grad, self._chunk_bytes(),
+                                       then_pull=self._pull_request(worker, version)))
+
+    def finish_push_pull(self, out: np.ndarray) -> tuple[pb.PushReply, int, bool]:
+        """push_pull's second half: its answer, under the deadlines of a push and a pull."""
+        s = self._session
+        with s.operation(2 * self.cfg.rpc_timeout_s):
+            return self._push_pulled(s, out)
+
+    @property
+    def in_session(self) -> bool:
+        """Whether a session is open (the first call of the session transport opens it)."""
+        return self.transport == "session" and self._session is not None
+
+    def end_session(self) -> None:
+        """Close the session (a reply it still owes is dropped with it)."""
+        self._end_session()
+
     def _push_pull_session(self, s: Session, header: pb.PushHeader, grad: np.ndarray,
                            chunk: int, req: pb.PullRequest,
                            out: np.ndarray) -> tuple[pb.PushReply, int, bool]:
         s.send(self._push_messages(s, header, grad, chunk, then_pull=req))
+        return self._push_pulled(s, out)
+
+    def _push_pulled(self, s: Session, out: np.ndarray) -> tuple[pb.PushReply, int, bool]:
+        """The answer to a push carrying a pull: the push's reply, the values into `out`."""
         kind, answer = self.codec.read(pb.SessionReply, s.next_reply())
         if kind == "push_pulled":
             if "pushed" not in answer.more:
@@ -639,23 +670,57 @@ class PSClient:
         """push(flat_grad, step), then pull(flat), every shard in parallel, each shard's
         pull right behind its push (ShardClient.push_pull): the worker's loop of push,
         pull, compute, with one round trip per shard for the push and the pull (`ranges`:
-        as in push). Returns the push replies and how many shards changed."""
+        as in push). Once every shard's session is open, the pushes are sent and the
+        answers read from this thread (_push_pull_here). Returns the push replies and how
+        many shards changed."""
         if any(v is None for v in self.versions):
             raise RuntimeError("push before a successful pull of every shard")
         flat_grad, sent = self._grad_on_wire(flat_grad), self._on_wire(flat, "params")
+        known = list(self.versions)
+        self.versions = [None] * len(self.shards)  # unknown until each pull succeeds
+        parts = [self._part(s, flat_grad, ranges) for s in self.shards]  # (grad, ranges)
 
-        def one(k: int) -> tuple[pb.PushReply, bool]:
-            s = self.shards[k]
-            known, self.versions[k] = self.versions[k], None  # unknown until the pull succeeds
-            grad, mine = self._part(s, flat_grad, ranges)
-            reply, self.versions[k], changed = s.push_pull(
-                grad, self.worker, step, known, self._slice(s, sent), mine)
+        def one(k: int, answer=None) -> tuple[pb.PushReply, bool]:
+            s, (grad, mine) = self.shards[k], parts[k]
+            if answer is None:
+                answer = s.push_pull(grad, self.worker, step, known[k], self._slice(s, sent),
+                                     mine)
+            reply, self.versions[k], changed = answer
             s.pushed_bytes += grad.nbytes
             self._landed(s, changed, flat, sent)
             return reply, changed
 
-        done = self._map(one, range(len(self.shards)))
+        answers = self._push_pull_here(step, known, parts, sent)
+        missing = [k for k in range(len(self.shards)) if k not in answers]
+        retried = dict(zip(missing, self._map(one, missing), strict=True)) if missing else {}
+        done = [retried[k] if k in retried else one(k, answers[k])
+                for k in range(len(self.shards))]
         return [reply for reply, _ in done], sum(changed for _, changed in done)
+
+    def _push_pull_here(self, step: int, known: list[int], parts: list[tuple],
+                        sent: np.ndarray) -> dict[int, tuple[pb.PushReply, int, bool]]:
+        """{shard: push_pull's answer} for every shard, sent and read from this thread,
+        where every shard has its session open (the pushes go out together and no thread
+        is woken to carry them: on a host whose cores are busy each hand-off to a pool
+        thread and back waits to be scheduled); {} when not, and after a failure the
+        answers read so far: the others go through ShardClient.push_pull, which retries."""
+        if len(self.shards) < 2 or not all(
+                isinstance(s, ShardClient) and s.in_session for s in self.shards):
+            return {}
+        answers: dict[int, tuple[pb.PushReply, int, bool]] = {}
+        try:
+            for s, (grad, mine), version in zip(self.shards, parts, known, strict=True):
+                s.start_push_pull(grad, self.worker, step, version, mine)
+            for k, s in enumerate(self.shards):
+                answers[k] = s.finish_push_pull(self._slice(s, sent))
+        except BaseException as e:
+            for k, s in enumerate(self.shards):
+                if k not in answers:  # it may still owe an answer: a new session for a retry
+                    s.end_session()
+            if not isinstance(e, Exception):
+                raise
+            log.info("push_pull from one thread: %s; the shards without an answer retry", e)
+        return answers
 
     def stats(self) -> list[pb.StatsReply]:
         return self._each(lambda s: s.stats())

@@ -3,7 +3,8 @@ values, versions, staleness and deduplication as a separate push and pull, under
 SSP and BSP with two workers, on every data path (one message, a streamed push with the
 pull behind it, shared memory, per-call transport), from a client of the .proto's
 generated classes too; a faulty then_pull is refused by name, and a push_pull retried
-across a restart applies its push once."""
+across a restart applies its push once. Over two shards with open sessions the pushes go
+out from the calling thread, falling back to the retrying path when a session breaks."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pserver_util import addresses, connect, initial_params, serve
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.protos import dtlab_ps_pb2_grpc as pb_grpc
 from dtlab.pserver import wire
+from dtlab.pserver.client import ShardClient
 
 INIT = initial_params()
 N = INIT.size
@@ -307,3 +309,38 @@ def test_a_push_pull_interrupted_in_its_pull_is_retried_and_applied_once(tmp_pat
         first.join(timeout=30)
         for c in clients:
             c.close()
+
+
+@pytest.mark.parametrize("path", ["whole", "streamed", "shm"])
+def test_two_shards_push_pull_from_one_thread_and_fall_back_to_retries(path, monkeypatch):
+    """With every session open, PSClient.push_pull sends to both shards and reads both
+    answers from the calling thread (no ShardClient.push_pull, whose retries it falls back
+    to): exact values; a session broken under it costs that shard one retried push_pull,
+    the push applied once."""
+    retried = []
+    real = ShardClient.push_pull
+
+    def counted(self, *args, **kwargs):
+        retried.append(self.address)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ShardClient, "push_pull", counted)
+    with serve(shards=2) as daemons:
+        client = connected(addresses(daemons), path)
+        try:
+            params = np.empty(N, np.float32)
+            client.pull(params)  # opens both sessions
+            for step in range(3):
+                replies, changed = client.push_pull(G, step, params)
+                assert changed == 2 and not any(r.duplicate for r in replies)
+            assert retried == [] and client.versions == [3, 3]
+            np.testing.assert_array_equal(params, expected(3))
+            if path == "shm":
+                assert all(s.shared_memory for s in client.shards)
+            client.shards[1]._session.call.cancel()  # the stream breaks under the client
+            replies, changed = client.push_pull(G, 3, params)
+            assert retried == [client.shards[1].address] and changed == 2
+            np.testing.assert_array_equal(params, expected(4))
+            assert [s.pushes for s in client.stats()] == [4, 4]  # each push applied once
+        finally:
+            client.close()

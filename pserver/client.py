@@ -680,21 +680,22 @@ class PSClient:
         self.versions = [None] * len(self.shards)  # unknown until each pull succeeds
         parts = [self._part(s, flat_grad, ranges) for s in self.shards]  # (grad, ranges)
 
-        def one(k: int, answer=None) -> tuple[pb.PushReply, bool]:
-            s, (grad, mine) = self.shards[k], parts[k]
-            if answer is None:
-                answer = s.push_pull(grad, self.worker, step, known[k], self._slice(s, sent),
-                                     mine)
+        def land(k: int, answer: tuple[pb.PushReply, int, bool]) -> tuple[pb.PushReply, bool]:
+            s, (grad, _) = self.shards[k], parts[k]
             reply, self.versions[k], changed = answer
             s.pushed_bytes += grad.nbytes
             self._landed(s, changed, flat, sent)
             return reply, changed
 
+        def retried(k: int) -> tuple[pb.PushReply, bool]:
+            s, (grad, mine) = self.shards[k], parts[k]
+            return land(k, s.push_pull(grad, self.worker, step, known[k], self._slice(s, sent),
+                                       mine))
+
         answers = self._push_pull_here(step, known, parts, sent)
         missing = [k for k in range(len(self.shards)) if k not in answers]
-        retried = dict(zip(missing, self._map(one, missing), strict=True)) if missing else {}
-        done = [retried[k] if k in retried else one(k, answers[k])
-                for k in range(len(self.shards))]
+        again = dict(zip(missing, self._map(retried, missing), strict=True))
+        done = [again[k] if k in again else land(k, answers[k]) for k in range(len(self.shards))]
         return [reply for reply, _ in done], sum(changed for _, changed in done)
 
     def _push_pull_here(self, step: int, known: list[int], parts: list[tuple],

@@ -147,7 +147,7 @@ def co_runners(k: int):
 
 
 def measure(path: str, nbytes: int, shards: int, gap_ms: float, gap_mb: float, count: int,
-            warmup: int, tmp: Path) -> dict:
+            warmup: int, co_runners: int, tmp: Path) -> dict:
     elements = nbytes // 4
     servers = Servers(elements, shards, "sgd", tmp, lr=1.0, name=f"-{path}-fanout")
     try:
@@ -171,7 +171,7 @@ def measure(path: str, nbytes: int, shards: int, gap_ms: float, gap_mb: float, c
     finally:
         servers.stop()
     return {"mode": "fanout", "path": path, "bytes": nbytes, "shards": shards, "gap_ms": gap_ms,
-            "gap_mb": gap_mb,
+            "gap_mb": gap_mb, "co_runners": co_runners,
             "round_ms": 1e3 * statistics.median(times),
             "round_p90_ms": 1e3 * statistics.quantiles(times, n=10)[-1] if count > 1 else
             1e3 * times[0], "client_cpu_ms": 1e3 * cpu / count,
@@ -234,13 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-fanout-") as tmp, co_runners(o.co_runners):
         for nbytes in sizes:
             for path in PATHS:
-                hot = measure(path, nbytes, 1, 0.0, 0.0, o.rounds, o.warmup, Path(tmp))
-                rows.append({**hot, "co_runners": o.co_runners})
+                hot = measure(path, nbytes, 1, 0.0, 0.0, o.rounds, o.warmup, o.co_runners,
+                              Path(tmp))
+                rows.append(hot)
                 print(line(hot, hot["round_ms"]), flush=True)
                 for shards in shard_counts:
-                    rows.append({**measure(path, nbytes, shards, o.gap_ms, o.gap_mb,
-                                           o.rounds, o.warmup, Path(tmp)),
-                                 "co_runners": o.co_runners})
+                    rows.append(measure(path, nbytes, shards, o.gap_ms, o.gap_mb, o.rounds,
+                                        o.warmup, o.co_runners, Path(tmp)))
                     print(line(rows[-1], hot["round_ms"]), flush=True)
     wrong = sum(r["wrong"] for r in rows)
     print(f"# Out of bounds values : {wrong} {'OK' if not wrong else 'FAILED'}")

@@ -60,6 +60,7 @@ from dtlab.models.data.dataset import in_words
 from dtlab.models.run.cli import run_cli
 from dtlab.models.run.metrics import hardware, read_metrics, versions
 from dtlab.models.run.session import Setup, build_session, parse
+from dtlab.models.schedule import SCHEDULES
 from dtlab.models.zoo import build_model, check_grid
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,7 +116,7 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp", type=int, default=1,
                    help="pipeline stages per replica; its micro-batches are --grad-accum "
                         "(default 1)")
-    g.add_argument("--pp-schedule", choices=["gpipe", "1f1b", "zb-h1"], default="1f1b",
+    g.add_argument("--pp-schedule", choices=list(SCHEDULES), default="1f1b",
                    help="pipeline schedule with --pp (default 1f1b)")
     g.add_argument("--ep", type=int, default=1,
                    help="sync runs: spread the experts over this many of the --ranks data "

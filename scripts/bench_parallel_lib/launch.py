@@ -21,7 +21,7 @@ from dtlab.models.partition import module_parts
 from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.session import PipelineSpec, build_session, parse
 from dtlab.models.run.threads import share_cores
-from dtlab.models.schedule import bubble_formula, make, simulate
+from dtlab.models.schedule import SCHEDULES, bubble_formula, make, simulate
 
 _COMMON = ["--model", "transformer", "--vocab", "64", "--seq-len", "64", "--n-layers", "4"]
 SIZES = {  # name -> (model flags, samples per micro-batch)
@@ -111,7 +111,7 @@ def run(size: str, tp: int, pp: int, ms: list[int], steps: int, warmup: int, out
     clock = PassClock(model, P)
     mpi = grid.world.mpi
     rows = []
-    for schedule in (["gpipe", "1f1b", "zb-h1"] if pp > 1 else ["-"]):
+    for schedule in (list(SCHEDULES) if pp > 1 else ["-"]):
         if pp > 1:
             session.replica.schedule = schedule
         for m in ms:

@@ -21,6 +21,7 @@ staleness of every applied gradient is recorded (Zhang et al. 2016).
     auth.py         bearer-token interceptor, TLS and mutual-TLS credentials
     metrics.py      Prometheus metrics (prometheus-client) on GET /metrics
     checkpoint.py   shard checkpoints on models/run/checkpoint.py
+    inflight.py     the calls a shutdown lets finish, counted from their acceptance
     daemon.py       one shard's server: store + gRPC + health + reflection + metrics
     __main__.py     `dtlab-pserver serve`: flags, signals
     client.py       every shard in parallel: sessions, shm, health wait, deadlines, retries

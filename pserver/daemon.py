@@ -55,6 +55,7 @@ from dtlab.pserver.config import ServerConfig
 from dtlab.pserver.consistency import Consistency
 from dtlab.pserver.errors import FailedPrecondition
 from dtlab.pserver.expert_staleness import ExpertStaleness
+from dtlab.pserver.inflight import InFlight
 from dtlab.pserver.leases import LeaseReaper, keepalive_options
 from dtlab.pserver.metrics import MetricsServer
 from dtlab.pserver.partitions import Partitions
@@ -174,7 +175,8 @@ class Daemon:
                                      self._dense_specs, cfg.seed, cfg.dtype)
         if cfg.resume:
             self._resume_partitions(config["optim"]["optimizer"])
-        self.server.add_generic_rpc_handlers((handler(self.partitions), *handlers))
+        self.calls = InFlight(handler(self.partitions), idle_streams={"Session"})
+        self.server.add_generic_rpc_handlers((self.calls, *handlers))
         if self.replication is not None:
             self.server.add_generic_rpc_handlers((self.replication.handler(),))
         self.health = health.HealthServicer()
@@ -199,7 +201,8 @@ class Daemon:
         self.metrics = None
         if cfg.metrics_port >= 0:
             try:
-                self.metrics = MetricsServer(cfg.bind, cfg.metrics_port, self.servicer.stats)
+                self.metrics = MetricsServer(cfg.bind, cfg.metrics_port, self.servicer.stats,
+                                             lambda: self.calls.count)
             except OSError as e:
                 raise ConfigError(f"--metrics-port {cfg.metrics_port}: {e.strerror}") from None
         self._leases_primary = False  # whether the last reaper pass found this a primary
@@ -340,7 +343,7 @@ class Daemon:
         self.partitions.close()
         stopped = self.server.stop(self.cfg.grace_s)
         deadline = time.monotonic() + self.cfg.grace_s
-        while self.partitions.busy and time.monotonic() < deadline:
+        while (self.calls.count or self.partitions.busy) and time.monotonic() < deadline:
             time.sleep(0.02)
         self.server.stop(None)  # what is left are sessions idle between operations
         stopped.wait()

@@ -111,19 +111,25 @@ def _one(family, labels: list[str], value):
 
 
 class StatsCollector:
-    """A prometheus-client collector reading the shard's stats at every scrape."""
+    """A prometheus-client collector reading the shard's stats at every scrape, and the
+    daemon's count of calls in flight (pserver.inflight)."""
 
-    def __init__(self, stats: Callable[[], pb.StatsReply]):
-        self._stats = stats
+    def __init__(self, stats: Callable[[], pb.StatsReply], calls_in_flight: Callable[[], int]):
+        self._stats, self._calls = stats, calls_in_flight
 
     def collect(self) -> Iterator[Metric]:
-        return families(self._stats())
+        s = self._stats()
+        yield from families(s)
+        yield _one(GaugeMetricFamily("dtlab_ps_calls_in_flight", "calls accepted and not "
+                                     "finished (sessions not counted)", labels=["shard"]),
+                   [str(s.shard)], self._calls())
 
 
-def registry(stats: Callable[[], pb.StatsReply]) -> CollectorRegistry:
+def registry(stats: Callable[[], pb.StatsReply],
+             calls_in_flight: Callable[[], int]) -> CollectorRegistry:
     """A registry of the shard's metrics and its process's (memory, CPU, descriptors)."""
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(StatsCollector(stats))
+    reg.register(StatsCollector(stats, calls_in_flight))
     ProcessCollector(registry=reg)
     return reg
 
@@ -131,8 +137,9 @@ def registry(stats: Callable[[], pb.StatsReply]) -> CollectorRegistry:
 class MetricsServer:
     """A plain HTTP server answering GET /metrics from `stats()`, on a daemon thread."""
 
-    def __init__(self, host: str, port: int, stats: Callable[[], pb.StatsReply]):
-        reg = registry(stats)
+    def __init__(self, host: str, port: int, stats: Callable[[], pb.StatsReply],
+                 calls_in_flight: Callable[[], int]):
+        reg = registry(stats, calls_in_flight)
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):

@@ -69,18 +69,23 @@ def scrape(port: int) -> tuple[dict, dict]:
     return samples, {f.name: f.type for f in families}
 
 
-def slow_push(address: str, step: int, version: int, sent_first: threading.Event, out: list):
-    """A push whose chunks trickle in; its result (code, reply) lands in `out`."""
+def slow_push(address: str, step: int, version: int, sent: threading.Event, out: list,
+              pause_after: int = 2, resume: threading.Event | None = None):
+    """A push that pauses after its first `pause_after` messages (0: before its header) until
+    `resume` is set (None: for 0.5 s), `sent` set at the pause; (code, reply) lands in `out`."""
     h = pb.PushHeader(worker_id=0, step=step, shard=0,
                       meta=pb.TensorMeta(dtype=pb.FLOAT32, shape=[N], offset=0, version=version))
     msgs = list(wire.stream(h, np.ones(N, np.float32), chunk_bytes=64))
 
     def trickle():
         for i, m in enumerate(msgs):
+            if i == pause_after:
+                sent.set()
+                if resume is None:
+                    time.sleep(0.5)
+                else:
+                    assert resume.wait(60)
             yield m
-            if i == 1:
-                sent_first.set()
-                time.sleep(0.5)
 
     with grpc.insecure_channel(address) as ch:
         try:
@@ -141,6 +146,41 @@ def test_metrics_reflection_and_sigterm_with_checkpoint(tmp_path: Path):
         saved = sorted(p.name for p in (ckpt / "shard-0-of-1").iterdir())
         assert saved == ["step-00000002"], saved
         assert "checkpoint" in d.output()
+
+
+def test_sigterm_lets_a_push_finish_whose_header_has_not_arrived(tmp_path: Path):
+    """The call is counted from its acceptance (pserver.inflight), not from its first message:
+    a shutdown that starts between the two waits for it."""
+    with DaemonProcess(tmp_path, serve_args("--metrics-port", "0")) as d:
+        client = connect(d.address)
+        client.pull(np.empty(N, np.float32))
+        called, resume, result = threading.Event(), threading.Event(), []
+        pusher = threading.Thread(target=slow_push, args=(d.address, 0, client.versions[0],
+                                                          called, result, 0, resume))
+        pusher.start()
+        try:
+            assert called.wait(30)
+            calls = frozenset({("shard", "0")})
+            for _ in range(600):  # the daemon has accepted the call, before any message
+                if scrape(d.metrics_port)[0]["dtlab_ps_calls_in_flight", calls] == 1:
+                    break
+                time.sleep(0.05)
+            else:
+                raise AssertionError("the push was never counted in flight")
+            d.proc.send_signal(15)
+            for _ in range(600):
+                if "shutting down" in d.output():
+                    break
+                time.sleep(0.05)
+            else:
+                raise AssertionError(f"no shutdown logged:\n{d.output()}")
+        finally:
+            resume.set()
+            pusher.join(timeout=60)
+        client.close()
+        assert d.proc.wait(timeout=60) == 0, d.output()
+        code, reply = result[0]
+        assert code == grpc.StatusCode.OK and reply.version == 1, result
 
 
 def test_resume_and_corrupt_checkpoint(tmp_path: Path):

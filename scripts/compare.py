@@ -96,6 +96,10 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
                         "1: this host, shared memory (default)")
     g.add_argument("--link-gbit", type=float, default=1.0,
                    help="each emulated host's link rate in Gbit/s (default 1)")
+    g.add_argument("--tcp-cc", default="reno",
+                   help="the emulated hosts' TCP congestion control (default reno, loss-based, "
+                        "what the cost model's link assumes; 'host': this machine's own; "
+                        "compare_lib/cluster.py)")
     g.add_argument("--trace", action="store_true",
                    help="every process of every run writes a Chrome trace into OUT; after "
                         "each run they are merged into OUT/NAME.trace.json (opens in Perfetto)")
@@ -148,6 +152,10 @@ def parse_args(argv: list[str]) -> tuple[Setup, list[RunSpec]]:
     if opts.hosts > 1 and cluster.check():
         raise ConfigError(f"--hosts {opts.hosts}: {cluster.check()}; without --hosts the "
                           "comparison runs on this host")
+    allowed = cluster.allowed_congestion_controls()
+    if opts.hosts > 1 and opts.tcp_cc != "host" and opts.tcp_cc not in allowed:
+        raise ConfigError(f"--tcp-cc {opts.tcp_cc}: not allowed on this machine (allowed: "
+                          f"{' '.join(allowed) or 'none listed'}; or 'host')")
     if opts.calibration and opts.sweep:
         raise ConfigError("--calibration predicts the runs of a comparison, not a --sweep")
     check_parallel(setup)
@@ -400,9 +408,11 @@ def main(argv: list[str]) -> int:
     hosts = None
     try:
         if opts.hosts > 1:
-            hosts = cluster.EmulatedCluster(opts.hosts, opts.link_gbit, out).__enter__()
+            hosts = cluster.EmulatedCluster(opts.hosts, opts.link_gbit, out,
+                                            opts.tcp_cc).__enter__()
             data["cluster"] = hosts.describe()
-            data["emulated"] = {"hosts": opts.hosts, "link_gbit": opts.link_gbit}
+            data["emulated"] = {"hosts": opts.hosts, "link_gbit": opts.link_gbit,
+                                "tcp_cc": hosts.congestion_control()}
             print(hosts.describe(), file=sys.stderr)
         bench = Bench(out, config.resolve(), opts.ranks, opts.shards, setup.run.steps,
                       opts.timeout, mpiexec, hosts, opts.trace, grid_of(opts))

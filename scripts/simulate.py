@@ -175,6 +175,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--link-gbit", default="1,0.1",
                    help="--validate --hosts H: the link rates in Gbit/s, comma-separated, "
                         "each measured and predicted (default 1,0.1)")
+    g.add_argument("--tcp-cc", default="reno",
+                   help="--validate --hosts H: the emulated hosts' TCP congestion control "
+                        "(compare.py --tcp-cc; default reno)")
     g.add_argument("--val-steps", type=int, default=200,
                    help="--validate: steps of every run (default 200)")
     g.add_argument("--out", default="", metavar="DIR",
@@ -333,7 +336,7 @@ def do_validate(setup, o) -> int:
                 together += validate.bench_together(config, n_list, roles, launch, o.timeout)
             folders += validate.run_comparisons(config, n_list, o.val_runs, o.val_shards,
                                                 o.val_steps, launch, o.timeout, o.hosts,
-                                                o.rates)
+                                                o.rates, o.tcp_cc)
             (launch / "load.json").write_text(json.dumps(
                 {"before": before, "after": os.getloadavg()[0]}))
     else:

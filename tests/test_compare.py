@@ -346,6 +346,9 @@ def test_an_emulated_cluster_runs_both_topologies_over_its_shaped_links(tmp_path
         assert r.returncode == 0, r.stderr
         summary = json.loads((out / "summary.json").read_text())
         assert "2 emulated hosts" in summary["cluster"]
+        # read back from a host: the namespaces run the congestion control compare.py set
+        assert "TCP congestion control reno" in summary["cluster"]
+        assert summary["emulated"]["tcp_cc"] == "reno"
         sync, bsp = summary["runs"]
         assert sync["status"] == bsp["status"] == "ok"
         header, records = read_metrics(str(out / "sync-ring.jsonl"))
@@ -371,6 +374,13 @@ def test_an_emulated_cluster_runs_both_topologies_over_its_shaped_links(tmp_path
         subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert not re.search(r"\bdtl\d+-", made), made  # namespaces, bridge, veths: all gone
     assert not left_behind(tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root")
+def test_emulated_hosts_refuse_a_congestion_control_the_kernel_does_not_allow(tmp_path):
+    r = compare(*TINY, "--hosts", "2", "--tcp-cc", "no-such-cc", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "--tcp-cc no-such-cc: not allowed on this machine" in r.stderr
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
 
 
 def test_emulated_hosts_need_a_positive_link_rate(tmp_path):

@@ -21,6 +21,18 @@ machine's CPUs (`taskset`): its processes size their BLAS threads by them
 (models/run/threads.py reads the affinity), where otherwise every host would
 count all the machine's cores and the hosts' threads would fight over them.
 
+Each host's TCP congestion control is set (`tcp_cc`, default reno, a namespace
+otherwise inheriting the machine's): a loss-based one keeps the shaped link
+busy, which is what the cost model's alpha-beta link assumes. BBR, this
+project's machine's default, probes past the token bucket's rate and reads
+its bandwidth from ACKs that queue behind the other direction's data; under
+the parameter server's two-way rounds it left a round at 0.1 Gbit/s anywhere
+from the link's 359 ms to 900 ms (median 380-520 ms over 40-step runs, where
+reno gave 359 ms in every step; 2026-12-01, scripts/compare.py --hosts 2
+--link-gbit 0.1 --tcp-cc bbr against reno). Linux's own default, cubic, is
+loss-based too but not allowed in this project's container;
+`allowed_congestion_controls()` says which are.
+
 Everything made is removed on exit, after a failure too: processes left in
 a namespace (SIGKILL), the namespaces, the bridge (the veths go with their
 namespaces). Needs root and iproute2; `check()` names what is missing.
@@ -61,6 +73,12 @@ def check() -> str:
     return ""
 
 
+def allowed_congestion_controls() -> list[str]:
+    """The TCP congestion controls a namespace may be given here (the kernel's list)."""
+    path = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+    return path.read_text().split() if path.exists() else []
+
+
 def _run(*cmd: str) -> str:
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
@@ -69,14 +87,19 @@ def _run(*cmd: str) -> str:
 
 
 class EmulatedCluster:
-    """`hosts` hosts, each one's egress at `gbit` Gbit/s; files go to `work`."""
+    """`hosts` hosts, each one's egress at `gbit` Gbit/s and its TCP congestion control
+    `tcp_cc` ("host": the machine's own); files go to `work`."""
 
-    def __init__(self, hosts: int, gbit: float, work: Path):
+    def __init__(self, hosts: int, gbit: float, work: Path, tcp_cc: str = "reno"):
         if hosts < 2:
             raise ValueError(f"an emulated cluster needs at least 2 hosts (got {hosts})")
         if not gbit > 0:
             raise ValueError(f"the link rate must be positive (got {gbit} Gbit/s)")
-        self.hosts, self.gbit, self.work = hosts, gbit, Path(work)
+        if tcp_cc != "host" and tcp_cc not in allowed_congestion_controls():
+            raise ValueError(f"TCP congestion control {tcp_cc!r} is not allowed here (this "
+                             f"kernel allows: {' '.join(allowed_congestion_controls())}; "
+                             "or 'host' for the machine's own)")
+        self.hosts, self.gbit, self.work, self.tcp_cc = hosts, gbit, Path(work), tcp_cc
         tag = os.getpid() % 60000
         self.prefix = f"dtl{tag}"  # interface names stay under 15 characters
         self.subnet = f"10.{200 + tag // 256 % 50}.{tag % 256}"
@@ -110,6 +133,9 @@ class EmulatedCluster:
                 _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
                 _run("ip", "-n", ns, "link", "set", "eth0", "up")
                 _run("ip", "-n", ns, "link", "set", "lo", "up")
+                if self.tcp_cc != "host":
+                    _run("ip", "netns", "exec", ns, "sysctl", "-qw",
+                         f"net.ipv4.tcp_congestion_control={self.tcp_cc}")
                 _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root",
                      "tbf", "rate", f"{self.gbit * 1000:g}mbit", "burst", BURST,
                      "latency", LATENCY)
@@ -177,8 +203,13 @@ class EmulatedCluster:
             out.append(int(re.search(r"Sent (\d+) bytes", text).group(1)))
         return out
 
+    def congestion_control(self) -> str:
+        """The TCP congestion control the hosts run, read back from host 0."""
+        return _run("ip", "netns", "exec", self.namespace(0), "sysctl", "-n",
+                    "net.ipv4.tcp_congestion_control").strip()
+
     def describe(self) -> str:
         cpus = "; ".join(f"host {i} CPUs {self.cpu_list(i)}" for i in range(self.hosts))
         return (f"{self.hosts} emulated hosts (network namespaces on a bridge), each link "
-                f"shaped to {self.gbit:g} Gbit/s by tc tbf; MPI over TCP (UCX_TLS=tcp,self); "
-                f"{cpus}")
+                f"shaped to {self.gbit:g} Gbit/s by tc tbf; TCP congestion control "
+                f"{self.congestion_control()}; MPI over TCP (UCX_TLS=tcp,self); {cpus}")

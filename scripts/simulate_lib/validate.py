@@ -186,9 +186,10 @@ def compute_rows(paths: list[Path]) -> list[dict]:
 
 def run_comparisons(config_path: str, ranks: list[int], runs: str, shards: int, steps: int,
                     folder: Path, timeout_s: float, hosts: int = 1,
-                    rates: tuple[float, ...] = ()) -> list[Path]:
-    """compare.py at every N of `ranks` into FOLDER/nN (on `hosts` emulated hosts: at every
-    link rate of `rates`, into FOLDER/nN-gX); the folders."""
+                    rates: tuple[float, ...] = (), tcp_cc: str = "reno") -> list[Path]:
+    """compare.py at every N of `ranks` into FOLDER/nN (on `hosts` emulated hosts running
+    TCP congestion control `tcp_cc`: at every link rate of `rates`, into FOLDER/nN-gX);
+    the folders."""
     dirs = []
     for n in ranks:
         for gbit in rates if hosts > 1 else (None,):
@@ -198,7 +199,7 @@ def run_comparisons(config_path: str, ranks: list[int], runs: str, shards: int, 
                    "--steps", str(steps), "--log-every", str(steps), "--out", str(d),
                    "--timeout", str(timeout_s)]
             if gbit:
-                cmd += ["--hosts", str(hosts), "--link-gbit", f"{gbit:g}"]
+                cmd += ["--hosts", str(hosts), "--link-gbit", f"{gbit:g}", "--tcp-cc", tcp_cc]
             print(f"# measuring N={n}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
             done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                   text=True)

@@ -21,17 +21,17 @@ machine's CPUs (`taskset`): its processes size their BLAS threads by them
 (models/run/threads.py reads the affinity), where otherwise every host would
 count all the machine's cores and the hosts' threads would fight over them.
 
-Each host's TCP congestion control is set (`tcp_cc`, default reno, a namespace
-otherwise inheriting the machine's): a loss-based one keeps the shaped link
+Each host's TCP congestion control is set (`tcp_cc`, default reno; a namespace
+otherwise inherits the machine's): a loss-based one keeps the shaped link
 busy, which is what the cost model's alpha-beta link assumes. BBR, this
-project's machine's default, probes past the token bucket's rate and reads
-its bandwidth from ACKs that queue behind the other direction's data; under
-the parameter server's two-way rounds it left a round at 0.1 Gbit/s anywhere
-from the link's 359 ms to 900 ms (median 380-520 ms over 40-step runs, where
-reno gave 359 ms in every step; 2026-12-01, scripts/compare.py --hosts 2
---link-gbit 0.1 --tcp-cc bbr against reno). Linux's own default, cubic, is
-loss-based too but not allowed in this project's container;
-`allowed_congestion_controls()` says which are.
+project's machine's default, paces by the bandwidth it estimates from ACKs,
+and in the parameter server's two-way rounds those ACKs queue behind the
+other direction's data: it left a round at 0.1 Gbit/s anywhere from the
+link's 359 ms to 900 ms (worker medians 375-410 ms in 40-step runs, 400-520
+ms in 60-step ones, where reno gave 359 ms in every step; 2026-12-01,
+scripts/compare.py --hosts 2 --link-gbit 0.1 --tcp-cc bbr against reno).
+Linux's usual default, cubic, is loss-based too but not allowed in this
+project's container; `allowed_congestion_controls()` says which are.
 
 Everything made is removed on exit, after a failure too: processes left in
 a namespace (SIGKILL), the namespaces, the bridge (the veths go with their

@@ -420,10 +420,6 @@ class ShardClient:
         """Whether a session is open (the first call of the session transport opens it)."""
         return self.transport == "session" and self._session is not None
 
-    def end_session(self) -> None:
-        """Close the session (a reply it still owes is dropped with it)."""
-        self._end_session()
-
     def _push_pull_session(self, s: Session, header: pb.PushHeader, grad: np.ndarray,
                            chunk: int, req: pb.PullRequest,
                            out: np.ndarray) -> tuple[pb.PushReply, int, bool]:
@@ -461,7 +457,7 @@ class ShardClient:
                     self._share_memory(s)
                 return operation(s)
         except BaseException:
-            self._end_session()
+            self.end_session()
             raise
 
     def _share_memory(self, s: Session) -> None:
@@ -474,7 +470,8 @@ class ShardClient:
         else:
             log.info("%s: tensors through shared memory", self.address)
 
-    def _end_session(self) -> None:
+    def end_session(self) -> None:
+        """Close the session, if one is open (a reply it still owes is dropped with it)."""
         if self._session is not None:
             self._session.close()
             self._session = None
@@ -485,7 +482,7 @@ class ShardClient:
         return self._session is not None and self._session.segment is not None
 
     def close(self) -> None:
-        self._end_session()
+        self.end_session()
         self.channel.close()
 
 

@@ -58,6 +58,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+from bench_model import trainer_step
 from bench_pserver import GRAD, MODEL, Servers
 
 from dtlab.models.config import build
@@ -121,12 +122,11 @@ def co_run(processes: int) -> None:
     norm) in a loop until SIGTERM, at its share of the cores among `processes`."""
     share_cores(processes=processes)
     session = build_session(parse([], prog="bench_fanout.py --co-run"))
+    step = trainer_step(session, "worker")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     while not stop.is_set():
-        session.replica.compute_grads(session.loader.next())
-        session.replica.finish_grads()
-        session.model.clip_grad_norm(session.params, session.setup.optim.clip)
+        step()
 
 
 @contextmanager

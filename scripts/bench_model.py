@@ -182,6 +182,22 @@ def start(prog: str):
         return None
 
 
+def trainer_step(session, role: str):
+    """One step of a trainer's own compute, as `role` times it in compute_s: the batch,
+    forward and backward, the gradient norm, and for a sync "rank" the optimizer (a
+    "worker"'s servers run it: pserver/worker.py)."""
+    s = session
+
+    def step() -> None:
+        s.replica.compute_grads(s.loader.next())
+        apply, _ = s.replica.finish_grads()
+        if apply:
+            s.model.clip_grad_norm(s.params, s.setup.optim.clip)
+            if role == "rank":
+                s.optimizer.step(s.params.data, s.params.grad, s.schedule(0))
+    return step
+
+
 def machine_header(device: str, threads, **fields) -> dict:
     """The JSON header of a single-process benchmark: where it ran, then `fields`."""
     return {"device": device, "numpy": np.__version__, "python": platform.python_version(),

@@ -39,6 +39,7 @@ import statistics
 import sys
 import time
 
+from bench_model import trainer_step
 from mpi4py import MPI
 
 from dtlab.collective.waits import resolve_yield
@@ -63,20 +64,6 @@ def barrier(comm: MPI.Comm, role: str, yield_waits: bool) -> None:
             os.sched_yield()
     else:
         req.Wait()
-
-
-def step_fn(session, role: str):
-    """One step of the trainer's compute, as `role` times it in compute_s."""
-    s = session
-
-    def step() -> None:
-        s.replica.compute_grads(s.loader.next())
-        apply, _ = s.replica.finish_grads()
-        if apply:
-            s.model.clip_grad_norm(s.params, s.setup.optim.clip)
-            if role == "rank":
-                s.optimizer.step(s.params.data, s.params.grad, s.schedule(0))
-    return step
 
 
 def timed(step, reps: int, warmup: int, sync) -> list[tuple[float, float, float]]:
@@ -139,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # what every trainer does first
     threads = share_cores()
     session = build_session(setup, comm.rank, comm.size)
-    step = step_fn(session, o.role)
+    step = trainer_step(session, o.role)
     yield_waits = resolve_yield(None)
 
     def sync() -> None:

@@ -152,10 +152,8 @@ def parse_args(argv: list[str]) -> tuple[Setup, list[RunSpec]]:
     if opts.hosts > 1 and cluster.check():
         raise ConfigError(f"--hosts {opts.hosts}: {cluster.check()}; without --hosts the "
                           "comparison runs on this host")
-    allowed = cluster.allowed_congestion_controls()
-    if opts.hosts > 1 and opts.tcp_cc != "host" and opts.tcp_cc not in allowed:
-        raise ConfigError(f"--tcp-cc {opts.tcp_cc}: not allowed on this machine (allowed: "
-                          f"{' '.join(allowed) or 'none listed'}; or 'host')")
+    if opts.hosts > 1 and (why := cluster.check_congestion_control(opts.tcp_cc)):
+        raise ConfigError(f"--tcp-cc {opts.tcp_cc}: {why}")
     if opts.calibration and opts.sweep:
         raise ConfigError("--calibration predicts the runs of a comparison, not a --sweep")
     check_parallel(setup)

@@ -31,7 +31,7 @@ link's 359 ms to 900 ms (worker medians 375-410 ms in 40-step runs, 400-520
 ms in 60-step ones, where reno gave 359 ms in every step; 2026-12-01,
 scripts/compare.py --hosts 2 --link-gbit 0.1 --tcp-cc bbr against reno).
 Linux's usual default, cubic, is loss-based too but not allowed in this
-project's container; `allowed_congestion_controls()` says which are.
+project's container; `check_congestion_control()` says whether one is.
 
 Everything made is removed on exit, after a failure too: processes left in
 a namespace (SIGKILL), the namespaces, the bridge (the veths go with their
@@ -73,10 +73,14 @@ def check() -> str:
     return ""
 
 
-def allowed_congestion_controls() -> list[str]:
-    """The TCP congestion controls a namespace may be given here (the kernel's list)."""
+def check_congestion_control(name: str) -> str:
+    """'' when the hosts may be given TCP congestion control `name` here ('host': the
+    machine's own, always), else why not (the kernel's allowed list named)."""
     path = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
-    return path.read_text().split() if path.exists() else []
+    allowed = path.read_text().split() if path.exists() else []
+    if name == "host" or name in allowed:
+        return ""
+    return f"not allowed on this machine (allowed: {' '.join(allowed) or 'none listed'}; or 'host')"
 
 
 def _run(*cmd: str) -> str:
@@ -95,10 +99,8 @@ class EmulatedCluster:
             raise ValueError(f"an emulated cluster needs at least 2 hosts (got {hosts})")
         if not gbit > 0:
             raise ValueError(f"the link rate must be positive (got {gbit} Gbit/s)")
-        if tcp_cc != "host" and tcp_cc not in allowed_congestion_controls():
-            raise ValueError(f"TCP congestion control {tcp_cc!r} is not allowed here (this "
-                             f"kernel allows: {' '.join(allowed_congestion_controls())}; "
-                             "or 'host' for the machine's own)")
+        if why := check_congestion_control(tcp_cc):
+            raise ValueError(f"TCP congestion control {tcp_cc!r}: {why}")
         self.hosts, self.gbit, self.work, self.tcp_cc = hosts, gbit, Path(work), tcp_cc
         tag = os.getpid() % 60000
         self.prefix = f"dtl{tag}"  # interface names stay under 15 characters

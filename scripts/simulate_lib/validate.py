@@ -321,6 +321,7 @@ def validate(folders: list[Path], cal: dict, host: Host, bucket_bytes: float,
         n, shards = summary["ranks"], summary["shards"]
         w = workload(str(folder / "config.json"))
         launch_cal = launch_calibration(cal, folder)
+        launch_tog = launch_together(together or {}, folder)
         cluster = cluster_of(summary)
         gbit = cluster.gbit if cluster else None
         for run in summary["runs"]:
@@ -328,8 +329,7 @@ def validate(folders: list[Path], cal: dict, host: Host, bucket_bytes: float,
                 continue
             shards_of = shards if run["topology"] == "async" else None
             step, rate = predict_run(run["name"], w, n, shards or 1, launch_cal, host,
-                                     bucket_bytes, cluster, launch_together(together or {},
-                                                                            folder))
+                                     bucket_bytes, cluster, launch_tog)
             found.setdefault((run["name"], n, shards_of, gbit), []).append(
                 {"m": measure(run, folder), "stats": run["stats"], "step": step, "rate": rate,
                  "load": load_of(folder, summary), "hosts": cluster.hosts if cluster else 1})

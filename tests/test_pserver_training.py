@@ -40,8 +40,10 @@ def final_loss(paths) -> tuple[float, float]:
 
 @pytest.mark.parametrize("model, cfg, data, extra, steps, consistency, gap", [
     ("mlp", MLP, {}, ["--batch-size", "64"], 400, "ssp", 0.15),
+    # ASP's push order is the scheduler's: at 150 steps the gap ranged 0.03-0.10 over 9
+    # launches (one CI run at 0.1003), at 250 steps 0.00-0.03 over 8
     ("transformer", TRANSFORMER, {"markov_order": 1, "n_tokens": 20000}, ["--batch-size", "16"],
-     150, "asp", 0.1),
+     250, "asp", 0.1),
 ])
 def test_async_training_reaches_the_floor(tmp_path, model, cfg, data, extra, steps, consistency,
                                           gap):

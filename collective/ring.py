@@ -66,11 +66,11 @@ hide most of the additions. Within one host MPICH moves large messages by
 CMA (process_vm_readv), a copy the receiving rank performs itself inside its
 wait, so nothing is in flight while it adds and sub-chunks only add messages:
 hence the 4 MiB default `chunk_bytes` (collective/comm.py; measurements in
-scripts/bench_allreduce.py); lower it on a cluster.
+dtlab.lab.bench.allreduce); lower it on a cluster.
 
 Sums use `xp.add(x, y, out=x)`, into the buffer without a temporary.
 
-Measure: mpiexec -n 4 python scripts/bench_allreduce.py
+Measure: mpiexec -n 4 dtlab-bench allreduce
 """
 
 from __future__ import annotations

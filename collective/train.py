@@ -320,7 +320,7 @@ def expert_parallel(grid: ProcessGrid, opts: argparse.Namespace) -> ExpertParall
 def posted_alltoallv(comm: Communicator):
     """Our all-to-all(v) as the MoE layers call it: every exchange posted at once and
     completed by one wait (Communicator.ialltoallv), which beats the step-by-step pairwise
-    exchange when ranks outnumber cores (scripts/bench_moe.py)."""
+    exchange when ranks outnumber cores (dtlab.lab.bench.moe)."""
     def alltoallv(x, send_counts, out=None, recv_counts=None):
         return comm.ialltoallv(x, send_counts, out, recv_counts).wait()
     return alltoallv

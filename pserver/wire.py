@@ -20,7 +20,7 @@ received messages and reads the data in place (ChunkedArray), aligned,
 without copying it. Any protobuf client in any language can speak the same
 contract with the generated classes (GeneratedCodec does, for comparison).
 
-What the hand codec buys is measured end to end by `scripts/bench_pserver.py
+What the hand codec buys is measured end to end by `dtlab.lab.bench.pserver
 --mode rounds` (column "x base" of the session rows: the same tensors moved
 by a worker and a server that both use the generated classes instead). The
 generated classes copy each chunk twice more on the sender (bytes(), then
@@ -391,7 +391,7 @@ class HandCodec:
 
 class GeneratedCodec:
     """Every message through the generated classes: the baseline the hand codec is
-    measured against (scripts/bench_pserver.py --mode rounds), and what any gRPC client
+    measured against (dtlab.lab.bench.pserver --mode rounds), and what any gRPC client
     of the .proto does."""
 
     name = "generated"

@@ -44,7 +44,11 @@ def who() -> str:
 
 
 def mpiexec_path() -> str:
-    """The mpiexec beside this interpreter (the `mpich` wheel's), else the one on PATH."""
+    """$DTLAB_MPIEXEC (a cluster's own launcher), else the mpiexec beside this interpreter
+    (the `mpich` wheel's), else the one on PATH."""
+    chosen = os.environ.get("DTLAB_MPIEXEC")
+    if chosen:
+        return chosen
     local = Path(sys.executable).parent / "mpiexec"
     if local.exists():
         return str(local)

@@ -1,0 +1,418 @@
+"""All-reduce benchmark: our algorithms vs the naive one vs MPI's own Allreduce.
+
+    mpiexec -n 4 dtlab-bench allreduce --json allreduce-n4.json  # 4 KB..64 MB
+    mpiexec -bind-to core -n 4 dtlab-bench allreduce             # ranks pinned
+    mpiexec -n 2 dtlab-bench allreduce --max-bytes 1M            # shorter sweep
+    mpiexec -n 3 dtlab-bench allreduce --tiny                    # seconds (tests)
+    dtlab-bench allreduce --launches 5 --ranks 2,4 --algos ring,mpi  # medians
+
+One launch (under mpiexec): for every power-of-two size from --min-bytes to
+--max-bytes (float32 SUM, in place) each algorithm is warmed up and then
+timed for a size-dependent number of iterations (about 64 MB moved, between
+3 and 1000 calls), in --rounds rounds that interleave the algorithms, so
+noise from other processes on a shared machine falls on all of them alike,
+in an order rotated every round (on an oversubscribed host an algorithm's
+time depends on which one ran just before it); a round's time is the
+slowest rank's mean, the reported time the best round (the JSON also has
+the median round). MPI's Allreduce is called directly (MPI.IN_PLACE),
+without our wrapper's overhead.
+
+--launches K (run without mpiexec): launches `mpiexec -n N` K times for each
+N of --ranks, interleaved (N = 2, 4, 2, 4, ...), and prints per N the median
+over launches of each launch's figure, ours against MPI's, the floors of the
+mid-size issue checked on those medians, and writes every launch's rows to
+--json. One launch can be lucky or unlucky on a shared machine; the median
+of several is the figure to quote.
+
+    algbw = bytes / time        busbw = algbw * 2 (n - 1) / n        (GB = 1e9 B)
+
+busbw is the bandwidth each rank's link carried in a bandwidth-optimal
+all-reduce (nccl-tests' definition), comparable across n. #wrong counts
+elements that differ from the exact rank sum after one verification call
+with inputs x_r[i] = (r + 1) (1 + i mod 3), whose sum is exact in float.
+"ring" is `Communicator.allreduce(algo="ring")`, our point-to-point family;
+its `via` says which algorithm the size took (collective/choose.py): "rd"
+recursive doubling, "shm1" / "shm2" shared-memory one-shot / two-shot, "hd"
+halving-doubling, "ring" the ring. The exit status is 1 when any element was
+wrong.
+
+Measured notes (figures belong here, with date and hardware, not in code comments):
+  2026-11-29, AMD Zen 4, 2 cores, MPICH 4 (CMA within the node): a 4 MB Recv
+    took 1.7-2.5 ms instead of 0.3-0.4 ms when the destination lay 8-24 bytes
+    past the source modulo 4 KiB (every other offset, 0..4096 in steps of 8,
+    was fast); with heap scratch 16 bytes past the buffer the ring ran at
+    0.5-0.7x MPI's speed at 2-16 MB in about half the launches at 4 ranks,
+    which receive buffers at the sender's page offset removed
+    (collective/pages.py). Poll-and-yield waits made the 4-rank all-reduce
+    5-10% faster (collective/waits.py); persistent requests cost 0.6 us per
+    message instead of 2-3 us for Isend/Irecv; ring sub-chunks of 128 KB were
+    10-35% slower at 1 MB and 1-4 MB chunks within noise of one chunk per
+    segment at 16-64 MB (hence chunk_bytes = 4 MiB); xp.add(out=) was 1.7-2x
+    faster than MPI.SUM.Reduce_local; the agreement check's small Allgather
+    (collective/agree.py) took 20-50 us at 2 ranks and 60-180 us at 4 ranks,
+    1-3 times a whole 4 KB all-reduce.
+  2026-12-01, Intel Xeon, 2 cores (shared with other jobs, load 3-5),
+    MPICH 5.0.2 (CMA from 8 KiB), the mid-size issue: per-step costs at 2
+    ranks: an Isend/Irecv/Waitall exchange of 64 KB took 10-16 us, of 1 MB
+    70-110 us, np.add of 512 KB 17 us when in cache but 120 us right after a
+    CMA receive; MPI_Allreduce of 1 MB 220-320 us. At 4 ranks (2 per core)
+    every Python-level wait costs a core hand-over: a bare Python loop over
+    halving-doubling's 4 steps was 1.3-1.5x MPI's own (same algorithm, in C)
+    at 64-256 KB, while shared memory (1-2 barriers of 12-16 us) matched or
+    beat MPI. Median over 5 launches, ours / MPI time, before -> after:
+      n=2  64 KB 1.95 -> 0.67, 256 KB 2.51 -> 0.73, 1 MB 1.08 -> 0.89
+      n=4  64 KB 1.80 -> 0.90, 256 KB 2.21 -> 1.02, 1 MB 1.05 -> 0.85
+    (dtlab-bench allreduce --launches 5 --ranks 2,4; the
+    choice by size in collective/choose.py follows these sweeps, with
+    Communicator(ours=...) forcing each algorithm in turn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from dtlab.collective.choose import OURS
+from dtlab.models.run.launcher import mpiexec_path
+
+ALGOS = ("ring", "naive", "mpi")
+VIA = {"doubling": "rd", "halving": "hd", "ring": "ring", "shm-one-shot": "shm1",
+       "shm-two-shot": "shm2"}
+MOVED_PER_SIZE = 64 << 20
+MID = (64 << 10, 1 << 20)  # the mid-size issue's range for the time floor
+
+
+def parse_bytes(text: str) -> int:
+    """'4K' -> 4096, '64M' -> 67108864, '123' -> 123."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def parse_list(text: str, what: str, choices=None) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if choices is not None and x not in choices]
+    if not items or bad:
+        raise argparse.ArgumentTypeError(f"{what} must be a comma-separated list of "
+                                         f"{choices or 'values'}, not {text!r}")
+    return items
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--min-bytes", type=parse_bytes, default=4 << 10,
+                   help="smallest buffer, e.g. 4K (default: 4K); sizes double up to --max-bytes")
+    p.add_argument("--max-bytes", type=parse_bytes, default=64 << 20,
+                   help="largest buffer, e.g. 1M (default: 64M)")
+    p.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"),
+                   help="element type, summed (default: float32)")
+    p.add_argument("--rounds", type=int, default=7,
+                   help="timed rounds per size, the algorithms in rotated order (default: 7)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed calls of each algorithm per size first (default: 3)")
+    p.add_argument("--algos", default=",".join(ALGOS),
+                   type=lambda t: parse_list(t, "--algos", ALGOS),
+                   help="comma-separated subset of ring,naive,mpi (ring and mpi always run)")
+    p.add_argument("--chunk-bytes", type=parse_bytes, default=None,
+                   help="ring sub-chunk (default: the Communicator's)")
+    p.add_argument("--ours", choices=OURS, default=None,
+                   help="force one of our algorithms for every size (default: by size, "
+                        "collective/choose.py)")
+    p.add_argument("--tiny", action="store_true", help="4-16 KB, 5 iterations, 1 round")
+    p.add_argument("--json", help="write the rows (and run metadata) here")
+    p.add_argument("--launches", type=int, default=0,
+                   help="run without mpiexec: launch it this many times per --ranks and "
+                        "print the median over launches")
+    p.add_argument("--ranks", default="2,4", type=lambda t: parse_list(t, "--ranks"),
+                   help="world sizes for --launches")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.min_bytes, args.max_bytes, args.rounds, args.warmup = 4 << 10, 16 << 10, 1, 1
+    if args.min_bytes < 1 or args.max_bytes < args.min_bytes:
+        p.error(f"need 0 < --min-bytes <= --max-bytes, got {args.min_bytes}, {args.max_bytes}")
+    if args.rounds < 1 or args.warmup < 0 or args.launches < 0:
+        p.error("--rounds must be >= 1, --warmup and --launches >= 0")
+    if not all(r.isdigit() and int(r) >= 1 for r in args.ranks):
+        p.error(f"--ranks must be positive integers, not {','.join(args.ranks)}")
+    args.algos = [a for a in ALGOS if a in {"ring", "mpi", *args.algos}]
+    return args
+
+
+# ---- one launch (under mpiexec) ---------------------------------------------
+
+
+def iterations(nbytes: int, tiny: bool) -> int:
+    return 5 if tiny else max(3, min(1000, MOVED_PER_SIZE // nbytes))
+
+
+def run_algo(comm, algo: str, buf: np.ndarray, iters: int) -> float:
+    """Mean seconds per call over `iters` calls, slowest rank."""
+    from mpi4py import MPI
+
+    mpi = comm.mpi
+    comm.barrier()
+    start = time.perf_counter()
+    if algo == "mpi":
+        for _ in range(iters):
+            mpi.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    else:
+        for _ in range(iters):
+            comm.allreduce(buf, algo=algo)
+    mean = (time.perf_counter() - start) / iters
+    return mpi.allreduce(mean, op=MPI.MAX)
+
+
+def count_wrong(comm, algo: str, buf: np.ndarray) -> int:
+    from mpi4py import MPI
+
+    n, idx = comm.size, np.arange(buf.size)
+    buf[:] = (comm.rank + 1) * (1 + idx % 3)
+    if algo == "mpi":
+        comm.mpi.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    else:
+        comm.allreduce(buf, algo=algo)
+    expected = (n * (n + 1) // 2) * (1 + idx % 3)
+    return comm.mpi.allreduce(int(np.count_nonzero(buf != expected)), op=MPI.SUM)
+
+
+def measure(comm, args) -> list[dict]:
+    dtype = np.dtype(args.dtype)
+    n, algos = comm.size, args.algos
+    rows = []
+    size = args.min_bytes
+    while size <= args.max_bytes:
+        count = max(1, size // dtype.itemsize)
+        buf = np.zeros(count, dtype=dtype)  # (count,) zeros: values stay 0 while timing
+        iters = iterations(buf.nbytes, args.tiny)
+        for algo in algos:
+            for _ in range(args.warmup):
+                run_algo(comm, algo, buf, 1)
+        rounds: dict[str, list[float]] = {algo: [] for algo in algos}
+        for k in range(args.rounds):
+            shift = k % len(algos)
+            for algo in algos[shift:] + algos[:shift]:  # rotated: no fixed predecessor
+                rounds[algo].append(run_algo(comm, algo, buf, iters))
+        for algo in algos:
+            wrong = count_wrong(comm, algo, buf)
+            best = min(rounds[algo])
+            algbw = buf.nbytes / best / 1e9
+            via = algo
+            if algo == "ring":
+                via = VIA[comm.ours_for(buf.nbytes)]
+            rows.append({
+                "algo": algo, "n": n, "bytes": buf.nbytes, "count": count, "dtype": dtype.name,
+                "time_us": best * 1e6, "algbw": algbw, "busbw": algbw * 2 * (n - 1) / n,
+                "time_us_median": statistics.median(rounds[algo]) * 1e6,
+                "wrong": wrong, "iters": iters, "via": via,
+            })
+            buf[:] = 0
+        size *= 2
+    return rows
+
+
+def table(rows: list[dict], n: int, algos: list[str]) -> str:
+    by_size: dict[int, dict[str, dict]] = {}
+    for r in rows:
+        by_size.setdefault(r["bytes"], {})[r["algo"]] = r
+    group = "{:>9} {:>7} {:>7} {:>6} {:>6}"
+    width = {a: 43 if a == "ring" else 36 for a in algos}
+    ratios = "   ring/mpi" + ("  ring/naive" if "naive" in algos else "")
+    head1 = (f"# n={n}  float SUM in place; time = best round's mean, slowest rank; GB = 1e9 B\n"
+             "# legend: ring = our all-reduce, via = the algorithm it took (rd recursive "
+             "doubling, shm1/shm2 shared-memory one-/two-shot, hd halving-doubling, ring); "
+             "naive = reduce to rank 0 + broadcast; mpi = MPI_Allreduce; algbw = bytes/time; "
+             "busbw = algbw * 2(n-1)/n; #wrong = elements unlike the exact sum; ring/mpi, "
+             "ring/naive = busbw ratios (> 1 favours ours)\n")
+    head2 = (f"# {'':>10} {'':>10} {'':>7}  "
+             + "  ".join(f"{a + ('(via)' if a == 'ring' else ''):^{width[a]}}" for a in algos)
+             + ratios + "\n")
+    cols = group.format("time(us)", "algbw", "busbw", "#wrong", "via")
+    head3 = (f"# {'size':>10} {'count':>10} {'type':>7}  "
+             + "  ".join(cols if a == "ring" else cols[:-7] for a in algos)
+             + "      busbw" + ("       busbw" if "naive" in algos else "") + "\n")
+    lines = [head1, head2, head3]
+    for size, got in sorted(by_size.items()):
+        first = next(iter(got.values()))
+        cells = []
+        for a in algos:
+            r = got[a]
+            cell = group.format(f"{r['time_us']:.1f}", f"{r['algbw']:.2f}", f"{r['busbw']:.2f}",
+                                r["wrong"], f"({r['via']})")
+            cells.append(cell if a == "ring" else cell[:-7])
+        line = f"  {size:>10} {first['count']:>10} {first['dtype']:>7}  " + "  ".join(cells)
+        line += f"   {got['ring']['busbw'] / got['mpi']['busbw']:8.2f}"
+        if "naive" in got:
+            line += f"   {got['ring']['busbw'] / got['naive']['busbw']:9.2f}"
+        lines.append(line + "\n")
+    return "".join(lines)
+
+
+def summary(rows: list[dict]) -> str:
+    by = {(r["algo"], r["bytes"]): r for r in rows}
+    sizes = sorted({r["bytes"] for r in rows})
+    big = [s for s in sizes if s >= 1 << 20]
+    out = [f"# total #wrong: {sum(r['wrong'] for r in rows)}\n"]
+    if big:
+        vs_mpi = min(by["ring", s]["busbw"] / by["mpi", s]["busbw"] for s in big)
+        med = min(by["mpi", s]["time_us_median"] / by["ring", s]["time_us_median"] for s in big)
+        out.append(f"# >= 1 MB: worst ring/mpi busbw {vs_mpi:.2f} (on median rounds {med:.2f})\n")
+    s = sizes[0]
+    ratio = by["ring", s]["time_us"] / by["mpi", s]["time_us"]
+    out.append(f"# {s} B: ring time / mpi time {ratio:.2f}\n")
+    return "".join(out)
+
+
+def one_launch(args) -> int:
+    from mpi4py import MPI
+
+    from dtlab.collective.comm import world
+
+    settings = {"ours": args.ours}
+    if args.chunk_bytes is not None:
+        settings["chunk_bytes"] = args.chunk_bytes
+    comm = world(**settings)
+    load_before = os.getloadavg()[0]
+    rows = measure(comm, args)
+    if comm.rank == 0:
+        load_after = os.getloadavg()[0]
+        load = f"# load average (1 min) before / after: {load_before:.2f} / {load_after:.2f}\n"
+        sys.stdout.write(table(rows, comm.size, args.algos) + summary(rows) + load)
+        if args.json:
+            meta = {
+                "n": comm.size, "host": platform.node(), "python": platform.python_version(),
+                "numpy": np.__version__, "mpi": MPI.Get_library_version().splitlines()[0],
+                "chunk_bytes": comm.chunk_bytes, "ours": comm.ours,
+                "rounds": args.rounds, "argv": sys.argv[1:],
+                "load_before": load_before, "load_after": load_after,
+            }
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 1 if any(r["wrong"] for r in rows) else 0
+
+
+# ---- several launches, medians (no mpiexec around this process) --------------
+
+
+def launch_args(argv: list[str]) -> list[str]:
+    """argv without the options that only the launcher reads."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--launches", "--ranks", "--json"):
+            skip = True
+        elif not a.startswith(("--launches=", "--ranks=", "--json=")):
+            out.append(a)
+    return out
+
+
+def median_rows(launches: list[list[dict]]) -> list[dict]:
+    """Per (algo, bytes): the median over launches of time_us, and busbw at that time."""
+    out = []
+    for rows in zip(*launches, strict=True):
+        first = rows[0]
+        t = statistics.median(r["time_us"] for r in rows)
+        n = first["n"]
+        out.append({**first, "time_us": t, "algbw": first["bytes"] / t / 1e3,
+                    "busbw": first["bytes"] / t / 1e3 * 2 * (n - 1) / n,
+                    "time_us_launches": [r["time_us"] for r in rows],
+                    "wrong": sum(r["wrong"] for r in rows)})
+    return out
+
+
+def median_table(rows: list[dict], n: int, k: int) -> str:
+    by = {(r["algo"], r["bytes"]): r for r in rows}
+    sizes = sorted({r["bytes"] for r in rows})
+    lines = [f"# n={n}: median over {k} launches of each launch's time (its best round's mean, "
+             f"slowest rank)\n",
+             "# legend: ours = Communicator.allreduce (via: rd recursive doubling, shm1/shm2 "
+             "shared-memory one-/two-shot, hd halving-doubling, ring); mpi = MPI_Allreduce; "
+             "time o/m = ours/mpi time (< 1 favours ours); busbw = bytes/time * 2(n-1)/n, "
+             "GB/s; busbw o/m = ours/mpi busbw (> 1 favours ours); spread = min..max of the "
+             "per-launch time o/m\n",
+             f"# {'size':>10} {'ours(us)':>9} {'via':>5} {'mpi(us)':>9} {'time o/m':>9} "
+             f"{'busbw ours':>10} {'busbw mpi':>10} {'busbw o/m':>9} {'spread':>11} "
+             f"{'#wrong':>6}\n"]
+    for s in sizes:
+        ours, mpi = by["ring", s], by["mpi", s]
+        each = [o / m for o, m in zip(ours["time_us_launches"], mpi["time_us_launches"],
+                                      strict=True)]
+        lines.append(
+            f"  {s:>10} {ours['time_us']:>9.1f} {ours['via']:>5} {mpi['time_us']:>9.1f} "
+            f"{ours['time_us'] / mpi['time_us']:>9.2f} {ours['busbw']:>10.2f} "
+            f"{mpi['busbw']:>10.2f} {ours['busbw'] / mpi['busbw']:>9.2f} "
+            f"{min(each):>5.2f}..{max(each):<5.2f} {ours['wrong'] + mpi['wrong']:>6}\n")
+    return "".join(lines) + floors(by, sizes) + "\n"
+
+
+def floors(by: dict, sizes: list[int]) -> str:
+    """The mid-size issue's floors on the medians: time <= 1.25x MPI's from 64 KB to
+    1 MB, busbw >= 1.0x MPI's from 1 MB, time <= 2x MPI's below 64 KB."""
+    missed = []
+    for s in sizes:
+        ratio = by["ring", s]["time_us"] / by["mpi", s]["time_us"]
+        limits = [2.0] if s < MID[0] else []
+        limits += [1.25] if MID[0] <= s <= MID[1] else []
+        limits += [1.0] if s >= MID[1] else []
+        if ratio > min(limits):
+            missed.append(f"{s} B at {ratio:.2f}x (limit {min(limits):.2f}x)")
+    verdict = "all met" if not missed else "missed: " + ", ".join(missed)
+    return f"# floors (time <= 2x below 64K, <= 1.25x 64K-1M, busbw >= 1x from 1M): {verdict}"
+
+
+def many_launches(args, argv: list[str]) -> int:
+    passed = launch_args(argv)
+    launches: dict[int, list[list[dict]]] = {int(n): [] for n in args.ranks}
+    metas: dict[int, list[dict]] = {int(n): [] for n in args.ranks}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(args.launches):
+            for n in launches:
+                out = os.path.join(tmp, f"n{n}-{k}.json")
+                cmd = [mpiexec_path(), "-n", str(n), sys.executable, "-m",
+                       "dtlab.lab.bench.allreduce", *passed, "--json", out]
+                run = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                if run.returncode != 0:
+                    sys.stderr.write(f"launch {k + 1} at n={n} failed ({run.returncode}): "
+                                     f"{' '.join(cmd)}\n{run.stdout[-2000:]}{run.stderr[-2000:]}")
+                    return 1
+                with open(out) as f:
+                    data = json.load(f)
+                launches[n].append(data["rows"])
+                metas[n].append(data["meta"])
+    medians = {n: median_rows(runs) for n, runs in launches.items()}
+    for n, rows in medians.items():
+        sys.stdout.write(median_table(rows, n, args.launches))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"launches": {n: [{"meta": m, "rows": r} for m, r in zip(metas[n], runs,
+                                                                                 strict=True)]
+                                    for n, runs in launches.items()},
+                       "medians": medians, "argv": argv}, f, indent=1)
+    return 1 if any(r["wrong"] for rows in medians.values() for r in rows) else 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if args.launches:
+        if any(v in os.environ for v in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")):
+            sys.stderr.write("--launches runs mpiexec itself: start it without mpiexec\n")
+            return 2
+        return many_launches(args, argv)
+    return one_launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

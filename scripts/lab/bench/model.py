@@ -1,0 +1,251 @@
+"""Training-step benchmark of the dense models against a matmul of the same run.
+
+    dtlab-bench model --json bench-model.json     # 3 sizes x 2 models, ~1 min
+    dtlab-bench model --tiny                      # seconds; run by the test suite
+    DTLAB_DEVICE=gpu dtlab-bench model            # the same on CuPy
+
+For each model and size it times one training step (zero grads, forward,
+backward, AdamW update), best of --reps after --warmup, and reads it against
+a float32 matmul timed just before in the same process, at a shape the
+model itself multiplies: (tokens, d_model) @ (d_model, d_ff) for the
+transformer, (batch, d_hidden) @ (d_hidden, d_hidden) for the MLP.
+
+    GFLOP/s = models/cost.py FLOPs per step (matmuls as executed) / step time
+    ratio   = GFLOP/s / matmul GFLOP/s
+
+The medium transformer runs three ways: activations kept (medium), selective
+recomputation (medium-sel: attention scores and softmax rebuilt in backward,
+Korthikanti et al. 2022) and whole-block recomputation (medium-full); their
+act MB and step time columns are the memory / time trade.
+
+Best-of-N timings because the machine is shared: other processes only ever
+add time. Activation bytes are measured on the forward context
+(models/memory.py) and compared with models/cost.py; a mismatch counts in #wrong,
+as does a non-finite loss, and makes the exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from dtlab.models import backend
+from dtlab.models.cost import estimate
+from dtlab.models.memory import context_bytes
+from dtlab.models.mlp import MLPConfig
+from dtlab.models.model import Replica
+from dtlab.models.optim import OptimConfig, make_optimizer
+from dtlab.models.run.allocator import keep_freed_memory
+from dtlab.models.run.threads import share_cores
+from dtlab.models.transformer import TransformerConfig
+from dtlab.models.zoo import build_model
+
+MEDIUM = TransformerConfig(vocab=4096, seq_len=128, d_model=512, n_heads=8, n_layers=4,
+                           d_ff=2048)
+# (model, size, config, batch size)
+SIZES = [
+    ("mlp", "small", MLPConfig(d_in=32, d_hidden=256, n_layers=2, n_classes=8), 256),
+    ("mlp", "medium", MLPConfig(d_in=256, d_hidden=1024, n_layers=3, n_classes=16), 512),
+    ("mlp", "large", MLPConfig(d_in=1024, d_hidden=2048, n_layers=4, n_classes=100), 1024),
+    ("transformer", "small", TransformerConfig(vocab=256, seq_len=64, d_model=128, n_heads=4,
+                                               n_layers=2, d_ff=512), 8),
+    ("transformer", "medium", MEDIUM, 8),
+    # activation recomputation at the same size: none (above), selective, full
+    ("transformer", "medium-sel", dataclasses.replace(MEDIUM, selective_recompute=True), 8),
+    ("transformer", "medium-full", dataclasses.replace(MEDIUM, recompute=True), 8),
+    ("transformer", "d1024", TransformerConfig(vocab=8192, seq_len=256, d_model=1024,
+                                               n_heads=16, n_layers=2, d_ff=4096), 4),
+]
+TINY = [
+    ("mlp", "tiny1", MLPConfig(d_in=8, d_hidden=16, n_layers=1, n_classes=4), 4),
+    ("mlp", "tiny2", MLPConfig(d_in=8, d_hidden=16, n_layers=2, n_classes=4,
+                               activation="relu"), 4),
+    ("mlp", "tiny3", MLPConfig(d_in=8, d_hidden=32, n_layers=2, n_classes=4), 8),
+    ("transformer", "tiny1", TransformerConfig(vocab=16, seq_len=8, d_model=16, n_heads=2,
+                                               n_layers=1, d_ff=32), 2),
+    ("transformer", "tiny2", TransformerConfig(vocab=16, seq_len=8, d_model=16, n_heads=2,
+                                               n_layers=2, d_ff=32, ffn="swiglu",
+                                               norm="rmsnorm"), 2),
+    ("transformer", "tiny3", TransformerConfig(vocab=16, seq_len=8, d_model=16, n_heads=2,
+                                               n_layers=2, d_ff=32, recompute=True), 2),
+    ("transformer", "tiny4", TransformerConfig(vocab=16, seq_len=8, d_model=16, n_heads=2,
+                                               n_layers=2, d_ff=32, selective_recompute=True), 2),
+]
+
+
+def best_time(fn, reps: int, warmup: int) -> tuple[float, float]:
+    """(best, median) seconds of `fn()` over `reps` runs after `warmup`."""
+    for _ in range(warmup):
+        fn()
+    backend.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        backend.synchronize()
+        times.append(time.perf_counter() - t0)
+    return min(times), statistics.median(times)
+
+
+def matmul_shape(name: str, cfg, batch: int) -> tuple[int, int, int]:
+    if name == "transformer":
+        return batch * cfg.seq_len, cfg.d_model, cfg.d_ff
+    return batch, cfg.d_hidden, cfg.d_hidden
+
+
+def matmul_rate(m: int, k: int, n: int, reps: int, warmup: int) -> float:
+    """GFLOP/s of a float32 (m, k) @ (k, n) on the process's array module."""
+    xp = backend.xp()
+    a = xp.asarray(np.random.default_rng(0).standard_normal((m, k)), dtype=np.float32)
+    b = xp.asarray(np.random.default_rng(1).standard_normal((k, n)), dtype=np.float32)
+    out = xp.empty((m, n), dtype=np.float32)
+    best, _ = best_time(lambda: xp.matmul(a, b, out=out), reps, warmup)
+    return 2 * m * k * n / best / 1e9
+
+
+def make_batch(name: str, cfg, batch: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    if name == "transformer":
+        return (rng.integers(0, cfg.vocab, size=(batch, cfg.seq_len)),
+                rng.integers(0, cfg.vocab, size=(batch, cfg.seq_len)))
+    return (rng.standard_normal((batch, cfg.d_in)).astype(np.float32),
+            rng.integers(0, cfg.n_classes, size=batch))
+
+
+def bench_one(name: str, size: str, cfg, batch: int, reps: int, warmup: int) -> dict:
+    model = build_model(name, cfg)
+    P = model.init_params(0)
+    replica = Replica(model, P)
+    opt = make_optimizer(OptimConfig(), P.data, P.decay_mask())
+    data = model.prepare(make_batch(name, cfg, batch), P)  # on the device once
+    cost = estimate(name, cfg, batch, optimizer="adamw")
+
+    _, ctx = model.forward(P, data)
+    measured = context_bytes(ctx)
+    del ctx
+    losses = []
+
+    def step():
+        losses.append(replica.compute_grads([data]))
+        opt.step(P.data, P.grad)
+
+    m, k, n = matmul_shape(name, cfg, batch)
+    mm_before = matmul_rate(m, k, n, reps, warmup)
+    best, median = best_time(step, reps, warmup)
+    # the matmul's best before or after the step: a transient slowdown of the
+    # baseline would otherwise flatter the ratio
+    mm = max(mm_before, matmul_rate(m, k, n, reps, warmup))
+    gflops = cost.flops_step / best / 1e9
+    wrong = int(measured != cost.activation_bytes) + int(not all(map(math.isfinite, losses)))
+    return {
+        "model": name, "size": size, "config": cost.config, "batch_size": batch,
+        "params": cost.params_total, "tokens_per_step": cost.tokens_per_step,
+        "flops_step": cost.flops_step, "step_s_best": best, "step_s_median": median,
+        "gflops": gflops, "matmul_shape": [m, k, n], "matmul_gflops": mm,
+        "ratio": gflops / mm, "act_bytes_measured": measured,
+        "act_bytes_estimated": cost.activation_bytes, "loss": losses[-1], "wrong": wrong,
+    }
+
+
+HEADER = (f"{'model':>12}{'size':>8}{'params':>11}{'tokens':>8}{'step(ms)':>10}"
+          f"{'GFLOP':>9}{'GFLOP/s':>9}{'mm shape':>17}{'mm GFLOP/s':>11}{'ratio':>7}"
+          f"{'act MB':>9}{'est MB':>9}{'#wrong':>7}")
+
+
+def row_line(r: dict) -> str:
+    shape = "x".join(map(str, r["matmul_shape"]))
+    return (f"{r['model']:>12}{r['size']:>8}{r['params'] / 1e6:>10.2f}M{r['tokens_per_step']:>8}"
+            f"{r['step_s_best'] * 1e3:>10.2f}{r['flops_step'] / 1e9:>9.2f}{r['gflops']:>9.1f}"
+            f"{shape:>17}{r['matmul_gflops']:>11.1f}{r['ratio']:>7.2f}"
+            f"{r['act_bytes_measured'] / 1e6:>9.2f}{r['act_bytes_estimated'] / 1e6:>9.2f}"
+            f"{r['wrong']:>7}")
+
+
+def start(prog: str):
+    """What every trainer does first (freed memory kept, the cores shared) and the device's
+    name: (threads, device), or None after printing why there is no device."""
+    keep_freed_memory()
+    threads = share_cores()
+    try:
+        return threads, backend.device_name()
+    except backend.DeviceError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return None
+
+
+def trainer_step(session, role: str):
+    """One step of a trainer's own compute, as `role` times it in compute_s: the batch,
+    forward and backward, the gradient norm, and for a sync "rank" the optimizer (a
+    "worker"'s servers run it: pserver/worker.py)."""
+    s = session
+
+    def step() -> None:
+        s.replica.compute_grads(s.loader.next())
+        apply, _ = s.replica.finish_grads()
+        if apply:
+            s.model.clip_grad_norm(s.params, s.setup.optim.clip)
+            if role == "rank":
+                s.optimizer.step(s.params.data, s.params.grad, s.schedule(0))
+    return step
+
+
+def machine_header(device: str, threads, **fields) -> dict:
+    """The JSON header of a single-process benchmark: where it ran, then `fields`."""
+    return {"device": device, "numpy": np.__version__, "python": platform.python_version(),
+            "machine": platform.machine(), "cpus": os.cpu_count(),
+            "load_average": os.getloadavg(), "threads": threads.as_dict(), **fields}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", metavar="PATH", help="write the rows and the run's header here")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes, one rep: a smoke run")
+    p.add_argument("--reps", type=int, default=None, help="timed steps per size (default 5)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2)")
+    args = p.parse_args(argv)
+    reps = args.reps if args.reps is not None else (1 if args.tiny else 5)
+    warmup = args.warmup if args.warmup is not None else (0 if args.tiny else 2)
+    if reps < 1 or warmup < 0:
+        p.error("--reps must be at least 1 and --warmup not negative")
+
+    started = start(p.prog)
+    if started is None:
+        return 2
+    threads, device = started
+    header = machine_header(device, threads, reps=reps, warmup=warmup, timing="best of reps")
+    print(f"# dtlab model step benchmark on {header['device']}: best of {reps} after "
+          f"{warmup} warm-up, {threads.describe()}; "
+          "GFLOP = dtlab.models.cost matmul FLOPs per step; "
+          "ratio = GFLOP/s / same-run float32 matmul GFLOP/s")
+    print("# legend: tokens = per step; GFLOP = matmul GFLOP per step; mm = the same-run "
+          "matmul's shape and rate; act MB = measured activation bytes kept for backward; est "
+          "MB = models/cost.py's figure; #wrong = mismatched bytes or a non-finite loss")
+    print("#" + HEADER[1:])
+    rows = []
+    for name, size, cfg, batch in TINY if args.tiny else SIZES:
+        rows.append(bench_one(name, size, cfg, batch, reps, warmup))
+        print(row_line(rows[-1]), flush=True)
+    return finish(rows, header, args.json)
+
+
+def finish(rows: list[dict], header: dict, path: str) -> int:
+    """The closing line (rows' #wrong summed), the JSON at `path` if given; exit status."""
+    wrong = sum(r["wrong"] for r in rows)
+    print(f"# Out of bounds values : {wrong} {'OK' if not wrong else 'FAILED'}")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"header": header, "rows": rows}, f, indent=1)
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

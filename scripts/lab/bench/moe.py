@@ -1,0 +1,318 @@
+"""Mixture-of-Experts layer benchmark: step time against a dense FFN of the same active
+parameters, the four phases' latencies, and load balancing on a skewed input.
+
+    dtlab-bench moe --json bench-moe.json      # ~2 min on 2 cores
+    dtlab-bench moe --tiny                     # seconds; run by the test suite
+    dtlab-bench moe --only-ep --ep-ranks 2 4 --ep-bytes 1000000 4000000
+
+Timing rows: one layer step (zero grads, forward, backward) of the MoE layer (models/moe.py:
+N experts of hidden d_ff, top-k, dropless so that every token uses k experts) and of the
+dense FFN of the same kind with hidden k d_ff (the same active expert parameters; the MoE
+adds its d x N router), on n token rows in the same run, the two taking turns step by step
+(a slowdown from other processes falls on both), median of --reps after --warmup:
+
+    ratio = MoE step / dense step            floor: at most 1.5 for top-2 of 8 experts
+
+with the MoE forward's phases (router, dispatch, expert compute, combine) as p50/p95/p99 over
+the timed steps (models/moe_stats.py). Balance rows: top-2 of 8 experts on an input that
+favours two experts, the router alone trained by its balancing term for --balance-steps
+(none / Switch aux loss with SGD / bias nudging); load imbalance = max/mean of the pairs
+per expert, at the first step and the mean of the last tenth of the steps. #wrong counts
+non-finite outputs and a balancing method that does not lower the imbalance; it makes the
+exit status 1.
+
+Expert-parallel rows (dtlab.lab.bench.moe_ep, one mpiexec launch per --ep-ranks n): our
+all-to-all(v) as the MoE layers call it (every pairwise exchange posted at once), our
+step-by-step pairwise exchange, and MPI's Alltoallv on the same buffers of B bytes per
+rank, taking turns,
+the slowest rank's time, median of --reps; bus bandwidth as nccl-tests defines it for
+all-to-all, busbw = (B / t) (n - 1) / n:
+
+    ratio = our busbw / MPI's busbw          floor: at least 0.9 at B >= 1 MB, n = 2 and 4
+
+and one expert-parallel MoE layer step over the n ranks with each exchange, without and
+with --ep-chunks overlap chunks (models/moe_ep.py): overlap speedup = step with 1 chunk /
+step with k. #wrong counts all-to-all results that differ from the blocks sent and layer
+outputs that differ between the four variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dtlab.lab.bench.model import machine_header, start
+from dtlab.models import backend
+from dtlab.models.moe import MoE, expert_ffn
+from dtlab.models.moe_stats import PHASES, MoEStats
+from dtlab.models.params import FlatParams
+from dtlab.models.router import RouterOptions
+from dtlab.models.run.launcher import mpiexec_path
+
+FLOOR = 1.5  # MoE top-2 of 8 step / dense FFN step of equal active parameters
+EP_FLOOR = 0.9  # our all-to-all busbw / MPI Alltoallv busbw, at >= EP_FLOOR_BYTES per rank
+EP_FLOOR_BYTES = 1_000_000
+# (kind, d, d_ff per expert, experts, top_k, token rows)
+SIZES = [("gelu", 128, 256, 8, 2, 4096), ("swiglu", 128, 256, 8, 2, 4096),
+         ("gelu", 256, 512, 8, 2, 4096), ("swiglu", 256, 512, 8, 2, 4096)]
+TINY = [("gelu", 16, 32, 4, 2, 64), ("swiglu", 16, 32, 8, 2, 64)]
+METHODS = {"none": {}, "aux": {"aux_coef": 1.0}, "bias": {"bias_rate": 0.005}}
+
+
+def interleaved_times(fns, reps: int, warmup: int) -> list[list[float]]:
+    """Seconds of each of `fns` per rep, the functions taking turns within every rep, so
+    that a slowdown from other processes falls on all of them alike."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    backend.synchronize()
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, out in zip(fns, times, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            backend.synchronize()
+            out.append(time.perf_counter() - t0)
+    return times
+
+
+def layer_step(layer, P, x, dy, outputs):
+    def step():
+        P.zero_grad()
+        y, ctx = layer.forward(P, x)
+        layer.backward(P, ctx, dy)
+        outputs.append(y)
+        del outputs[:-1]
+    return step
+
+
+def bench_layer(kind, d, d_ff, N, k, n, reps, warmup) -> dict:
+    xp = backend.xp()
+    rng = np.random.default_rng(0)
+    x = xp.asarray(rng.standard_normal((n, d)), dtype=np.float32)
+    dy = xp.asarray(rng.standard_normal((n, d)), dtype=np.float32)
+    moe = MoE("moe", d, d_ff, RouterOptions(N, top_k=k), kind=kind, capacity_factor=None)
+    dense = expert_ffn(kind, "dense", d, k * d_ff)
+    Pm, Pd = FlatParams(moe.specs(), seed=0), FlatParams(dense.specs(), seed=0)
+    outs_m, outs_d = [], []
+    moe_step = layer_step(moe, Pm, x, dy, outs_m)
+    dense_step = layer_step(dense, Pd, x, dy, outs_d)
+    interleaved_times([moe_step, dense_step], 0, warmup)
+    moe.stats = stats = MoEStats()  # the timed steps only
+    moe_t, dense_t = interleaved_times([moe_step, dense_step], reps, 0)
+    moe_s, dense_s = statistics.median(moe_t), statistics.median(dense_t)
+    summary = stats.summary()
+    finite = all(bool(xp.isfinite(o).all()) for o in outs_m + outs_d)
+    expert_params = sum(s.size for s in moe.specs() if s.name.startswith("moe.e0."))
+    return {"kind": kind, "d": d, "d_ff": d_ff, "experts": N, "top_k": k, "rows": n,
+            "active_expert_params": k * expert_params, "dense_params": Pd.size,
+            "moe_step_s": moe_s, "dense_step_s": dense_s, "ratio": moe_s / dense_s,
+            "floor": FLOOR if (N, k) == (8, 2) else None,
+            "phases_s": {p: summary[f"{p}_s"] for p in PHASES},
+            "imbalance": summary["imbalance"], "wrong": int(not finite)}
+
+
+def bench_balance(method: str, d: int, n: int, steps: int) -> dict:
+    """Top-2 of 8; the router favours experts 0 and 1; only the balancing term trains it."""
+    xp = backend.xp()
+    stats = MoEStats()
+    moe = MoE("moe", d, 8, RouterOptions(8, top_k=2, **METHODS[method]), capacity_factor=1.25,
+              stats=stats)
+    P = FlatParams(moe.specs(), seed=0)
+    W = np.random.default_rng(0).normal(0, 0.3, (d, 8))
+    W[:, :2] += 2.4 / d  # the input's mean is 0.5: experts 0 and 1 get +1.2 logits
+    P["moe.router.W"][...] = xp.asarray(W, dtype=np.float32)
+    x = xp.asarray(np.random.default_rng(1).standard_normal((n, d)) * 0.5 + 0.5,
+                   dtype=np.float32)
+    zero = xp.zeros_like(x)
+    imbalance, dropped = [], []
+    for _ in range(steps):
+        P.zero_grad()
+        _, ctx = moe.forward(P, x)
+        imbalance.append(stats.last["imbalance"])
+        dropped.append(stats.last["dropped_pairs"])
+        moe.backward(P, ctx, zero)
+        P["moe.router.W"][...] -= 0.5 * P.grads["moe.router.W"]
+    tail = max(1, steps // 10)  # the bias method ends in a small cycle: average its steps
+    last, last_dropped = statistics.mean(imbalance[-tail:]), statistics.mean(dropped[-tail:])
+    return {"method": method, "d": d, "rows": n, "steps": steps,
+            "imbalance_first": imbalance[0], "imbalance_last": last,
+            "dropped_first": dropped[0], "dropped_last": last_dropped,
+            "wrong": int(method != "none" and not last < imbalance[0])}
+
+
+HEADER = (f"{'kind':>7}{'d':>5}{'d_ff':>6}{'N':>4}{'k':>3}{'rows':>7}{'MoE ms':>9}"
+          f"{'dense ms':>10}{'ratio':>7}{'floor':>7}"
+          + "".join(f"{p + ' p50/95/99 ms':>26}" for p in PHASES) + f"{'#wrong':>7}")
+
+
+def row_line(r: dict) -> str:
+    def ms(t):
+        return f"{t['p50'] * 1e3:.2f}/{t['p95'] * 1e3:.2f}/{t['p99'] * 1e3:.2f}"
+    floor = "-" if r["floor"] is None else ("ok" if r["ratio"] <= r["floor"] else "over")
+    return (f"{r['kind']:>7}{r['d']:>5}{r['d_ff']:>6}{r['experts']:>4}{r['top_k']:>3}"
+            f"{r['rows']:>7}{r['moe_step_s'] * 1e3:>9.2f}{r['dense_step_s'] * 1e3:>10.2f}"
+            f"{r['ratio']:>7.2f}{floor:>7}"
+            + "".join(f"{ms(r['phases_s'][p]):>26}" for p in PHASES) + f"{r['wrong']:>7}")
+
+
+def run_ep(ranks: int, nbytes: list[int], layer: tuple[int, int, int], chunks: int, reps: int,
+           warmup: int) -> dict:
+    """dtlab.lab.bench.moe_ep on `ranks` ranks: its JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ep.json"
+        cmd = [mpiexec_path(), "-n", str(ranks), sys.executable,
+               "-m", "dtlab.lab.bench.moe_ep", str(out),
+               "--bytes", *map(str, nbytes), "--reps", str(reps), "--warmup", str(warmup),
+               "--layer", *map(str, layer), "--chunks", str(chunks)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+EP_HEADER = (f"{'ranks':>6}{'bytes':>11}{'ours us':>10}{'busbw GB/s':>12}{'pairwise us':>13}"
+             f"{'busbw GB/s':>12}{'MPI us':>10}{'busbw GB/s':>12}{'ours/MPI':>10}{'floor':>7}"
+             f"{'#wrong':>7}")
+LAYER_HEADER = (f"{'ranks':>6}{'d':>5}{'d_ff':>6}{'N':>4}{'rows':>7}{'k':>3}"
+                f"{'ours 1 ms':>11}{'ours k ms':>11}{'speedup':>9}{'MPI 1 ms':>10}"
+                f"{'MPI k ms':>10}{'speedup':>9}{'#wrong':>7}")
+
+
+def ep_line(r: dict) -> str:
+    floor = "-" if r["bytes"] < EP_FLOOR_BYTES else ("ok" if r["ratio"] >= EP_FLOOR else
+                                                       "under")
+    return (f"{r['ranks']:>6}{r['bytes']:>11}{r['ours_s'] * 1e6:>10.1f}{r['ours_busbw']:>12.3f}"
+            f"{r['pairwise_s'] * 1e6:>13.1f}{r['pairwise_busbw']:>12.3f}"
+            f"{r['mpi_s'] * 1e6:>10.1f}{r['mpi_busbw']:>12.3f}{r['ratio']:>10.2f}{floor:>7}"
+            f"{r['wrong']:>7}")
+
+
+def layer_line(r: dict) -> str:
+    return (f"{r['ranks']:>6}{r['d']:>5}{r['d_ff']:>6}{r['experts']:>4}{r['rows']:>7}"
+            f"{r['chunks']:>3}{r['ours_chunks1_s'] * 1e3:>11.2f}{r['ours_chunksk_s'] * 1e3:>11.2f}"
+            f"{r['overlap_speedup_ours']:>9.2f}{r['mpi_chunks1_s'] * 1e3:>10.2f}"
+            f"{r['mpi_chunksk_s'] * 1e3:>10.2f}{r['overlap_speedup_mpi']:>9.2f}{r['wrong']:>7}")
+
+
+def bench_ep(args, reps: int, warmup: int) -> tuple[list, list]:
+    ranks = args.ep_ranks or [2, 4]
+    nbytes = args.ep_bytes or ([65536] if args.tiny else [1_000_000, 4_000_000, 16_000_000])
+    layer = (16, 32, 64) if args.tiny else (128, 256, 2048)
+    print(f"\n# expert parallelism: all-to-all(v) of B bytes per rank (B/n to each rank), ours "
+          f"(as the MoE layers call it: every pairwise exchange posted at once, one wait), our "
+          f"step-by-step pairwise exchange and MPI's Alltoallv taking turns, slowest rank, "
+          f"median of "
+          f"{reps} after {warmup}; busbw = B/t (n-1)/n (nccl-tests); floor: ours/MPI >= "
+          f"{EP_FLOOR} at B >= {EP_FLOOR_BYTES:,} bytes; #wrong = results that differ from the "
+          "blocks sent")
+    print("#" + EP_HEADER[1:])
+    a2a, layers = [], []
+    for n in ranks:
+        got = run_ep(n, nbytes, layer, args.ep_chunks, reps, warmup)
+        for r in got["alltoall"]:
+            a2a.append(r)
+            print(ep_line(r), flush=True)
+        layers += got["layer"]
+    print("\n# expert-parallel MoE layer step (zero grads, forward, backward) over n ranks: "
+          "dropless top-2 of 2n experts, `rows` tokens per rank; ours / MPI's all-to-all, 1 "
+          "chunk and k chunks (one chunk's all-to-all overlapping another's experts); speedup "
+          "= 1 chunk / k chunks; #wrong = outputs that differ between the four")
+    print("#" + LAYER_HEADER[1:])
+    for r in layers:
+        print(layer_line(r), flush=True)
+    return a2a, layers
+
+
+def single_process_rows(args, reps: int, warmup: int, steps: int) -> tuple[list, list]:
+    """The timing rows and the balance rows (one process)."""
+    print("#" + HEADER[1:])
+    rows = []
+    for kind, d, d_ff, N, k, n in TINY if args.tiny else SIZES:
+        rows.append(bench_layer(kind, d, d_ff, N, k, n, reps, warmup))
+        print(row_line(rows[-1]), flush=True)
+    d, n = (16, 256) if args.tiny else (128, 4096)
+    print(f"\n# balance: top-2 of 8 experts, capacity factor 1.25, {n} rows of width {d} "
+          f"favouring experts 0 and 1; the router trained {steps} steps by the balancing "
+          "term alone; imbalance = max/mean pairs per expert, last = mean of the last tenth of "
+          "the steps; dropped = pairs over capacity; "
+          "#wrong = a method that does not lower the imbalance")
+    print(f"#{'method':>7}{'imbalance first':>17}{'last':>7}{'dropped first':>15}{'last':>7}"
+          f"{'#wrong':>7}")
+    balance = []
+    for method in METHODS:
+        b = bench_balance(method, d, n, steps)
+        balance.append(b)
+        print(f"{method:>8}{b['imbalance_first']:>17.2f}{b['imbalance_last']:>7.2f}"
+              f"{b['dropped_first']:>15.0f}{b['dropped_last']:>7.0f}{b['wrong']:>7}",
+              flush=True)
+    return rows, balance
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", metavar="PATH", help="write the rows and the run's header here")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes, few reps: a smoke run")
+    p.add_argument("--reps", type=int, default=None, help="timed steps per size (default 10)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3)")
+    p.add_argument("--balance-steps", type=int, default=None,
+                   help="router steps of the balance rows (default 100)")
+    p.add_argument("--ep-ranks", type=int, nargs="+", default=None,
+                   help="rank counts of the expert-parallel rows (default 2 4)")
+    p.add_argument("--ep-bytes", type=int, nargs="+", default=None,
+                   help="all-to-all bytes per rank (default 1e6 4e6 16e6; --tiny 65536)")
+    p.add_argument("--ep-chunks", type=int, default=4, help="overlap chunks of the layer rows")
+    p.add_argument("--only-ep", action="store_true", help="the expert-parallel rows only")
+    args = p.parse_args(argv)
+    reps = args.reps if args.reps is not None else (3 if args.tiny else 10)
+    warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
+    steps = args.balance_steps if args.balance_steps is not None else (30 if args.tiny else 100)
+    if reps < 1 or warmup < 0 or steps < 2:
+        p.error("--reps must be at least 1, --warmup not negative, --balance-steps at least 2")
+    if args.ep_chunks < 2 or any(n < 2 for n in args.ep_ranks or []) or \
+            any(b < 4 for b in args.ep_bytes or []):
+        p.error("--ep-chunks and --ep-ranks must be at least 2, --ep-bytes at least 4")
+
+    started = start(p.prog)
+    if started is None:
+        return 2
+    threads, device = started
+    header = machine_header(device, threads, reps=reps, warmup=warmup,
+                            timing="median of reps", floor=FLOOR)
+    header["ep_floor"], header["ep_floor_bytes"] = EP_FLOOR, EP_FLOOR_BYTES
+    print(f"# dtlab MoE layer benchmark on {device}: median of {reps} after {warmup} warm-up, "
+          f"{threads.describe()}; ratio = MoE step / dense FFN step (hidden k d_ff: the "
+          f"same active expert parameters); floor: ratio <= {FLOOR} for top-2 of 8")
+    print("# legend: step = zero grads + forward + backward of one layer on `rows` tokens; "
+          "MoE dropless; phases = the MoE forward's router / dispatch / expert compute / "
+          "combine, p50/p95/p99 over the timed steps; #wrong = non-finite outputs; ep rows: "
+          "busbw = all-to-all bytes per rank / time x (n-1)/n, ours/MPI its ratio")
+    rows, balance = ([], []) if args.only_ep else single_process_rows(args, reps, warmup, steps)
+    a2a, layers = bench_ep(args, reps, warmup)
+    under = [r for r in a2a if r["bytes"] >= EP_FLOOR_BYTES and r["ratio"] < EP_FLOOR]
+    if under and not args.tiny:
+        print(f"# {len(under)} all-to-all row(s) under the floor in this launch (the floor "
+              "holds on the median of several launches)")
+    wrong = sum(r["wrong"] for r in rows + balance + a2a + layers)
+    over = [r for r in rows if r["floor"] is not None and r["ratio"] > r["floor"]]
+    if over and not args.tiny:
+        print(f"# {len(over)} row(s) over the floor in this launch (the floor holds on the "
+              "median of several launches)")
+    print(f"# Out of bounds values : {wrong} {'OK' if not wrong else 'FAILED'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": header, "rows": rows, "balance": balance, "alltoall": a2a,
+                       "ep_layer": layers}, f, indent=1)
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The expert-parallel part of dtlab.lab.bench.moe, run under mpiexec by it (one launch per
+rank count):
+
+    mpiexec -n 4 dtlab-bench moe_ep OUT.json --bytes 1000000 4000000 --reps 10
+
+Two measurements, every rank taking part, each rep's time the slowest rank's (MPI_MAX):
+
+  all-to-all: ours as the MoE layers call it (collective/train.py's posted_alltoallv:
+      Communicator.ialltoallv, every pairwise exchange posted at once, one wait), our
+      step-by-step pairwise alltoallv (collective/alltoall.py) and MPI's Alltoallv on the
+      same float32 buffers of B bytes per rank (B/n to every rank), taking turns rep by
+      rep; median of the reps; bus bandwidth as nccl-tests defines it for all-to-all:
+      busbw = (B / t) (n - 1) / n. Each result is checked against the blocks every rank
+      sent (#wrong).
+  MoE layer: one expert-parallel MoE step (zero grads, forward, backward; models/moe.py
+      with models/moe_ep.py) over the n ranks, dropless top-2 of 2n experts, with each
+      exchange (ours, MPI's) and 1 or `--chunks` overlap chunks, the four taking turns.
+
+Rank 0 writes {"alltoall": [...], "layer": [...]} to OUT.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from dtlab.collective.comm import world
+from dtlab.collective.train import posted_alltoallv
+from dtlab.models.moe import MoE
+from dtlab.models.moe_ep import ExpertParallel
+from dtlab.models.params import FlatParams
+from dtlab.models.router import RouterOptions
+from dtlab.models.run.allocator import keep_freed_memory
+from dtlab.models.run.threads import share_cores
+
+
+def slowest(comm, fn) -> float:
+    """Seconds of fn() on the slowest rank, the ranks started together."""
+    comm.barrier()
+    t0 = time.perf_counter()
+    fn()
+    return comm.mpi.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+
+
+def bench_alltoall(comm, nbytes: int, reps: int, warmup: int) -> dict:
+    n, r = comm.size, comm.rank
+    per = max(1, nbytes // 4 // n)  # float32 elements to each rank
+    send = (np.arange(n * per, dtype=np.float32) + r * n * per).reshape(n * per, 1)  # (n per, 1)
+    counts = [per] * n
+    ours = posted_alltoallv(comm)
+    outs = {k: np.empty_like(send) for k in ("ours", "pairwise", "mpi")}
+    runs = {"ours": lambda: ours(send, counts, out=outs["ours"], recv_counts=counts),
+            "pairwise": lambda: comm.alltoallv(send, counts, out=outs["pairwise"],
+                                               recv_counts=counts),
+            "mpi": lambda: comm.mpi_alltoallv(send, counts, out=outs["mpi"],
+                                              recv_counts=counts)}
+    times = {k: [] for k in runs}
+    for i in range(warmup + reps):
+        for k, fn in runs.items():
+            t = slowest(comm, fn)
+            if i >= warmup:
+                times[k].append(t)
+    # block s of the result is rank s's block for r: its elements s n per + r per + [0, per)
+    want = (np.arange(per, dtype=np.float32)[None, :] + r * per
+            + (np.arange(n) * n * per)[:, None]).reshape(-1, 1)
+    wrong = sum(int(not np.array_equal(o, want)) for o in outs.values())
+    wrong = comm.mpi.allreduce(wrong)
+    size = n * per * 4  # bytes this rank sends (its own block included, as nccl-tests)
+    row = {"ranks": n, "bytes": size, "wrong": wrong}
+    for k, ts in times.items():
+        t = statistics.median(ts)
+        row[f"{k}_s"] = t
+        row[f"{k}_busbw"] = size / t * (n - 1) / n / 1e9
+    row["ratio"] = row["ours_busbw"] / row["mpi_busbw"]
+    return row
+
+
+def bench_layer(comm, d: int, d_ff: int, rows: int, chunks: int, reps: int, warmup: int) -> dict:
+    n = comm.size
+    N = 2 * n
+    rng = np.random.default_rng(comm.rank)
+    x = rng.standard_normal((rows, d)).astype(np.float32)
+    dy = rng.standard_normal((rows, d)).astype(np.float32)
+    setups = {}
+    for algo in ("ours", "mpi"):
+        for k in (1, chunks):
+            exchange = comm.mpi_alltoallv if algo == "mpi" else posted_alltoallv(comm)
+            ep = ExpertParallel(comm, exchange, chunks=k)
+            layer = MoE("moe", d, d_ff, RouterOptions(N, top_k=2), capacity_factor=None, ep=ep)
+            setups[(algo, k)] = (layer, FlatParams(layer.specs(), seed=0))
+    outputs = {}
+
+    def step(key):
+        layer, P = setups[key]
+
+        def run():
+            P.zero_grad()
+            y, ctx = layer.forward(P, x)
+            layer.backward(P, ctx, dy)
+            outputs[key] = y
+        return run
+
+    times = {key: [] for key in setups}
+    for i in range(warmup + reps):
+        for key in setups:
+            t = slowest(comm, step(key))
+            if i >= warmup:
+                times[key].append(t)
+    ref = outputs[("ours", 1)]
+    wrong = sum(int(not np.allclose(y, ref, rtol=1e-5, atol=1e-6)) for y in outputs.values())
+    row = {"ranks": n, "d": d, "d_ff": d_ff, "experts": N, "top_k": 2, "rows": rows,
+           "chunks": chunks, "wrong": comm.mpi.allreduce(wrong)}
+    for (algo, k), ts in times.items():
+        row[f"{algo}_chunks{1 if k == 1 else 'k'}_s"] = statistics.median(ts)
+    row["overlap_speedup_ours"] = row["ours_chunks1_s"] / row["ours_chunksk_s"]
+    row["overlap_speedup_mpi"] = row["mpi_chunks1_s"] / row["mpi_chunksk_s"]
+    return row
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out")
+    p.add_argument("--bytes", type=int, nargs="+", required=True)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--layer", type=int, nargs=3, metavar=("D", "D_FF", "ROWS"),
+                   default=(128, 256, 2048))
+    p.add_argument("--chunks", type=int, default=4)
+    args = p.parse_args(argv)
+    keep_freed_memory()
+    share_cores()
+    comm = world(timeout=120)
+    rows = [bench_alltoall(comm, b, args.reps, args.warmup) for b in args.bytes]
+    layer = bench_layer(comm, *args.layer, args.chunks, args.reps, args.warmup)
+    if comm.rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"alltoall": rows, "layer": [layer]}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

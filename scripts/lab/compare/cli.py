@@ -1,0 +1,449 @@
+"""Sync vs async training of one model on one budget, side by side.
+
+    dtlab-compare                                  # the default comparison
+    dtlab-compare --runs sync-ring,async-bsp,async-asp --steps 300 --out runs/c
+    dtlab-compare --config run.json --ranks 4 --shards 2 --target-loss 1.3
+
+Every run trains the same model on the same data with the same seed (so the
+same initial weights), the same global batch (sync: N ranks of per-rank
+batch B; async: N workers of batch B), the same optimizer and the same
+number of steps per rank or worker. The config is the defaults, then
+--config FILE (default scripts/lab/configs/transformer.json unless --model is
+given), then the model, data, optimizer and run flags given; it is written
+to OUT/config.json and every process of every run reads it. Runs (--runs):
+
+    sync-ring, sync-naive, sync-mpi   mpiexec -n N dtlab-sync --allreduce ring|naive|mpi
+    async-bsp, async-sspS, async-asp  S fresh dtlab-pserver shards on free loopback ports
+                                      (--consistency bsp, ssp --staleness S, asp) and
+                                      mpiexec -n N dtlab-worker
+    ... -div                          the same with --staleness-lr divide (Zhang et al. 2016)
+
+--tp T --pp P [--pp-schedule S] make every replica a model-parallel one: a sync
+replica and an async worker group alike are T x P ranks (N x T x P processes
+per run; a worker group is one worker to the servers); --ep E (sync runs, a
+model with experts) spreads the experts over E of the N data ranks.
+
+Each run is started, waited for and cleaned up here (every process it
+started is gone when it ends, also on Ctrl-C, a failure or --timeout); a
+failed run is marked failed in the report with the end of its log and the
+others go on. OUT (--out, default runs/compare-DATE-TIME) gets each run's
+metrics and logs, summary.json, report.md and PNG plots (compare_lib/report.py):
+hardware efficiency (s/step) and statistical efficiency (steps to the target
+loss) multiplied into time to target (Hadjis et al. 2016, Omnivore). The
+target is the data's loss floor + 0.1 nats, or --target-loss. --trace merges
+each run's process traces into OUT/NAME.trace.json (compare_lib/traces.py);
+--calibration FILE sets the cost model's step beside each run's measured one
+(compare_lib/predict.py). The exit
+status is 0 when every run finished, 1 when one failed, 2 for a bad config
+(named before anything starts), 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+
+from dtlab.lab import presets
+from dtlab.lab.compare import analysis, cluster, launch, predict, report, sweep, traces
+from dtlab.lab.compare.launch import Bench, Outcome, Processes, RunSpec
+from dtlab.models.config import ConfigError
+from dtlab.models.data.dataset import in_words
+from dtlab.models.run.cli import run_cli
+from dtlab.models.run.metrics import hardware, read_metrics, versions
+from dtlab.models.run.session import Setup, build_session, parse
+from dtlab.models.schedule import SCHEDULES
+from dtlab.models.zoo import build_model, check_grid
+
+PROG = "dtlab-compare"
+# BSP applies no stale gradient, so async-bsp-div would repeat async-bsp
+DEFAULT_RUNS = ("sync-ring,sync-naive,sync-mpi,async-bsp,async-ssp2,async-asp,"
+                "async-ssp2-div,async-asp-div")
+RUN_FLAGS = ("steps", "batch_size", "grad_accum", "seed", "dtype", "log_every", "eval_every",
+             "eval_samples", "straggler", "delay_ms")
+TARGET_GAP = 0.1  # nats above the floor
+
+
+def add_compare_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("comparison")
+    g.add_argument("--runs", default=DEFAULT_RUNS,
+                   help=f"comma-separated runs, in order; the first is the baseline of the "
+                        f"ratios (default {DEFAULT_RUNS}; async-bsp-div is left out: BSP "
+                        "applies no stale gradient)")
+    g.add_argument("--ranks", type=int, default=2,
+                   help="sync ranks = async workers, N (default 2)")
+    g.add_argument("--shards", type=int, default=2,
+                   help="parameter-server shards of every async run (default 2)")
+    g.add_argument("--target-loss", type=float, default=None,
+                   help=f"the loss every run is timed to (default: the data's floor + "
+                        f"{TARGET_GAP} nats; needed when the data has no known floor)")
+    g.add_argument("--out", metavar="DIR", default="",
+                   help="a new or empty folder for everything written "
+                        "(default runs/compare-DATE-TIME)")
+    g.add_argument("--hosts", type=int, default=1,
+                   help="run every topology across this many emulated hosts (network "
+                        "namespaces joined by tc-shaped links; needs root and iproute2); "
+                        "1: this host, shared memory (default)")
+    g.add_argument("--link-gbit", type=float, default=1.0,
+                   help="each emulated host's link rate in Gbit/s (default 1)")
+    g.add_argument("--tcp-cc", default="reno",
+                   help="the emulated hosts' TCP congestion control (default reno, loss-based, "
+                        "what the cost model's link assumes; 'host': this machine's own; "
+                        "compare_lib/cluster.py)")
+    g.add_argument("--trace", action="store_true",
+                   help="every process of every run writes a Chrome trace into OUT; after "
+                        "each run they are merged into OUT/NAME.trace.json (opens in Perfetto)")
+    g.add_argument("--calibration", metavar="FILE", default="",
+                   help="a simulate.py --calibrate JSON: benchmark the model first and set "
+                        "the cost model's predicted step beside each run's measured one")
+    g.add_argument("--sweep", choices=["model-size"], default=None,
+                   help="instead of comparing topologies, train --sweep-sizes under the first "
+                        "of --runs for one compute budget (--steps steps of the smallest) and "
+                        "fit loss against parameters and compute (compare_lib/sweep.py)")
+    g.add_argument("--sweep-sizes", default="32,64,128",
+                   help="widths of the sweep: transformer d_model (d_ff = 4 d_model), mlp "
+                        "d_hidden (default 32,64,128)")
+    g = p.add_argument_group("model parallelism (every run's replica)")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks per replica: sync replicas and async worker "
+                        "groups alike (default 1)")
+    g.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages per replica; its micro-batches are --grad-accum "
+                        "(default 1)")
+    g.add_argument("--pp-schedule", choices=list(SCHEDULES), default="1f1b",
+                   help="pipeline schedule with --pp (default 1f1b)")
+    g.add_argument("--ep", type=int, default=1,
+                   help="sync runs: spread the experts over this many of the --ranks data "
+                        "ranks (--ranks / ep data-parallel groups); async workers hold every "
+                        "expert (default 1)")
+    g = p.add_argument_group("limits")
+    g.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a run may take before it is stopped and marked failed "
+                        "(default 600)")
+
+
+def parse_args(argv: list[str]) -> tuple[Setup, list[RunSpec]]:
+    named = any(a.split("=", 1)[0] in ("--config", "--model") for a in argv)
+    setup = parse(presets.resolve(argv) if named else
+                  ["--config", str(presets.config_path(presets.DEFAULT)), *argv], prog=PROG,
+                  description=__doc__.split("\n\n")[0], add_extra=add_compare_flags,
+                  flags={"data": None, "optim": None, "run": RUN_FLAGS},
+                  why="every run's metrics, logs and processes are the comparison's own "
+                      "(see --out)")
+    opts = setup.extra
+    for flag, value in (("--ranks", opts.ranks), ("--shards", opts.shards)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1 (got {value})")
+    if not opts.timeout > 0:
+        raise ConfigError(f"--timeout must be positive (got {opts.timeout})")
+    if opts.hosts < 1:
+        raise ConfigError(f"--hosts must be at least 1 (got {opts.hosts})")
+    if not (math.isfinite(opts.link_gbit) and opts.link_gbit > 0):
+        raise ConfigError(f"--link-gbit must be a positive rate (got {opts.link_gbit})")
+    if opts.hosts > 1 and cluster.check():
+        raise ConfigError(f"--hosts {opts.hosts}: {cluster.check()}; without --hosts the "
+                          "comparison runs on this host")
+    if opts.hosts > 1 and (why := cluster.check_congestion_control(opts.tcp_cc)):
+        raise ConfigError(f"--tcp-cc {opts.tcp_cc}: {why}")
+    if opts.calibration and opts.sweep:
+        raise ConfigError("--calibration predicts the runs of a comparison, not a --sweep")
+    check_parallel(setup)
+    if opts.calibration and opts.tp * opts.pp * opts.ep > 1:
+        raise ConfigError("--calibration predicts data-parallel runs; dtlab-simulate "
+                          "predicts --tp/--pp/--ep layouts")
+    opts.cal = predict.load(opts.calibration, opts.ranks, opts.hosts) if opts.calibration \
+        else None
+    names = [n.strip() for n in opts.runs.split(",") if n.strip()]
+    if not names:
+        raise ConfigError("--runs names no run")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"--runs names {', '.join(twice)} twice")
+    if opts.sweep:
+        try:
+            opts.widths = [int(w) for w in opts.sweep_sizes.split(",")]
+        except ValueError:
+            raise ConfigError(f"--sweep-sizes {opts.sweep_sizes!r}: expected comma-separated "
+                              "widths") from None
+        if len(opts.widths) < 2 or min(opts.widths) < 1 or len(set(opts.widths)) != len(
+                opts.widths):
+            raise ConfigError(f"--sweep-sizes {opts.sweep_sizes!r}: needs two or more distinct "
+                              "positive widths")
+    return setup, [RunSpec.parse(n) for n in names]
+
+
+def check_parallel(setup: Setup) -> None:
+    """ConfigError naming the flag where --tp/--pp/--ep cannot split this model or these
+    ranks (before anything starts)."""
+    opts = setup.extra
+    for flag, value in (("--tp", opts.tp), ("--pp", opts.pp), ("--ep", opts.ep)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1 (got {value})")
+    if opts.ranks % opts.ep:
+        raise ConfigError(f"--ranks {opts.ranks} (the data ranks) is not divisible by --ep "
+                          f"{opts.ep}")
+    check_grid(setup.model_name, setup.model, opts.tp, opts.ep)
+    modules = len(build_model(setup.model_name, setup.model).body.modules)
+    if opts.pp > modules:
+        raise ConfigError(f"--pp {opts.pp} is more stages than the model's {modules} layers")
+
+
+def target_loss(given: float | None, floor: float | None) -> tuple[float, str]:
+    if given is None:
+        if floor is None:
+            raise ConfigError("the data has no known loss floor: give --target-loss")
+        return floor + TARGET_GAP, f"the floor + {TARGET_GAP} nats"
+    if not math.isfinite(given):
+        raise ConfigError(f"--target-loss must be a finite number (got {given})")
+    if floor is not None and given <= floor:
+        raise ConfigError(f"--target-loss {given} is at or below the data's floor {floor:.4f}: "
+                          "no run can reach it")
+    return given, "--target-loss"
+
+
+def out_dir(given: str) -> Path:
+    if given:
+        out = Path(given)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ConfigError(f"--out {given}: exists and is not an empty folder; nothing "
+                              "there is touched: give a new one")
+        out.mkdir(parents=True, exist_ok=True)
+        return out
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for n in range(100):
+        out = Path("runs") / (f"compare-{stamp}" + (f"-{n}" if n else ""))
+        try:
+            out.mkdir(parents=True)
+            return out
+        except FileExistsError:
+            continue
+    raise ConfigError(f"runs/compare-{stamp}: 100 folders of that second exist; give --out")
+
+
+class Board:
+    """One line per run: redrawn as it goes on a terminal, printed when it ends elsewhere."""
+
+    def __init__(self, specs: list[RunSpec], steps: int, stream=sys.stderr):
+        self.width = max(len(s.name) for s in specs)
+        self.n, self.steps, self.stream = len(specs), steps, stream
+        self.tty = stream.isatty()
+        self.drawn = False  # a line is on the terminal without its newline
+
+    def end_line(self) -> None:
+        if self.drawn:
+            self.stream.write("\n")
+            self.drawn = False
+
+    def _line(self, i: int, name: str, text: str) -> str:
+        return f"[{i + 1}/{self.n}] {name:<{self.width}}  {text}"
+
+    def watch(self, i: int, name: str) -> launch.Watch:
+        start = time.monotonic()
+
+        def show(step: int, loss: float | None) -> None:
+            if self.tty:
+                text = (f"step {step}/{self.steps}  loss {loss:.4f}" if step else "starting")
+                text += f"  {time.monotonic() - start:.0f} s"
+                self.stream.write("\r" + self._line(i, name, text) + "\033[K")
+                self.stream.flush()
+                self.drawn = True
+        return show
+
+    def done(self, i: int, result: report.Result) -> None:
+        s = result.stats
+        if s is None:
+            text = f"FAILED: {result.outcome.error}"
+        else:
+            reached = (f"target at step {s['steps_to_target']}" if s["steps_to_target"]
+                       else "target not reached")
+            text = (f"{s['steps']} steps in {s['time_s']:.1f} s  final loss "
+                    f"{s['final_loss']:.4f}  {reached}")
+        self.stream.write(("\r" if self.tty else "") + self._line(i, result.name, text)
+                          + ("\033[K" if self.tty else "") + "\n")
+        self.stream.flush()
+        self.drawn = False
+
+
+def analyse(outcome: Outcome, bench: Bench, global_batch: int, floor: float | None,
+            target: float) -> report.Result:
+    if outcome.error:
+        return report.Result(outcome)
+    records = [read_metrics(str(p))[1] for p in outcome.metrics]
+    spec = outcome.spec
+    curve, stats = analysis.measure(spec.topology, records, global_batch, bench.ranks,
+                                    spec.consistency, floor, target)
+    return report.Result(outcome, curve, stats)
+
+
+def describe(setup: Setup, data: dict) -> list[str]:
+    """The setup in words: the first lines of report.md."""
+    hw, v, run, opt = data["hardware"], data["versions"], setup.run, setup.optim
+    lines = [
+        f"{data['started']} on {hw['host']} ({hw['cpu']}, {hw['cpu_count']} cores); "
+        + ", ".join(f"{k} {v[k]}" for k in ("dtlab", "numpy", "mpich", "grpcio") if k in v),
+        f"model {data['model']}, {data['n_params']:,} parameters; data {in_words(data['dataset'])}",
+        f"every run: {run.steps} steps of global batch {data['global_batch']} = "
+        f"{data['ranks']} ranks or workers x {run.batch_size * run.grad_accum}; seed {run.seed}, "
+        f"{run.dtype}; {opt.optimizer} lr {opt.lr:g}, {opt.warmup} warm-up steps, "
+        f"{opt.schedule}, clip {opt.clip:g}; async: {data['shards']} shards, fresh servers "
+        "for every run",
+        f"target loss {data['target_loss']:.4f} ({data['target_rule']})",
+        f"command: `{data['command']}`",
+    ]
+    grid = launch.Grid(**data["grid"])
+    if grid.model_parallel:
+        lines.append(f"every replica: {grid.describe()}")
+    if data.get("cluster"):
+        lines.append(f"network: {data['cluster']}; {launch.placement(grid)}")
+    if opt.clip:
+        lines.append("clip > 0: sync clips the averaged gradient, each async worker its own, "
+                     "so async-bsp is not the sync computation")
+    return ["- " + line for line in lines]
+
+
+def grid_of(opts: argparse.Namespace) -> launch.Grid:
+    return launch.Grid(opts.tp, opts.pp, opts.ep, opts.pp_schedule)
+
+
+def shared_config(setup: Setup) -> dict:
+    """The run config every process of every run reads (--config OUT/config.json)."""
+    shared = setup.as_dict()
+    shared["run"] = {k: v for k, v in shared["run"].items() if k in RUN_FLAGS}
+    return shared
+
+
+def setup_record(setup: Setup, argv: list[str], session, target: float, rule: str) -> dict:
+    """What every run shares, for summary.json (and, in words, report.md)."""
+    opts, run, floor = setup.extra, setup.run, session.dataset.floor
+    return {"command": f"{PROG} {shlex.join(argv)}".strip(), "config": shared_config(setup),
+            "model": setup.model_name, "n_params": session.params.size,
+            "dataset": session.dataset.describe(), "floor": floor, "target_loss": target,
+            "target_rule": rule, "smooth_window": analysis.window_for(run.steps),
+            "ranks": opts.ranks, "shards": opts.shards, "batch_size": run.batch_size,
+            "global_batch": opts.ranks * run.batch_size * run.grad_accum, "steps": run.steps,
+            "grid": dataclasses.asdict(grid_of(opts)),
+            "hardware": hardware(), "versions": versions(), "cluster": None, "emulated": None,
+            "calibration": opts.calibration or None, "load_avg": None,
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def run_sweep(setup: Setup, spec: RunSpec, argv: list[str], session, out: Path,
+              mpiexec: str, target: float, rule: str) -> int:
+    """--sweep model-size: one run of `spec` per width, the same training FLOPs each."""
+    opts, floor = setup.extra, session.dataset.floor
+    sizes = sweep.plan(setup.model_name, setup.model, opts.widths,
+                       opts.ranks * setup.run.batch_size * setup.run.grad_accum, setup.run.steps)
+    data = setup_record(setup, argv, session, target, rule)
+    procs, metrics = Processes(), []
+    runs = [dataclasses.replace(spec, name=f"{spec.name}-w{s['width']}") for s in sizes]
+    board = Board(runs, max(s["steps"] for s in sizes))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        for i, s in enumerate(sizes):
+            folder = out / f"width-{s['width']}"
+            folder.mkdir()
+            config = dict(data["config"], model=dataclasses.asdict(s["config"]))
+            config["run"] = dict(config["run"], steps=s["steps"])
+            (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+            bench = Bench(folder, (folder / "config.json").resolve(), opts.ranks, opts.shards,
+                          s["steps"], opts.timeout, mpiexec, grid=grid_of(opts))
+            outcome = launch.run(runs[i], bench, procs, board.watch(i, runs[i].name))
+            result = analyse(outcome, bench, data["global_batch"], floor, target)
+            board.done(i, result)
+            if not result.ok:
+                print(f"{PROG}: width {s['width']} failed: {outcome.error}", file=sys.stderr)
+                return 1
+            metrics.append(outcome.metrics[0])
+    finally:
+        board.end_line()
+        procs.stop_all()
+    result = sweep.analyse(sizes, metrics, floor)
+    result["setup"] = {k: data[k] for k in ("command", "model", "dataset", "floor", "ranks",
+                                             "global_batch", "hardware", "versions", "started")}
+    png = sweep.plot(out, result, floor) if floor is not None else None
+    lines = [f"- {spec.name}: {spec.describe()}; every width trains "
+             f"{sizes[0]['steps'] * sizes[0]['flops_per_step']:.3g} FLOPs (the smallest "
+             f"{setup.run.steps} steps); data {in_words(data['dataset'])}",
+             f"- command: `{data['command']}`"]
+    sweep.write(out, result, lines, floor, png)
+    print(f"sweep: {out / 'sweep.md'}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    setup, specs = parse_args(argv)
+    opts = setup.extra
+    session = build_session(setup)  # the model and data exist and fit: else a ConfigError
+    floor = session.dataset.floor
+    target, rule = target_loss(opts.target_loss, floor)
+    mpiexec = launch.find_mpiexec()
+    if opts.sweep:
+        sweep.plan(setup.model_name, setup.model, opts.widths, 1, setup.run.steps)  # or named
+        return run_sweep(setup, specs[0], argv, session, out_dir(opts.out), mpiexec, target,
+                         rule)
+    out = out_dir(opts.out)
+    data = setup_record(setup, argv, session, target, rule)
+    config = out / "config.json"
+    config.write_text(json.dumps(data["config"], indent=1) + "\n")
+    if opts.cal is not None:
+        print("benchmarking the model for --calibration", file=sys.stderr)
+        predict.bench_compute(opts.cal, config.resolve(), opts.ranks, out)
+    board = Board(specs, setup.run.steps)
+    print(f"{len(specs)} runs of {setup.model_name} into {out}", file=sys.stderr)
+    load_before = os.getloadavg()
+    procs = Processes()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # cleaned up as Ctrl-C is
+    results = []
+    hosts = None
+    try:
+        if opts.hosts > 1:
+            hosts = cluster.EmulatedCluster(opts.hosts, opts.link_gbit, out,
+                                            opts.tcp_cc).__enter__()
+            data["cluster"] = hosts.describe()
+            data["emulated"] = {"hosts": opts.hosts, "link_gbit": opts.link_gbit,
+                                "tcp_cc": hosts.congestion_control()}
+            print(hosts.describe(), file=sys.stderr)
+        bench = Bench(out, config.resolve(), opts.ranks, opts.shards, setup.run.steps,
+                      opts.timeout, mpiexec, hosts, opts.trace, grid_of(opts))
+        for i, spec in enumerate(specs):
+            outcome = launch.run(spec, bench, procs, board.watch(i, spec.name))
+            if opts.trace:
+                traces.merge_run(outcome, out)
+            results.append(analyse(outcome, bench, data["global_batch"], floor, target))
+            board.done(i, results[-1])
+    finally:
+        board.end_line()
+        kept = {sig: signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C does not cut it short
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+        procs.stop_all()
+        if hosts is not None:
+            hosts.close()
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
+    plots, note = report.plot(out, results, floor, target)
+    if note:
+        print(note, file=sys.stderr)
+    data["load_avg"] = {"before": list(load_before), "after": list(os.getloadavg())}
+    summary = report.summary(data, results, plots, note)
+    if opts.cal is not None:
+        predict.predict(opts.cal, out, summary)
+    report.write_summary(out, summary)
+    report.write_report(out, summary, results, describe(setup, data))
+    print(f"report: {out / 'report.md'}")
+    failed = [r.name for r in results if not r.ok]
+    if failed:
+        print(f"{PROG}: {len(failed)} of {len(results)} runs failed ({', '.join(failed)}); "
+              "see the report", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def cli() -> None:
+    sys.exit(run_cli(main, PROG))

@@ -1,0 +1,504 @@
+"""The cost model at scale: step time and time to target of ring, naive and parameter-server
+training, predicted by alpha-beta-gamma formulas, calibrated on this host, validated on it.
+
+    dtlab-simulate --calibrate --bench runs/allreduce.json runs/rounds.json \\
+        runs/model.json                                      # -> runs/calibration.json
+    dtlab-simulate --link 400gbit --intra-link nvlink --gpus-per-node 8 \\
+        --tflops 400 --steps-to-target 5000 --d-model 4096 --n-layers 32 --json pred.json
+    dtlab-simulate --link local                  # N ranks on this host
+    dtlab-simulate --link 400gbit --intra-link nvlink --gpus-per-node 8 \\
+        --tflops 400 --pp 4 --pp-schedule zb-h1 --microbatches 16 --tp 8 \\
+        --moe-experts 64 --moe-top-k 2 --ep 8 --d-model 4096 --n-layers 32
+    flock /tmp/dtlab-bench.lock dtlab-simulate --validate-parallel \\
+        --out runs/sim-par                          # pipelines (pp 2) and MoE ep 2, measured
+    flock /tmp/dtlab-bench.lock dtlab-simulate --validate --ranks 2,3,4 \\
+        --val-steps 200 --out runs/sim-val               # or --measured DIR: earlier runs
+    flock /tmp/dtlab-bench.lock dtlab-simulate --validate --hosts 2 \\
+        --link-gbit 1,0.1 --ranks 2 --val-runs sync-ring,async-bsp --config run.json
+
+Predictions (the default): for N = 1, 2, 4, ... 1024 (--workers) ranks or
+workers, the model of --config (default scripts/lab/configs/transformer.json)
+and model/run flags, one row each: compute (models/cost.py FLOPs over the
+calibrated rate, or --tflops), our ring family's exposed all-reduce and
+step, the naive reduce + broadcast's, the parameter server's with --shards
+S, and step x --steps-to-target (a measured run's statistical efficiency;
+the same K at every N: how K falls with a larger global batch is not
+modelled, McCandlish et al. 2018). The formulas are in
+simulate_lib/formulas.py, the overlap and core-sharing rules in
+simulate_lib/step.py.
+
+Model parallelism: --pp P (--pp-schedule gpipe|1f1b|zb-h1, --microbatches M,
+default --grad-accum; --stages as dtlab-sync's), --tp T, --ep E (with
+--moe-experts N --moe-top-k k) predict a dp x pp x ep x tp layout instead:
+N = dp P E T ranks (N not a multiple of P E T is left out); the step is the
+schedule's op lists (models/schedule.py) replayed with each stage's F/B/W
+times (its models/cost.py FLOPs / T at the compute rate) and the receives of
+the activations and gradients between stages at the link's alpha-beta
+(simulate_lib/pipeline.py), with Megatron's 4 all-reduces of (b, T, d) per
+block inside the passes (simulate_lib/tensor.py, on --intra-link), the MoE
+layers' 4 all-to-alls of the dispatched rows per micro-batch
+(simulate_lib/moe.py), and the gradient all-reduce, dense over dp x ep,
+experts over dp (simulate_lib/parallel.py). The table gains the bubble, p2p,
+tp and a2a columns of the dimensions used.
+
+Links: --link (between nodes) and --intra-link (within one, default the
+same) name a preset (simulate_lib/links.py: nvlink, 400gbit, 200gbit,
+100gbit, 25gbit, 10gbit, 1gbit) or `local`, this host as --calibration
+measured it (every rank on it, sharing its cores). --alpha-us / --gbit
+replace the inter-node link's figures (a cluster measured elsewhere, an
+emulated one at a set rate).
+
+--calibrate fits the constants to benchmark JSON (simulate_lib/calibrate.py)
+and writes them to --calibration with their fit errors. --validate runs
+dtlab-compare at each N of --ranks (or reads --measured DIR) and
+prints predicted against measured step time per run, the relative error
+and whether it is within 25% (simulate_lib/validate.py); with --hosts H the
+runs go across H emulated hosts (compare.py --hosts H --link-gbit X, at every
+rate of --link-gbit) and are predicted with that link (simulate_lib/emulated.py:
+one rank or worker per host). --validate-parallel measures the pipeline rows of
+dtlab.lab.bench.parallel (pp 2: GPipe, 1F1B, ZB-H1 at m 4 and 8) and a
+dtlab-sync MoE run with --ep 2 (or reads --measured DIR: an earlier
+--validate-parallel folder) and prints predicted against measured step time
+and bubble (simulate_lib/validate_parallel.py). Exit status: 0, 1
+when a validated run is off by more than the bound, 2 for a bad flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from dtlab.lab import presets
+from dtlab.lab.compare import cluster
+from dtlab.lab.simulate import (
+    calibrate,
+    links,
+    parallel,
+    pipeline,
+    scale,
+    table,
+    validate,
+    validate_parallel,
+)
+from dtlab.lab.simulate.calibrated import (
+    host_alltoall,
+    host_network,
+    host_p2p,
+    host_server,
+    preset_server,
+)
+from dtlab.lab.simulate.emulated import Cluster
+from dtlab.lab.simulate.formulas import Network
+from dtlab.lab.simulate.step import ComputeRate, Host, Workload, compute_rate
+from dtlab.models.config import ConfigError
+from dtlab.models.cost import estimate
+from dtlab.models.run.cli import run_cli
+from dtlab.models.run.session import parse, replica_cost
+from dtlab.models.schedule import SCHEDULES
+
+PROG = "dtlab-simulate"
+DEFAULT_CALIBRATION = "runs/calibration.json"
+BUCKET_MB = 25.0  # dtlab-sync's --bucket-mb default
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} must be comma-separated integers (got {text!r})") from None
+    if not values or min(values) < 1:
+        raise ConfigError(f"{flag} must name N >= 1 (got {text!r})")
+    return values
+
+
+def float_list(text: str, flag: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{flag} must be comma-separated numbers (got {text!r})") from None
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise ConfigError(f"{flag} must name positive rates (got {text!r})")
+    return values
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("simulation")
+    g.add_argument("--link", default=links.LOCAL,
+                   help=f"link between nodes: {', '.join(links.NAMES)} (default local: this "
+                        "host, from --calibration)")
+    g.add_argument("--intra-link", default="", help="link within a node (default: --link)")
+    g.add_argument("--gpus-per-node", type=int, default=1,
+                   help="ranks per node: a two-level all-reduce above it (default 1)")
+    g.add_argument("--alpha-us", type=float, default=None,
+                   help="latency of the link between nodes, in place of the preset's")
+    g.add_argument("--gbit", type=float, default=None,
+                   help="bandwidth of the link between nodes in Gbit/s, in place of the preset's")
+    g.add_argument("--tflops", type=float, default=None,
+                   help="a rank's sustained TFLOP/s (default: this host's calibrated rate)")
+    g.add_argument("--workers", default=",".join(map(str, scale.DEFAULT_WORKERS)),
+                   help="N to predict, comma-separated (default 1,2,4,...,1024)")
+    g.add_argument("--shards", type=int, default=8,
+                   help="parameter-server shards S of the predictions (default 8)")
+    g.add_argument("--steps-to-target", type=int, default=None,
+                   help="steps to the target loss (from a measured run) for time to target")
+    g.add_argument("--bucket-mb", type=float, default=BUCKET_MB,
+                   help=f"gradient bucket size in MB, as dtlab-sync's (default {BUCKET_MB:g})")
+    g.add_argument("--calibration", default=DEFAULT_CALIBRATION,
+                   help=f"the calibration JSON read, or written by --calibrate "
+                        f"(default {DEFAULT_CALIBRATION})")
+    g.add_argument("--calibrate", action="store_true",
+                   help="fit the constants to --bench files and write --calibration")
+    g.add_argument("--bench", nargs="+", default=[], metavar="FILE",
+                   help="benchmark JSON (bench_allreduce, bench_pserver, bench_model) to fit")
+    g.add_argument("--validate", action="store_true",
+                   help="predicted vs measured step time of compare.py runs on this host")
+    g.add_argument("--measured", default="", metavar="DIR",
+                   help="--validate: read compare.py folders under DIR instead of running")
+    g.add_argument("--ranks", default="2,3,4", help="--validate: N of the runs (default 2,3,4)")
+    g.add_argument("--val-runs", default="sync-ring,sync-naive,async-bsp",
+                   help="--validate: compare.py runs at every N (default "
+                        "sync-ring,sync-naive,async-bsp)")
+    g.add_argument("--val-shards", type=int, default=2,
+                   help="--validate: shards of the async runs (default 2)")
+    g.add_argument("--hosts", type=int, default=1,
+                   help="--validate: run compare.py across this many emulated hosts (root; "
+                        "one rank or worker per host) and predict with their shaped links "
+                        "(simulate_lib/emulated.py); 1: this host (default)")
+    g.add_argument("--link-gbit", default="1,0.1",
+                   help="--validate --hosts H: the link rates in Gbit/s, comma-separated, "
+                        "each measured and predicted (default 1,0.1)")
+    g.add_argument("--tcp-cc", default="reno",
+                   help="--validate --hosts H: the emulated hosts' TCP congestion control "
+                        "(compare.py --tcp-cc; default reno)")
+    g.add_argument("--val-steps", type=int, default=200,
+                   help="--validate: steps of every run (default 200)")
+    g.add_argument("--out", default="", metavar="DIR",
+                   help="--validate: a new or empty folder for the runs (default "
+                        "runs/simulate-DATE-TIME)")
+    g.add_argument("--launches", type=int, default=3,
+                   help="--validate: launches of every run, N interleaved; the median is "
+                        "compared (default 3)")
+    g.add_argument("--timeout", type=float, default=600.0,
+                   help="--validate: seconds a run may take (default 600)")
+    g.add_argument("--json", default="", metavar="PATH", help="write the rows here")
+    m = p.add_argument_group("model parallelism (a dp x pp x ep x tp layout)")
+    m.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    m.add_argument("--pp-schedule", choices=sorted(SCHEDULES), default="1f1b",
+                   help="pipeline schedule: GPipe, 1F1B or ZB-H1 (default 1f1b)")
+    m.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batches of --batch-size per step (default --grad-accum)")
+    m.add_argument("--stages", default="",
+                   help="modules per stage, e.g. 3,2 (default: balanced by FLOPs)")
+    m.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks (Megatron split, within a node; default 1)")
+    m.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks (must divide --moe-experts; default 1)")
+    m.add_argument("--moe-alltoall", choices=("ours", "mpi"), default="ours",
+                   help="--link local: the all-to-all whose calibration is used (default ours)")
+    m.add_argument("--validate-parallel", action="store_true",
+                   help="predicted vs measured pipeline (bench parallel, pp 2) and MoE "
+                        "(dtlab-sync --ep 2) steps on this host")
+    m.add_argument("--moe-steps", type=int, default=60,
+                   help="--validate-parallel: steps of each MoE run (default 60)")
+
+
+def parse_args(argv: list[str]):
+    named = any(a.split("=", 1)[0] in ("--config", "--model") for a in argv)
+    setup = parse(presets.resolve(argv) if named else
+                  ["--config", str(presets.config_path(presets.DEFAULT)), *argv], prog=PROG,
+                  description=__doc__.split("\n\n")[0], add_extra=add_flags,
+                  flags={"optim": ("optimizer",), "run": ("batch_size", "grad_accum", "dtype")},
+                  why="the simulation runs no training of its own")
+    o = setup.extra
+    for flag, value in (("--link", o.link), ("--intra-link", o.intra_link)):
+        if value and value != links.LOCAL:
+            links.preset(value, flag)  # an unknown name is a ConfigError
+    if o.link == links.LOCAL and (o.alpha_us is not None or o.gbit is not None):
+        raise ConfigError("--alpha-us and --gbit replace a preset's figures; with --link local "
+                          "they come from --calibration")
+    if o.intra_link == links.LOCAL and o.link != links.LOCAL:
+        raise ConfigError("--intra-link local needs --link local: the host's calibration is "
+                          "one host")
+    for flag, value in (("--gpus-per-node", o.gpus_per_node), ("--shards", o.shards),
+                        ("--val-shards", o.val_shards), ("--val-steps", o.val_steps),
+                        ("--launches", o.launches)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1 (got {value})")
+    if o.steps_to_target is not None and o.steps_to_target < 1:
+        raise ConfigError(f"--steps-to-target must be at least 1 (got {o.steps_to_target})")
+    if o.tflops is not None and not o.tflops > 0:
+        raise ConfigError(f"--tflops must be positive (got {o.tflops})")
+    if not o.bucket_mb > 0:
+        raise ConfigError(f"--bucket-mb must be positive (got {o.bucket_mb})")
+    if o.calibrate and o.validate:
+        raise ConfigError("--calibrate and --validate are separate steps: calibrate first")
+    if o.hosts < 1:
+        raise ConfigError(f"--hosts must be at least 1 (got {o.hosts})")
+    o.rates = float_list(o.link_gbit, "--link-gbit")
+    if o.hosts > 1 and o.validate and not o.measured and cluster.check():
+        raise ConfigError(f"--hosts {o.hosts}: {cluster.check()}")
+    if o.hosts > 1 and not o.measured and max(int_list(o.ranks, "--ranks")) > o.hosts:
+        raise ConfigError(f"--hosts {o.hosts}: the emulated-cluster model takes one rank or "
+                          f"worker per host; give --ranks of at most {o.hosts}")
+    for flag, value in (("--pp", o.pp), ("--tp", o.tp), ("--ep", o.ep),
+                        ("--moe-steps", o.moe_steps)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1 (got {value})")
+    if o.microbatches is not None and o.microbatches < 1:
+        raise ConfigError(f"--microbatches must be at least 1 (got {o.microbatches})")
+    if o.microbatches is not None and setup.run.grad_accum not in (1, o.microbatches):
+        raise ConfigError(f"--microbatches {o.microbatches} and --grad-accum "
+                          f"{setup.run.grad_accum} disagree: give one")
+    o.parallel = o.pp > 1 or o.tp > 1 or o.ep > 1
+    for flag, value, default, needs in (
+            ("--pp-schedule", o.pp_schedule, "1f1b", o.pp > 1),
+            ("--microbatches", o.microbatches, None, o.parallel),
+            ("--moe-alltoall", o.moe_alltoall, "ours", o.ep > 1 and o.link == links.LOCAL)):
+        if value != default and not needs:
+            raise ConfigError(f"{flag} {value} has no effect here (it needs --pp for the "
+                              "schedule, a model-parallel layout for micro-batches, --ep "
+                              "with --link local for the all-to-all)")
+    if o.stages and o.pp == 1:
+        raise ConfigError(f"--stages {o.stages} has no effect without --pp")
+    if o.link != links.LOCAL and o.tp > o.gpus_per_node:
+        raise ConfigError(f"--tp {o.tp} exceeds --gpus-per-node {o.gpus_per_node}: tensor "
+                          "parallelism runs within a node")
+    if o.parallel and (o.calibrate or o.validate or o.validate_parallel):
+        raise ConfigError("--pp, --tp and --ep are predictions' flags; --calibrate and the "
+                          "validations take none")
+    if o.validate_parallel and (o.calibrate or o.validate):
+        raise ConfigError("--validate-parallel is a step of its own: not with --calibrate or "
+                          "--validate")
+    o.workers_list = int_list(o.workers, "--workers")
+    o.ranks_list = int_list(o.ranks, "--ranks")
+    return setup
+
+
+def write_json(path: str, data: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def do_calibrate(o) -> int:
+    cal = calibrate.calibrate(o.bench, os.cpu_count() or 1)
+    write_json(o.calibration, cal)
+    print(f"# calibration of this host ({cal['cores']} cores) from "
+          f"{', '.join(s['path'] for s in cal['sources'])} -> {o.calibration}")
+    print(table.fits(cal))
+    write_json(o.json, cal)
+    return 0
+
+
+def new_folder(given: str) -> Path:
+    if given:
+        out = Path(given)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ConfigError(f"--out {given}: exists and is not an empty folder; give a new one")
+    else:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        out = Path("runs") / f"simulate-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def do_validate(setup, o) -> int:
+    cal = calibrate.load(o.calibration)
+    host = Host(os.cpu_count() or 1)
+    if o.measured:
+        folders = validate.measured_dirs(o.measured)
+        out = Path(o.measured)
+        config = str(folders[0] / "config.json")
+    else:
+        out = new_folder(o.out)
+        config = str(out / "config.json")
+        Path(config).write_text(json.dumps(setup.as_dict(), indent=1) + "\n")
+        folders = None
+    n_list = o.ranks_list
+    threads = sorted({host.threads(n) for n in n_list})
+    benches, together = [], []
+    roles = validate.roles_of(o.val_runs)
+    if folders is None:
+        folders = []
+        for k in range(o.launches):  # the compute benchmark beside each launch's runs
+            launch = out / f"launch{k}"
+            launch.mkdir()
+            before = os.getloadavg()[0]
+            benches += validate.bench_compute(config, threads, launch)
+            if o.hosts == 1:  # emulated hosts are pinned to their own cores: not this host's
+                together += validate.bench_together(config, n_list, roles, launch, o.timeout)
+            folders += validate.run_comparisons(config, n_list, o.val_runs, o.val_shards,
+                                                o.val_steps, launch, o.timeout, o.hosts,
+                                                o.rates, o.tcp_cc)
+            (launch / "load.json").write_text(json.dumps(
+                {"before": before, "after": os.getloadavg()[0]}))
+    else:
+        benches = sorted(out.glob("**/model-t*.json"))
+        if not benches:
+            bench_dir = out / "model-bench"
+            bench_dir.mkdir(exist_ok=True)
+            benches = validate.bench_compute(config, threads, bench_dir)
+        together = sorted(out.glob("**/together-*.json"))
+        if not together and validate.any_local(folders):
+            bench_dir = out / "model-bench"
+            bench_dir.mkdir(exist_ok=True)
+            together = validate.bench_together(config, n_list, roles, bench_dir, o.timeout)
+    cal["compute_rows"] = [*cal.get("compute_rows", []), *validate.compute_rows(benches)]
+    rows = validate.validate(folders, cal, host, o.bucket_mb * 1e6,
+                             validate.together_rows(together))
+    print(f"# validation on this host: {host.cores} cores; calibration {o.calibration}; "
+          f"compute: {len(together)} benchmark(s) of N processes stepping together "
+          f"(bench together) and {len(benches)} of the model in one process "
+          f"({', '.join(str(p) for p in benches[:3])}{' ...' if len(benches) > 3 else ''}); "
+          f"runs in {out}, {len(folders)} compare.py folder(s)")
+    for gbit in sorted({r["link_gbit"] for r in rows if r["link_gbit"]}, reverse=True):
+        hosts = next(r["hosts"] for r in rows if r["link_gbit"] == gbit)
+        print(f"# emulated: {Cluster(hosts, gbit).describe(cal)}; rank, worker or shard i on "
+              "host i mod H; gRPC on the calibration's session path (TCP), plus the link")
+    loads = [r["max_load"] for r in rows if r["max_load"] is not None]
+    if loads and max(loads) > host.cores:
+        print(f"# warning: the host's 1-minute load average reached {max(loads):.1f} on "
+              f"{host.cores} cores around the launches: other processes took cores from the "
+              "runs, which the model does not know of (rerun on a quiet host)")
+    if any(r["share"] > 1 for r in rows):
+        print(f"# N > {host.cores} ranks or workers oversubscribe the {host.cores} cores: their "
+              "compute is the N processes' measured stepping together (else one process's "
+              "rate over N / cores), the all-reduce takes N / cores turns, and no "
+              "communication hides behind backward")
+    print(table.validation(rows, host.cores))
+    write_json(o.json, {"calibration": o.calibration, "cores": host.cores, "bound": validate.BOUND,
+                        "rows": rows})
+    return 0 if all(r["within"] for r in rows) else 1
+
+
+def parallel_work(setup, o) -> parallel.Work:
+    """The layout's step as `setup` and the model-parallel flags describe it."""
+    b = setup.run.batch_size
+    m = o.microbatches or setup.run.grad_accum
+    w = validate.workload_of(setup)
+    bounds = pipeline.stage_bounds(setup.model_name, setup.model, b, o.pp, o.stages)
+    flops = estimate(setup.model_name, setup.model, b, optimizer=w.optimizer).flops_step
+    work = parallel.Work(setup.model_name, setup.model, b, m, o.pp_schedule,
+                         8 if setup.run.dtype == "float64" else 4, tuple(bounds), flops)
+    parallel.check(work, parallel.Layout(1, o.pp, o.ep, o.tp))
+    return work
+
+
+def rate_of(o, cal: dict | None, work: Workload, local: bool):
+    """threads -> the compute rate of `work`: --tflops, or the calibration's fit at that
+    many threads (on this host) or at the calibrated host's cores."""
+    def rate_at(threads: int) -> ComputeRate:
+        if o.tflops is not None:
+            return ComputeRate(o.tflops * 1e12, source=f"--tflops {o.tflops:g}")
+        try:
+            return compute_rate(cal, work, threads if local else cal["cores"])
+        except LookupError as e:
+            raise ConfigError(f"--calibration {o.calibration}: {e}") from None
+    return rate_at
+
+
+def do_predict_parallel(setup, o) -> int:
+    work = parallel_work(setup, o)
+    layout = parallel.Layout(1, o.pp, o.ep, o.tp)
+    local = o.link == links.LOCAL
+    cal = calibrate.load(o.calibration) if local or o.tflops is None else None
+    w = validate.workload_of(setup)
+    micro = replace(w, batch_size=work.batch, flops_step=work.flops_microbatch)
+    if local:
+        host = Host(os.cpu_count() or 1)
+        a2a = host_alltoall(cal, o.moe_alltoall) if o.ep > 1 else None
+        p2p = host_p2p(cal) if o.pp > 1 else None
+
+        def fabric_at(n: int) -> parallel.Fabric:
+            return parallel.Fabric(host_network(cal, n), p2p, a2a, one_host=True)
+    else:
+        host = Host(0)
+        inter = links.custom(links.preset(o.link), o.alpha_us, o.gbit)
+        intra = links.preset(o.intra_link) if o.intra_link else inter
+        net = Network(intra, inter, o.gpus_per_node)
+
+        def fabric_at(n: int) -> parallel.Fabric:
+            return parallel.Fabric(net)
+
+    rate_at = rate_of(o, cal, micro, local)
+    rows = scale.parallel_rows(work, layout, o.workers_list, fabric_at, rate_at, host,
+                               o.bucket_mb * 1e6)
+    if not rows:
+        raise ConfigError(f"--workers {o.workers}: no N is a multiple of pp x ep x tp = "
+                          f"{layout.model_parallel}")
+    where = ("this host (all ranks on it, sharing its cores)" if local else
+             f"{o.gpus_per_node} per node; within: {intra.describe()}; between: "
+             f"{inter.describe()}")
+    sizes = [hi - lo for lo, hi in zip(work.bounds, work.bounds[1:], strict=False)]
+    print(f"# {work.model}: pp {o.pp} ({o.pp_schedule}, {work.microbatches} micro-batches of "
+          f"{work.batch}, modules per stage {','.join(map(str, sizes))}), tp {o.tp}, ep {o.ep}; "
+          f"{work.flops_microbatch / 1e9:.4g} GFLOP a micro-batch of the whole model; {where}; "
+          f"compute {rows[0]['compute_source']}; steps to target "
+          f"{o.steps_to_target if o.steps_to_target else 'not given'}")
+    print(table.parallel_predictions(rows, o.steps_to_target))
+    write_json(o.json, {"model": work.model, "config": w.config, "pp": o.pp, "tp": o.tp,
+                        "ep": o.ep, "schedule": o.pp_schedule, "microbatches": work.microbatches,
+                        "batch_size": work.batch, "stage_bounds": list(work.bounds),
+                        "link": o.link, "intra_link": o.intra_link or o.link,
+                        "gpus_per_node": o.gpus_per_node,
+                        "steps_to_target": o.steps_to_target, "rows": rows})
+    return 0
+
+
+def do_predict(setup, o) -> int:
+    cost = replica_cost(setup)
+    w = validate.workload_of(setup)
+    local = o.link == links.LOCAL
+    need_cal = local or o.tflops is None
+    # a preset with --tflops needs none, but takes the servers' apply rate from one there is
+    cal = calibrate.load(o.calibration) if need_cal or Path(o.calibration).exists() else None
+    if local:
+        host = Host(os.cpu_count() or 1)
+        net = host_network(cal, max(o.workers_list))
+        ps = host_server(cal, w.optimizer)
+    else:
+        host = Host(0)
+        inter = links.custom(links.preset(o.link), o.alpha_us, o.gbit)
+        intra = links.preset(o.intra_link) if o.intra_link else inter
+        net = Network(intra, inter, o.gpus_per_node)
+        ps = preset_server(inter, cal, w.optimizer)
+
+    rate_at = rate_of(o, cal, w, local)
+    rows = scale.rows(w, o.workers_list, net, ps, o.shards, rate_at, host, o.bucket_mb * 1e6)
+    where = ("this host (all ranks on it, sharing its cores)" if local else
+             f"{net.gpus_per_node} per node; within: {net.intra.describe()}; between: "
+             f"{net.inter.describe()}")
+    print(f"# {w.model}: {cost.params_total:,} parameters, {cost.flops_step / 1e9:.4g} GFLOP a "
+          f"step of batch {w.batch_size} a rank; gradient {w.grad_bytes / 1e6:.4g} MB in "
+          f"{o.bucket_mb:g} MB buckets; {where}; parameter server: {o.shards} shards; compute "
+          f"{rows[0]['compute_source']}; steps to target "
+          f"{o.steps_to_target if o.steps_to_target else 'not given'}")
+    print(table.predictions(rows, o.steps_to_target))
+    write_json(o.json, {"model": w.model, "config": w.config, "params": cost.params_total,
+                        "flops_step": w.flops_step, "grad_bytes": w.grad_bytes,
+                        "link": o.link, "intra_link": o.intra_link or o.link,
+                        "gpus_per_node": o.gpus_per_node, "shards": o.shards,
+                        "steps_to_target": o.steps_to_target, "rows": rows})
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    setup = parse_args(argv)
+    o = setup.extra
+    if o.calibrate:
+        return do_calibrate(o)
+    if o.validate:
+        return do_validate(setup, o)
+    if o.validate_parallel:
+        return validate_parallel.main(o, new_folder)
+    return do_predict_parallel(setup, o) if o.parallel else do_predict(setup, o)
+
+
+def cli() -> None:
+    sys.exit(run_cli(main, PROG))

@@ -81,6 +81,7 @@ class BucketReducer:
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         algo: str | None = None,
+        ours: str | None = None,
         overlap: bool = True,
         average: bool = True,
         wire: str = "fp32",
@@ -114,8 +115,10 @@ class BucketReducer:
         self._comm_s = 0.0
         # A communicator of our own (collective): the comm thread may not share
         # one with the caller, and every bucket keeps its ring requests bound.
+        # `ours` (one of collective.choose.OURS) forces that algorithm for algo "ring";
+        # None lets the chooser pick by size
         self.comm = comm.dup(name=f"{comm.name}.buckets",
-                             persistent_buffers=max(1, len(self.buckets)))
+                             persistent_buffers=max(1, len(self.buckets)), ours=ours)
         if self.overlap:
             self._queue: queue.SimpleQueue = queue.SimpleQueue()
             self._done = 0
@@ -123,6 +126,19 @@ class BucketReducer:
             self._cv = threading.Condition()
             self._thread = threading.Thread(target=self._worker, name="dtlab-buckets", daemon=True)
             self._thread.start()
+
+    def plan(self) -> list[dict]:
+        """What each bucket's all-reduce runs, in launch order: its bytes on the wire and
+        the algorithm (one of collective.choose.OURS for algo "ring", else "naive" or
+        "mpi"), as comm.ours_for decides it (collective on the first call)."""
+        itemsize = (self.shadow if self.shadow is not None else self.grad).itemsize
+        algo = self.algo or self.comm.algo
+        plan = []
+        for lo, hi in self.buckets:
+            nbytes = (hi - lo) * itemsize
+            name = self.comm.ours_for(nbytes) if algo == "ring" else algo
+            plan.append({"bytes": nbytes, "algorithm": name if self.comm.size > 1 else "none"})
+        return plan
 
     def _reduce(self, i: int) -> float:
         lo, hi = self.buckets[i]

@@ -57,7 +57,8 @@ import numpy as np
 from mpi4py import MPI
 
 from dtlab.collective.buckets import WIRE_DTYPES, BucketReducer
-from dtlab.collective.comm import ALGOS, Communicator
+from dtlab.collective.choose import OURS
+from dtlab.collective.comm import Communicator
 from dtlab.collective.failure import FORWARD_S
 from dtlab.collective.grid import GridError, ProcessGrid
 from dtlab.models.config import ConfigError
@@ -81,6 +82,15 @@ from dtlab.models.run.trainer import Summary, Trainer
 from dtlab.models.schedule import SCHEDULES
 
 INTERRUPTED = 130
+# --allreduce: "ring" forces our ring at every size, "auto" lets collective/choose.py pick
+ALLREDUCE = ("ring", "auto", *(a for a in OURS if a != "ring"), "naive", "mpi")
+
+
+def comm_algorithm(allreduce: str) -> tuple[str, str | None]:
+    """--allreduce as the Communicator's (algo, ours)."""
+    if allreduce in ("naive", "mpi"):
+        return allreduce, None
+    return "ring", None if allreduce == "auto" else allreduce
 
 
 def add_sync_flags(parser: argparse.ArgumentParser) -> None:
@@ -109,8 +119,12 @@ def add_sync_flags(parser: argparse.ArgumentParser) -> None:
                       help="modules per stage, e.g. 3,2 (default: balanced by the cost model's "
                            "FLOPs)")
     group = parser.add_argument_group("sync data parallelism")
-    group.add_argument("--allreduce", choices=ALGOS, default="ring",
-                       help="gradient all-reduce: ours (ring), reduce+bcast (naive), MPI's own")
+    group.add_argument("--allreduce", choices=ALLREDUCE, default="ring",
+                       help="gradient all-reduce: ring (ours, the ring at every size), auto "
+                            "(ours, chosen by size and node: collective/choose.py), a named "
+                            "one of ours (doubling, halving, shm-one-shot, shm-two-shot), "
+                            "naive (reduce + broadcast) or mpi (MPI's own Allreduce); the "
+                            "metrics header's allreduce_buckets says what each bucket ran")
     group.add_argument("--wire", choices=sorted(WIRE_DTYPES), default="fp32",
                        help="dtype the gradient all-reduce moves: fp16 and bf16 halve the bytes "
                             "(each bucket cast, averaged as floats, cast back)")
@@ -130,16 +144,18 @@ class DataParallelReducer:
     averaged over `comm` in overlapped buckets, [lo, end) (the experts) over the experts'
     comm once backward is done, then divided by `divide`."""
 
-    def __init__(self, comm: Communicator, grad, bucket_bytes: int, algo: str, overlap: bool,
-                 wire: str = "fp32", experts: tuple[Communicator, int, int] | None = None):
+    def __init__(self, comm: Communicator, grad, bucket_bytes: int, allreduce: str,
+                 overlap: bool, wire: str = "fp32",
+                 experts: tuple[Communicator, int, int] | None = None):
         self.comm, self.grad = comm, grad
         self.lo = grad.size if experts is None else experts[1]
+        algo, ours = comm_algorithm(allreduce)
         self.buckets = BucketReducer(comm, grad[:self.lo], bucket_bytes=bucket_bytes,
-                                     algo=algo, overlap=overlap, wire=wire)
+                                     algo=algo, ours=ours, overlap=overlap, wire=wire)
         self.experts = None
         if experts is not None:
             self.experts = BucketReducer(experts[0], grad[self.lo:], bucket_bytes=bucket_bytes,
-                                         algo=algo, overlap=False, wire=wire)
+                                         algo=algo, ours=ours, overlap=False, wire=wire)
             self.divide = experts[2]
         self.ready = self.buckets.ready
         self._scalar = np.zeros(1)
@@ -153,6 +169,10 @@ class DataParallelReducer:
             comm_s, wait_s, wire = comm_s + e.comm_s, wait_s + e.wait_s, wire + e.wire_bytes
         return {"comm_s": comm_s, "wait_s": wait_s, "wire_bytes": wire}
 
+    def plan(self) -> list[dict]:
+        """What every bucket's all-reduce runs (BucketReducer.plan), the experts' last."""
+        return self.buckets.plan() + (self.experts.plan() if self.experts is not None else [])
+
     def average(self, value: float) -> float:
         self._scalar[0] = value
         return float(self.comm.allreduce(self._scalar, average=True, algo="mpi")[0])
@@ -161,6 +181,13 @@ class DataParallelReducer:
         self.buckets.close()
         if self.experts is not None:
             self.experts.close()
+
+
+def plan_words(plan: list[dict]) -> str:
+    """The buckets' algorithms in words: "shm-two-shot (407 KB)", "ring (25 MB) x 3"."""
+    words = [f"{b['algorithm']} ({b['bytes'] / 1e3:,.0f} KB)" for b in plan]
+    return ", ".join(f"{w} x {words.count(w)}" if words.count(w) > 1 else w
+                     for w in dict.fromkeys(words))
 
 
 def check_replicas_agree(comm: Communicator, params, when: str) -> None:
@@ -270,7 +297,8 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
                                   experts=expert_group(grid, params))
     processes = grid.world.mpi.allgather(f"{os.getpid()}@{socket.gethostname()}")
     header = run_header(session, "sync", flops_per_step=flops_per_step,
-                        allreduce=opts.allreduce, bucket_mb=opts.bucket_mb, wire=opts.wire,
+                        allreduce=opts.allreduce, allreduce_buckets=reducer.plan(),
+                        bucket_mb=opts.bucket_mb, wire=opts.wire,
                         overlap=reducer.buckets.overlap, threads=threads.as_dict(),
                         dp=grid.dp_size,
                         **({"moe_alltoall": opts.moe_alltoall, "moe_chunks": opts.moe_chunks}
@@ -289,7 +317,8 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
               f"{grid.dp_size} x {pipe_words(session, opts)}{ep_words(opts)}tp {grid.tp_size} "
               f"ranks, "
               f"{shard_words(split)}; allreduce {opts.allreduce} ({opts.wire} on the wire), "
-              f"{len(reducer.buckets.buckets)} bucket(s); data {in_words(header['dataset'])}; "
+              f"{len(reducer.buckets.buckets)} bucket(s) running "
+              f"{plan_words(header['allreduce_buckets'])}; data {in_words(header['dataset'])}; "
               f"{threads.describe()} per rank", file=sys.stderr)
         # a rank killed outright is named by the launcher only by its pid: say whose it is
         print(f"ranks (pid@host): {rank_table(processes)}", file=sys.stderr)

@@ -279,6 +279,14 @@ def clip_to(grad, norm: float, max_norm: float) -> float:
     return norm
 
 
+def divided_lr(lr: float, stalenesses: list[int], rule: str) -> float:
+    """The lr of an update of gradients this stale: `lr`, or with rule "divide" lr / the
+    largest staleness (at least 1): Zhang et al. 2016, "Staleness-aware Async-SGD". The
+    parameter servers' rule (pserver.server.store) and the simulated workers'
+    (models.run.simulated)."""
+    return lr / max(1, *stalenesses) if rule == "divide" else lr
+
+
 class Schedule:
     """Linear warm-up to `lr`, then cosine decay to `min_lr_ratio * lr` at `total` steps.
 

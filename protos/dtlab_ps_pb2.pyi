@@ -121,6 +121,64 @@ class RegisterReply(_message.Message):
     then_pull: bool
     def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., model_size: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., staleness_bound: _Optional[int] = ..., next_step: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., optim_config: _Optional[str] = ..., schedule_steps: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., then_pull: _Optional[bool] = ...) -> None: ...
 
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TensorLayout(_message.Message):
+    __slots__ = ("name", "shape", "offset", "size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    size: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class DescribeReply(_message.Message):
+    __slots__ = ("model", "model_size", "layout_crc32", "layout_crc32_input", "layout_crc32_rule", "layout", "dtype", "consistency", "staleness_bound", "optimizer", "optim_config", "shard", "num_shards", "meta", "num_workers", "max_message_bytes", "run_config", "register_required", "registration_checked")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_CRC32_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_CRC32_INPUT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_CRC32_RULE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_BOUND_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    OPTIM_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RUN_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    model_size: int
+    layout_crc32: int
+    layout_crc32_input: str
+    layout_crc32_rule: str
+    layout: _containers.RepeatedCompositeFieldContainer[TensorLayout]
+    dtype: DType
+    consistency: Consistency
+    staleness_bound: int
+    optimizer: str
+    optim_config: str
+    shard: int
+    num_shards: int
+    meta: TensorMeta
+    num_workers: int
+    max_message_bytes: int
+    run_config: str
+    register_required: _containers.RepeatedScalarFieldContainer[str]
+    registration_checked: bool
+    def __init__(self, model: _Optional[str] = ..., model_size: _Optional[int] = ..., layout_crc32: _Optional[int] = ..., layout_crc32_input: _Optional[str] = ..., layout_crc32_rule: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[TensorLayout, _Mapping]]] = ..., dtype: _Optional[_Union[DType, str]] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., staleness_bound: _Optional[int] = ..., optimizer: _Optional[str] = ..., optim_config: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., num_workers: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., run_config: _Optional[str] = ..., register_required: _Optional[_Iterable[str]] = ..., registration_checked: _Optional[bool] = ...) -> None: ...
+
 class DeregisterRequest(_message.Message):
     __slots__ = ("worker_id", "registration", "partition")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -492,10 +550,14 @@ class ReplicaJoin(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., model: _Optional[str] = ..., model_size: _Optional[int] = ..., layout_crc32: _Optional[int] = ..., address: _Optional[str] = ..., config: _Optional[str] = ...) -> None: ...
 
 class ReplicaApplied(_message.Message):
-    __slots__ = ("seq",)
+    __slots__ = ("seq", "term", "beat")
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    BEAT_FIELD_NUMBER: _ClassVar[int]
     seq: int
-    def __init__(self, seq: _Optional[int] = ...) -> None: ...
+    term: int
+    beat: int
+    def __init__(self, seq: _Optional[int] = ..., term: _Optional[int] = ..., beat: _Optional[int] = ...) -> None: ...
 
 class ReplicaUp(_message.Message):
     __slots__ = ("join", "applied")
@@ -506,14 +568,16 @@ class ReplicaUp(_message.Message):
     def __init__(self, join: _Optional[_Union[ReplicaJoin, _Mapping]] = ..., applied: _Optional[_Union[ReplicaApplied, _Mapping]] = ...) -> None: ...
 
 class ReplicaState(_message.Message):
-    __slots__ = ("seq", "nbytes", "adler32")
+    __slots__ = ("seq", "nbytes", "adler32", "term")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     ADLER32_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
     seq: int
     nbytes: int
     adler32: int
-    def __init__(self, seq: _Optional[int] = ..., nbytes: _Optional[int] = ..., adler32: _Optional[int] = ...) -> None: ...
+    term: int
+    def __init__(self, seq: _Optional[int] = ..., nbytes: _Optional[int] = ..., adler32: _Optional[int] = ..., term: _Optional[int] = ...) -> None: ...
 
 class ReplicaEntry(_message.Message):
     __slots__ = ("seq", "kind", "worker_id", "registration")
@@ -538,10 +602,14 @@ class ReplicaEntry(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[ReplicaEntry.Kind, str]] = ..., worker_id: _Optional[int] = ..., registration: _Optional[int] = ...) -> None: ...
 
 class ReplicaHeartbeat(_message.Message):
-    __slots__ = ("seq",)
+    __slots__ = ("seq", "term", "beat")
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    BEAT_FIELD_NUMBER: _ClassVar[int]
     seq: int
-    def __init__(self, seq: _Optional[int] = ...) -> None: ...
+    term: int
+    beat: int
+    def __init__(self, seq: _Optional[int] = ..., term: _Optional[int] = ..., beat: _Optional[int] = ...) -> None: ...
 
 class ReplicaDown(_message.Message):
     __slots__ = ("header", "chunk", "trailer", "entry", "state", "state_part", "heartbeat")
@@ -562,11 +630,13 @@ class ReplicaDown(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ..., entry: _Optional[_Union[ReplicaEntry, _Mapping]] = ..., state: _Optional[_Union[ReplicaState, _Mapping]] = ..., state_part: _Optional[_Union[Chunk, _Mapping]] = ..., heartbeat: _Optional[_Union[ReplicaHeartbeat, _Mapping]] = ...) -> None: ...
 
 class ReplicaStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("term",)
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    term: int
+    def __init__(self, term: _Optional[int] = ...) -> None: ...
 
 class ReplicaStatusReply(_message.Message):
-    __slots__ = ("role", "primary", "backup", "seq", "acked", "version", "shard", "failovers")
+    __slots__ = ("role", "primary", "backup", "seq", "acked", "version", "shard", "failovers", "term")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_FIELD_NUMBER: _ClassVar[int]
     BACKUP_FIELD_NUMBER: _ClassVar[int]
@@ -575,6 +645,7 @@ class ReplicaStatusReply(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     FAILOVERS_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
     role: str
     primary: str
     backup: str
@@ -583,4 +654,5 @@ class ReplicaStatusReply(_message.Message):
     version: int
     shard: int
     failovers: int
-    def __init__(self, role: _Optional[str] = ..., primary: _Optional[str] = ..., backup: _Optional[str] = ..., seq: _Optional[int] = ..., acked: _Optional[int] = ..., version: _Optional[int] = ..., shard: _Optional[int] = ..., failovers: _Optional[int] = ...) -> None: ...
+    term: int
+    def __init__(self, role: _Optional[str] = ..., primary: _Optional[str] = ..., backup: _Optional[str] = ..., seq: _Optional[int] = ..., acked: _Optional[int] = ..., version: _Optional[int] = ..., shard: _Optional[int] = ..., failovers: _Optional[int] = ..., term: _Optional[int] = ...) -> None: ...

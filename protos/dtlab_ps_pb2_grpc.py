@@ -34,6 +34,11 @@ class ParameterServerStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Describe = channel.unary_unary(
+                '/dtlab.ps.v1.ParameterServer/Describe',
+                request_serializer=dtlab_dot_protos_dot_dtlab__ps__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=dtlab_dot_protos_dot_dtlab__ps__pb2.DescribeReply.FromString,
+                _registered_method=True)
         self.Register = channel.unary_unary(
                 '/dtlab.ps.v1.ParameterServer/Register',
                 request_serializer=dtlab_dot_protos_dot_dtlab__ps__pb2.RegisterRequest.SerializeToString,
@@ -73,6 +78,18 @@ class ParameterServerStub:
 
 class ParameterServerServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Describe(self, request, context):
+        """What a client must know to register, asked before it does (no worker id,
+        no registration; answered by every replica of a shard, a backup too; the
+        bearer token is needed as for every method but the health service): the
+        model, its size and parameter layout, the layout CRC and the exact text it
+        is computed from, the dtype, the consistency model, the optimizer, this
+        shard's slice and the RegisterRequest fields this server requires.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Register(self, request, context):
         """Join the training run, under a given worker id or (none given, shard 0
@@ -145,6 +162,11 @@ class ParameterServerServicer:
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=dtlab_dot_protos_dot_dtlab__ps__pb2.DescribeRequest.FromString,
+                    response_serializer=dtlab_dot_protos_dot_dtlab__ps__pb2.DescribeReply.SerializeToString,
+            ),
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
                     request_deserializer=dtlab_dot_protos_dot_dtlab__ps__pb2.RegisterRequest.FromString,
@@ -190,6 +212,33 @@ def add_ParameterServerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class ParameterServer:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dtlab.ps.v1.ParameterServer/Describe',
+            dtlab_dot_protos_dot_dtlab__ps__pb2.DescribeRequest.SerializeToString,
+            dtlab_dot_protos_dot_dtlab__ps__pb2.DescribeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Register(request,
@@ -388,11 +437,16 @@ class ReplicationStub:
     primary answers with a snapshot of the shard (state, then state_parts),
     then every change it makes (Register, Deregister, an accepted push), in
     the order it made them, each as an entry (a push's entry followed by its
-    header, chunks and trailer, as on Push), and a heartbeat when idle. The
-    backup applies each change to its own store in that order and answers
-    applied. The primary answers a worker only once the backup has applied
-    every change made so far. A primary refuses a second backup, and a backup
-    refuses joins (FAILED_PRECONDITION).
+    header, chunks and trailer, as on Push), and a heartbeat every quarter of
+    --replica-timeout-s. The backup applies each change to its own store in
+    that order and answers applied (and each heartbeat). The primary answers a
+    worker only once the backup has applied every change made so far, and
+    only within its lease (ReplicaHeartbeat.beat). Every takeover, and every
+    primary that goes on without its backup, starts a new term; a backup takes
+    its primary's term at its join (ReplicaState.term), and a primary drops its
+    backup only once the backup answered that it never takes over (a
+    ReplicaStatusRequest carrying the primary's term). A primary refuses a
+    second backup, and a backup refuses joins (FAILED_PRECONDITION).
     """
 
     def __init__(self, channel):
@@ -420,11 +474,16 @@ class ReplicationServicer:
     primary answers with a snapshot of the shard (state, then state_parts),
     then every change it makes (Register, Deregister, an accepted push), in
     the order it made them, each as an entry (a push's entry followed by its
-    header, chunks and trailer, as on Push), and a heartbeat when idle. The
-    backup applies each change to its own store in that order and answers
-    applied. The primary answers a worker only once the backup has applied
-    every change made so far. A primary refuses a second backup, and a backup
-    refuses joins (FAILED_PRECONDITION).
+    header, chunks and trailer, as on Push), and a heartbeat every quarter of
+    --replica-timeout-s. The backup applies each change to its own store in
+    that order and answers applied (and each heartbeat). The primary answers a
+    worker only once the backup has applied every change made so far, and
+    only within its lease (ReplicaHeartbeat.beat). Every takeover, and every
+    primary that goes on without its backup, starts a new term; a backup takes
+    its primary's term at its join (ReplicaState.term), and a primary drops its
+    backup only once the backup answered that it never takes over (a
+    ReplicaStatusRequest carrying the primary's term). A primary refuses a
+    second backup, and a backup refuses joins (FAILED_PRECONDITION).
     """
 
     def Replicate(self, request_iterator, context):
@@ -468,11 +527,16 @@ class Replication:
     primary answers with a snapshot of the shard (state, then state_parts),
     then every change it makes (Register, Deregister, an accepted push), in
     the order it made them, each as an entry (a push's entry followed by its
-    header, chunks and trailer, as on Push), and a heartbeat when idle. The
-    backup applies each change to its own store in that order and answers
-    applied. The primary answers a worker only once the backup has applied
-    every change made so far. A primary refuses a second backup, and a backup
-    refuses joins (FAILED_PRECONDITION).
+    header, chunks and trailer, as on Push), and a heartbeat every quarter of
+    --replica-timeout-s. The backup applies each change to its own store in
+    that order and answers applied (and each heartbeat). The primary answers a
+    worker only once the backup has applied every change made so far, and
+    only within its lease (ReplicaHeartbeat.beat). Every takeover, and every
+    primary that goes on without its backup, starts a new term; a backup takes
+    its primary's term at its join (ReplicaState.term), and a primary drops its
+    backup only once the backup answered that it never takes over (a
+    ReplicaStatusRequest carrying the primary's term). A primary refuses a
+    second backup, and a backup refuses joins (FAILED_PRECONDITION).
     """
 
     @staticmethod

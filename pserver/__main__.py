@@ -13,8 +13,10 @@ seed and dtype (the workers' initial weights) and, unless --schedule-steps
 is given, the span of the lr schedule: --steps updates under BSP (one per
 round), --steps x --num-workers otherwise (one per push). Register refuses a
 worker whose model or parameter layout differs. The server's own flags are
-pserver.config.ServerConfig; see `python -m dtlab.pserver serve --help`. SIGTERM or
-SIGINT shuts down cleanly (pserver.daemon.Daemon.shutdown) and exits 0. Log
+pserver.common.config.ServerConfig; see `python -m dtlab.pserver serve --help`. SIGTERM or
+SIGINT shuts down cleanly (pserver.server.daemon.Daemon.shutdown) and exits 0.
+`--apply-log 'runs/apply.s{shard}.jsonl'` records every update the shard applies,
+for `python -m dtlab.pserver.replay` (pserver.server.applylog). Log
 lines name the shard ("shard 1: ..."); a port already in use is one error
 line (the daemon tries the bind itself before gRPC does).
 """
@@ -34,8 +36,8 @@ from dtlab.models.run.checkpoint import CheckpointError
 from dtlab.models.run.cli import command_name, run_cli
 from dtlab.models.run.session import Setup, parse
 from dtlab.models.run.threads import share_cores
-from dtlab.pserver.config import ServerConfig
-from dtlab.pserver.daemon import Daemon, build_store, config_record
+from dtlab.pserver.common.config import ServerConfig
+from dtlab.pserver.server.daemon import Daemon, build_store, config_record
 
 # The workers clip their own gradients: --clip has no effect on a server.
 SERVER_OPTIM_FLAGS = tuple(f.name for f in dataclasses.fields(OptimConfig) if f.name != "clip")

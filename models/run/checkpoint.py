@@ -9,6 +9,16 @@
 The directory is written under a temporary name (.step-NNNNNNNN.*), synced,
 and renamed into place, so a crash while saving never leaves a half
 checkpoint under a real name, and the previous checkpoints are untouched.
+A save of a step that already has a checkpoint (the same version saved
+again) moves the old directory aside (.replaced-step-NNNNNNNN.*/old), renames
+the new one in, then removes the old one: a process killed between the two
+renames leaves no step-NNNNNNNN but a whole copy aside. `recover` puts that
+copy back and removes what killed saves left (their temporary directories,
+the replaced or pruned copies they had not removed yet), saying so in the
+log; `latest_valid` and `save` run it first, so every process starting in a
+directory (a trainer's or a daemon's resume, or its first save) finds a
+whole checkpoint for every step it had, and no leftovers. It assumes no other
+process is saving in the directory at the time (one writer per directory).
 Every file's size and SHA-256 are recorded in the manifest and verified on
 load; `problem()` says what is wrong with a directory, naming the file:
 
@@ -18,9 +28,10 @@ load; `problem()` says what is wrong with a directory, naming the file:
     params.npy: checksum mismatch, the file is corrupt
 
 `latest_valid` verifies the step directories newest first and returns the
-first sound one together with every one it skipped and why (an unfinished
-save, a truncated or corrupt file, a foreign directory), so a resume never
-starts from a damaged state and never silently drops the newest good one.
+first sound one together with every one it skipped and why (a truncated or
+corrupt file, a foreign directory, an unfinished save it could not remove),
+so a resume never starts from a damaged state and never silently drops the
+newest good one.
 `save(..., keep=K)` keeps the K newest checkpoints that verify (the one just
 written among them) and removes older ones; a directory that is not a dtlab
 checkpoint is never removed or replaced.
@@ -28,8 +39,10 @@ checkpoint is never removed or replaced.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -43,6 +56,10 @@ FORMAT = "dtlab-checkpoint/1"
 MANIFEST = "meta.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _UNFINISHED = re.compile(r"^\.step-(\d{8})\.")  # save()'s temporary directory
+_REPLACED = re.compile(r"^\.replaced-step-(\d{8})\.")  # _replace's copy moved aside
+_PRUNED = re.compile(r"^\.pruned-step-(\d{8})\.")  # _prune's copy on its way out
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
@@ -78,6 +95,7 @@ def save(root: str, step: int, arrays: dict, meta: dict, keep: int | None = None
         raise ValueError(f"checkpoint keep must be at least 1 (got {keep}): the checkpoint "
                          f"just written is always kept")
     os.makedirs(root, exist_ok=True)
+    recover(root)
     final = os.path.join(root, step_dir(step))
     if os.path.lexists(final):
         _, why = _manifest(final)
@@ -108,8 +126,10 @@ def save(root: str, step: int, arrays: dict, meta: dict, keep: int | None = None
 
 
 def _replace(root: str, tmp: str, final: str) -> None:
-    """Rename `tmp` to `final`; an existing `final` is moved aside first and removed
-    after, so that the name always holds a whole checkpoint or none."""
+    """Rename `tmp` to `final`; an existing `final` is moved aside first (into
+    .replaced-<name>.*/old) and removed after, so that the name holds a whole checkpoint
+    or none, and where it holds none (killed between the renames) `recover` finds the
+    whole copy aside."""
     aside = None
     if os.path.lexists(final):
         aside = tempfile.mkdtemp(prefix=f".replaced-{os.path.basename(final)}.", dir=root)
@@ -133,6 +153,63 @@ def _prune(root: str, step: int, keep: int) -> None:
             gone = tempfile.mkdtemp(prefix=f".pruned-{step_dir(older)}.", dir=root)
             os.rename(path, os.path.join(gone, "old"))  # the name goes at once
             shutil.rmtree(gone)
+
+
+def recover(root: str) -> list[str]:
+    """Undo or finish what saves killed in `root` left, and say so (logged, and returned
+    one line each): a checkpoint moved aside by a save of the same step killed before
+    renaming the new one in is put back under its name; the copy a finished replace or
+    prune had not removed yet, and the temporary directory of an unfinished save, are
+    removed. For a process starting in `root`: a save in progress there would lose its
+    temporary directory. Safe to run from several processes at once (the ranks of one
+    trainer): each step is done by one of them."""
+    if not os.path.isdir(root):
+        return []
+    done = []
+    names = sorted(os.listdir(root))
+    for name in filter(_REPLACED.match, names):
+        aside, final = os.path.join(root, name), os.path.join(root, step_dir(
+            int(_REPLACED.match(name).group(1))))
+        if not os.path.lexists(final):
+            if _moved_back(os.path.join(aside, "old"), final):
+                _sync_dir(root)
+                _removed(aside)
+                done.append(f"{final}: put back from {aside} (a save of the same step was "
+                            f"killed between moving it aside and renaming the new one in)")
+            continue  # else another process put it back, and removes `aside`
+        if _removed(aside):
+            done.append(f"{aside}: removed (what a save of the same step, killed before it "
+                        f"finished, had moved aside)")
+    for name in names:
+        path = os.path.join(root, name)
+        if _UNFINISHED.match(name) and _removed(path):
+            done.append(f"{path}: removed (an unfinished save: the writer stopped before "
+                        f"renaming it into place)")
+        elif _PRUNED.match(name) and _removed(path):
+            done.append(f"{path}: removed (an older checkpoint --keep was removing)")
+    for line in done:
+        log.warning("checkpoint recovery: %s", line)
+    return done
+
+
+def _moved_back(old: str, final: str) -> bool:
+    """Rename `old` to `final`; False if another process got there first."""
+    try:
+        os.rename(old, final)
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST):
+            return False
+        raise
+    return True
+
+
+def _removed(path: str) -> bool:
+    """Remove the directory `path`; whether this call removed it (False: gone already,
+    removed by another process, or it could not be removed)."""
+    if not os.path.lexists(path):
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return not os.path.lexists(path)
 
 
 def step_dir(step: int) -> str:
@@ -160,9 +237,11 @@ def latest(root: str) -> str | None:
 def latest_valid(root: str, at_most: int | None = None) -> tuple[str | None, list]:
     """(path, skipped): the newest checkpoint under root (of a step <= at_most) that
     verifies, or None; skipped: (path, reason) for each newer entry passed over,
-    newest first: unfinished saves, damaged or foreign step directories."""
+    newest first: damaged or foreign step directories, unfinished saves that could not
+    be removed. Recovers root first (`recover`): call it where a process starts."""
     if not os.path.isdir(root):
         return None, []
+    recover(root)
     entries = []  # (step, is a step directory, path)
     for name in os.listdir(root):
         done, unfinished = _STEP_DIR.match(name), _UNFINISHED.match(name)

@@ -160,6 +160,7 @@ class Trainer:
                 if run.eval_every and ((step + 1) % run.eval_every == 0 or step + 1 == run.steps):
                     t = time.perf_counter()
                     record["eval_loss"] = self.s.replica.evaluate(self.s.heldout)
+                    record["eval_s"] = time.perf_counter() - t  # not training time
                     self.trace.span("eval", t, time.perf_counter())
                 record["elapsed_s"] = time.perf_counter() - start
                 self.losses.append(record["loss"])

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dtlab.lab.compare import cluster
 from dtlab.models.run.metrics import read_metrics
 
 pytestmark = pytest.mark.usefixtures("mpiexec")
@@ -37,9 +38,15 @@ STATS_KEYS = {"steps", "time_s", "s_per_step", "steps_to_target", "time_to_targe
               "final_eval_loss", "eval_steps_to_target"}
 
 
+ONCE = ["--tune", "none", "--seeds", "1"]  # each method once, as configured: no study
+
+
 def compare(*args: str, env: dict | None = None, timeout: float = 120):
-    return subprocess.run([sys.executable, "-m", "dtlab.lab.compare", *args], cwd=ROOT, text=True,
-                          capture_output=True, timeout=timeout, env={**os.environ, **(env or {})})
+    """dtlab-compare; without --tune or --seeds each method runs once, into OUT itself."""
+    once = [] if {"--tune", "--seeds"} & set(args) else ONCE
+    return subprocess.run([sys.executable, "-m", "dtlab.lab.compare", *once, *args], cwd=ROOT,
+                          text=True, capture_output=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
 
 
 def left_behind(path: Path) -> list[str]:
@@ -138,8 +145,9 @@ def test_a_failed_run_is_reported_with_its_log_and_the_others_go_on(tmp_path):
 
 def test_ctrl_c_stops_every_process_it_started(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "dtlab.lab.compare", *TINY, "--steps", "1000000",
-                             "--runs", "async-asp", "--shards", "2", "--out", str(out)],
+    proc = subprocess.Popen([sys.executable, "-m", "dtlab.lab.compare", *ONCE, *TINY,
+                             "--steps", "1000000", "--runs", "async-asp", "--shards", "2",
+                             "--out", str(out)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -330,7 +338,7 @@ EMULATED = ["--model", "mlp", "--d-in", "16", "--d-hidden", "1024", "--n-layers"
             "--runs", "sync-ring,async-bsp", "--hosts", "2"]
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root")
+@pytest.mark.skipif(bool(cluster.check()), reason=cluster.check() or "-")
 def test_an_emulated_cluster_runs_both_topologies_over_its_shaped_links(tmp_path):
     """At a tenth of the link rate the all-reduce time grows by what the rate predicts for
     the bytes it moves; the bytes crossed the shaped links; nothing is left behind."""
@@ -371,7 +379,7 @@ def test_an_emulated_cluster_runs_both_topologies_over_its_shaped_links(tmp_path
     assert not left_behind(tmp_path)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root")
+@pytest.mark.skipif(bool(cluster.check()), reason=cluster.check() or "-")
 def test_emulated_hosts_refuse_a_congestion_control_the_kernel_does_not_allow(tmp_path):
     r = compare(*TINY, "--hosts", "2", "--tcp-cc", "no-such-cc", "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "--tcp-cc no-such-cc: not allowed on this machine" in r.stderr

@@ -39,6 +39,7 @@ from dtlab.lab.simulate.step import (
     ps_step_together,
     sync_step,
 )
+from dtlab.lab.compare import cluster
 from dtlab.models.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -358,7 +359,7 @@ EMULATED_MLP = ["--model", "mlp", "--d-in", "16", "--d-hidden", "1024", "--n-lay
 
 
 @pytest.mark.usefixtures("mpiexec")
-@pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root")
+@pytest.mark.skipif(bool(cluster.check()), reason=cluster.check() or "-")
 def test_emulated_validation_at_two_link_rates(tmp_path):
     """compare.py across 2 emulated hosts at 1 and 0.1 Gbit/s, predicted with their links:
     one row per run and rate, the link's time in the 0.1 Gbit/s prediction."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.pserver_util import ROOT, TINY_MLP_FLAGS, DaemonProcess, connect, initial_params
 
 from dtlab.protos import dtlab_ps_pb2 as pb
-from dtlab.pserver import wire
+from dtlab.pserver.common import codec as wire
 
 INIT = initial_params()
 N = INIT.size
@@ -69,11 +70,12 @@ def scrape(port: int) -> tuple[dict, dict]:
     return samples, {f.name: f.type for f in families}
 
 
-def slow_push(address: str, step: int, version: int, sent: threading.Event, out: list,
-              pause_after: int = 2, resume: threading.Event | None = None):
-    """A push that pauses after its first `pause_after` messages (0: before its header) until
-    `resume` is set (None: for 0.5 s), `sent` set at the pause; (code, reply) lands in `out`."""
-    h = pb.PushHeader(worker_id=0, step=step, shard=0,
+def slow_push(address: str, registration: int, step: int, version: int, sent: threading.Event,
+              out: list, pause_after: int = 2, resume: threading.Event | None = None):
+    """A push of worker 0 (`registration`) that pauses after its first `pause_after` messages
+    (0: before its header) until `resume` is set (None: for 0.5 s), `sent` set at the pause;
+    (code, reply) lands in `out`."""
+    h = pb.PushHeader(worker_id=0, step=step, shard=0, registration=registration,
                       meta=pb.TensorMeta(dtype=pb.FLOAT32, shape=[N], offset=0, version=version))
     msgs = list(wire.stream(h, np.ones(N, np.float32), chunk_bytes=64))
 
@@ -129,8 +131,8 @@ def test_metrics_reflection_and_sigterm_with_checkpoint(tmp_path: Path):
                 health_pb2.HealthCheckRequest(service=wire.SERVICE), timeout=60)
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
             sent_first, result = threading.Event(), []
-            pusher = threading.Thread(target=slow_push,
-                                      args=(d.address, 1, client.versions[0], sent_first, result))
+            pusher = threading.Thread(target=slow_push, args=(
+                d.address, client.registration, 1, client.versions[0], sent_first, result))
             pusher.start()
             assert sent_first.wait(30)
             d.proc.send_signal(15)  # SIGTERM while the push is in flight
@@ -149,14 +151,14 @@ def test_metrics_reflection_and_sigterm_with_checkpoint(tmp_path: Path):
 
 
 def test_sigterm_lets_a_push_finish_whose_header_has_not_arrived(tmp_path: Path):
-    """The call is counted from its acceptance (pserver.inflight), not from its first message:
-    a shutdown that starts between the two waits for it."""
+    """The call is counted from its acceptance (pserver.server.inflight), not from its first
+    message: a shutdown that starts between the two waits for it."""
     with DaemonProcess(tmp_path, serve_args("--metrics-port", "0")) as d:
         client = connect(d.address)
         client.pull(np.empty(N, np.float32))
         called, resume, result = threading.Event(), threading.Event(), []
-        pusher = threading.Thread(target=slow_push, args=(d.address, 0, client.versions[0],
-                                                          called, result, 0, resume))
+        pusher = threading.Thread(target=slow_push, args=(
+            d.address, client.registration, 0, client.versions[0], called, result, 0, resume))
         pusher.start()
         try:
             assert called.wait(30)
@@ -225,3 +227,118 @@ def test_resume_and_corrupt_checkpoint(tmp_path: Path):
         assert "params.npy" in d.output() and "corrupt" in d.output()
     finally:
         d.close()
+
+
+FREEZE = '''"""tests/pserver/test_pserver_daemon.py: this process stops itself (SIGSTOP) right
+before its {nth}th {event} of a path matching {pattern!r} (an audit hook). The signal goes
+to the calling thread, so it stops there before the call runs."""
+import re, signal, sys, threading
+_seen = [0]
+def _freeze(name, args):
+    if name == {event!r} and args and re.search({pattern!r}, str(args[0])):
+        _seen[0] += 1
+        if _seen[0] == {nth}:
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+sys.addaudithook(_freeze)
+'''
+
+
+def frozen_at(tmp: Path, event: str, pattern: str, nth: int) -> dict:
+    """The environment of a process that stops itself before the nth `event` on a path
+    matching `pattern` (a sitecustomize on its PYTHONPATH)."""
+    hook = tmp / "freeze"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FREEZE.format(event=event, pattern=pattern, nth=nth))
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(hook),
+                                                        os.environ.get("PYTHONPATH")]))}
+
+
+def wait_stopped(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid, status = os.waitpid(proc.pid, os.WNOHANG | os.WUNTRACED)
+        if pid:
+            assert os.WIFSTOPPED(status), f"the daemon ended ({status:#x}) before the point"
+            return
+        time.sleep(0.01)
+    raise TimeoutError("the daemon never reached the point")
+
+
+def save_failing(shard) -> None:
+    """SaveCheckpoint on a daemon that is killed before it answers."""
+    with pytest.raises(grpc.RpcError):
+        shard.save_checkpoint()
+
+
+def push_steps(client, steps) -> None:
+    for step in steps:
+        client.pull(np.empty(N, np.float32))
+        client.push(np.full(N, step + 1, np.float32), step)
+
+
+def test_a_daemon_killed_between_the_renames_of_a_resave_resumes_that_version(tmp_path: Path):
+    """SaveCheckpoint twice at one version with --keep 1: the second save moves the first
+    aside, then renames itself in. Killed between the two (kill -9 of the frozen daemon),
+    no step-* is left; the resumed daemon puts the moved-aside copy back and serves it."""
+    ckpt, step3 = tmp_path / "ckpt", r"/\.step-00000003\.[^/]+$"
+    args = serve_args("--checkpoint-dir", str(ckpt), "--keep", "1")
+    d = DaemonProcess(tmp_path, args, env=frozen_at(tmp_path, "os.rename", step3, 2))
+    try:
+        client = connect(d.address)
+        push_steps(client, range(3))
+        client.shards[0].save_checkpoint()
+        again = threading.Thread(target=save_failing, args=(client.shards[0],))
+        again.start()
+        wait_stopped(d.proc)
+        names = sorted(p.name.split(".")[1] for p in (ckpt / "shard-0-of-1").iterdir())
+        assert names == ["replaced-step-00000003", "step-00000003"]  # and no step-*
+        d.proc.kill()
+        again.join(timeout=60)
+        client.close()
+    finally:
+        d.close()
+    with DaemonProcess(tmp_path, [*args, "--resume"]) as d:
+        client = connect(d.address)
+        try:
+            params = np.empty(N, np.float32)
+            client.pull(params)
+            assert client.versions == [3]
+            np.testing.assert_array_equal(params, INIT.data - np.float32(1) - np.float32(2)
+                                          - np.float32(3))
+        finally:
+            client.close()
+        assert "step-00000003: put back from" in d.output()
+        assert sorted(p.name for p in (ckpt / "shard-0-of-1").iterdir()) == ["step-00000003"]
+
+
+def test_resume_passes_a_damaged_newest_and_removes_an_unfinished_save(tmp_path: Path):
+    """As the trainers do: the newest checkpoint that verifies, the damaged one named in the
+    log; the temporary directory a killed save left is removed, and said."""
+    ckpt = tmp_path / "ckpt"
+    shard = ckpt / "shard-0-of-1"
+    with DaemonProcess(tmp_path, serve_args("--checkpoint-dir", str(ckpt))) as d:
+        client = connect(d.address)
+        push_steps(client, range(2))
+        client.shards[0].save_checkpoint()
+        push_steps(client, [2])
+        newest = Path(client.shards[0].save_checkpoint().path)
+        client.close()
+        d.proc.kill()  # kill -9: no shutdown save
+    with open(newest / "params.npy", "r+b") as f:
+        f.truncate(100)
+    unfinished = shard / ".step-00000004.k9x"
+    unfinished.mkdir()
+    (unfinished / "params.npy").write_bytes(b"\x93NUMPY")
+    with DaemonProcess(tmp_path, serve_args("--checkpoint-dir", str(ckpt), "--resume")) as d:
+        client = connect(d.address)
+        try:
+            params = np.empty(N, np.float32)
+            client.pull(params)
+            assert client.versions == [2]
+            np.testing.assert_array_equal(params, INIT.data - np.float32(1) - np.float32(2))
+        finally:
+            client.close()
+        out = d.output()
+    assert f"--resume: skipped {newest} (params.npy: truncated (100 of" in out, out
+    assert f"{unfinished}: removed (an unfinished save" in out, out
+    assert not unfinished.exists()

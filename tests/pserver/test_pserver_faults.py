@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.pserver_util import ROOT, addresses, connect, initial_params, serve
 
 from dtlab.protos import dtlab_ps_pb2 as pb
-from dtlab.pserver import wire
+from dtlab.pserver.common import codec as wire
 
 C = grpc.StatusCode
 INIT = initial_params()
@@ -143,7 +143,7 @@ def test_retried_push_is_applied_once(shard, path):
 
 HALF_PUSH = """
 import sys, time, grpc, numpy as np
-from dtlab.pserver import wire
+from dtlab.pserver.common import codec as wire
 from dtlab.protos import dtlab_ps_pb2 as pb
 n = int(sys.argv[2])
 h = pb.PushHeader(worker_id=0, step=0, shard=0,

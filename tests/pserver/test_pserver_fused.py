@@ -20,8 +20,8 @@ from support.pserver_util import addresses, connect, initial_params, serve
 
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.protos import dtlab_ps_pb2_grpc as pb_grpc
-from dtlab.pserver import wire
-from dtlab.pserver.client import ShardClient
+from dtlab.pserver.common import codec as wire
+from dtlab.pserver.worker.shard_client import ShardClient
 
 INIT = initial_params()
 N = INIT.size

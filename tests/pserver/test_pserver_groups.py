@@ -1,4 +1,4 @@
-"""Model-parallel replicas as parameter-server workers (pserver.partitions, group_worker).
+"""Model-parallel replicas as parameter-server workers (pserver.server.partitions, group_worker).
 
 Real shard servers on loopback ports, real `mpiexec` worker groups: a group
 of pp=2 ranks and one of tp=2 x pp=2 ranks as one BSP worker land on the
@@ -34,10 +34,10 @@ from dtlab.models.run.launcher import mpiexec_path
 from dtlab.models.run.metrics import read_metrics
 from dtlab.models.zoo import build_model, config_class
 from dtlab.protos import dtlab_ps_pb2 as pb
-from dtlab.pserver import wire
-from dtlab.pserver.client import PSClient
-from dtlab.pserver.config import ClientConfig
-from dtlab.pserver.partitions import specs_json
+from dtlab.pserver.common import codec as wire
+from dtlab.pserver.common.config import ClientConfig
+from dtlab.pserver.common.partition_specs import specs_json
+from dtlab.pserver.worker.client import PSClient
 
 pytestmark = pytest.mark.usefixtures("mpiexec")
 

@@ -12,10 +12,10 @@ from support.pserver_util import addresses, initial_params, run_workers, serve
 from dtlab.models.config import build
 from dtlab.models.precision import PRECISIONS, UNIT_ROUNDOFF
 from dtlab.models.run.metrics import read_metrics
-from dtlab.pserver import wire as wire_format
-from dtlab.pserver.client import PSClient
-from dtlab.pserver.config import ClientConfig
-from dtlab.pserver.session import StatusError
+from dtlab.pserver.common import codec as wire_format
+from dtlab.pserver.common.config import ClientConfig
+from dtlab.pserver.worker.client import PSClient
+from dtlab.pserver.worker.session import StatusError
 
 MLP = {"d_in": 4, "d_hidden": 64, "n_layers": 1, "n_classes": 3}
 MLP_FLAGS = ["--model", "mlp", "--d-in", "4", "--d-hidden", "64", "--n-layers", "1",

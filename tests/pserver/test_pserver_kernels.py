@@ -1,4 +1,4 @@
-"""The C kernels of pserver.wire against zlib and NumPy, on both their paths (AVX2 and
+"""The C kernels of pserver.common.codec against zlib and NumPy, on both their paths (AVX2 and
 scalar), and the pure-Python fallback wire.py uses where they are not built."""
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ import pytest
 from support.pserver_util import ROOT
 
 from dtlab.protos import dtlab_ps_pb2 as pb
-from dtlab.pserver import wire
-from dtlab.pserver.errors import InvalidArgument
+from dtlab.pserver.common import buffers
+from dtlab.pserver.common import codec as wire
+from dtlab.pserver.common.errors import InvalidArgument
 
 LENGTHS = [0, 1, 5, 31, 32, 33, 63, 64, 100, 5551, 5552, 5553, 11104, 65536, (1 << 20) + 7]
 CHECK = '''
 import sys, zlib, numpy as np
-from dtlab.pserver import _kernels as k
+from dtlab.pserver.common import _kernels as k
 rng = np.random.default_rng(0)
 for n in {lengths}:
     for data in (rng.integers(0, 256, n, dtype=np.uint8).tobytes(), b"\\xff" * n):
@@ -48,7 +49,7 @@ print("ok")
 
 @pytest.mark.parametrize("path", ["simd", "scalar"])
 def test_kernels_match_zlib_and_numpy(path):
-    pytest.importorskip("dtlab.pserver._kernels")
+    pytest.importorskip("dtlab.pserver.common._kernels")
     env = dict(os.environ)
     if path == "scalar":
         env["DTLAB_KERNELS_SCALAR"] = "1"
@@ -58,7 +59,7 @@ def test_kernels_match_zlib_and_numpy(path):
 
 
 def test_kernels_refuse_bad_arguments():
-    k = pytest.importorskip("dtlab.pserver._kernels")
+    k = pytest.importorskip("dtlab.pserver.common._kernels")
     with pytest.raises(ValueError, match="itemsize 3"):
         k.check_chunk(b"\x00" * 6, 3, 1)
     with pytest.raises(ValueError, match="whole number"):
@@ -72,27 +73,27 @@ def test_kernels_refuse_bad_arguments():
 @pytest.mark.parametrize("kernels", [True, False])
 def test_wire_gives_the_same_bytes_and_verdicts_with_and_without_kernels(kernels, monkeypatch):
     if kernels:
-        pytest.importorskip("dtlab.pserver._kernels")
+        pytest.importorskip("dtlab.pserver.common._kernels")
     else:
         monkeypatch.setattr(wire, "_kernels", None)  # the fallback: ISA-L (or zlib) and NumPy
     values = np.random.default_rng(2).standard_normal(70000).astype(np.float32)
     msgs = list(wire.stream(pb.PushHeader(step=1), values, chunk_bytes=100000))
     trailer = wire.parse(pb.Trailer, wire.split(msgs[-1])[1])
     assert trailer.adler32 == zlib.adler32(values.tobytes()) and trailer.chunks == 3
-    got = wire.ChunkedArray(values.size, np.float32, finite=True, name="gradient")
+    got = buffers.ChunkedArray(values.size, np.float32, finite=True, name="gradient")
     for raw in msgs[1:-1]:
         got.add(*wire.parse_chunk(wire.split(raw)[1]))
     got.finish(trailer)
     np.testing.assert_array_equal(got[0 : values.size], values)
     pulled = np.zeros_like(values)
-    into = wire.ChunkedArray(values.size, np.float32, into=pulled)
+    into = buffers.ChunkedArray(values.size, np.float32, into=pulled)
     for raw in msgs[1:-1]:
         into.add(*wire.parse_chunk(wire.split(raw)[1]))
     into.finish(trailer)
     np.testing.assert_array_equal(pulled, values)
     values[40000] = np.nan
     msgs = list(wire.stream(pb.PushHeader(step=1), values, chunk_bytes=100000))
-    got = wire.ChunkedArray(values.size, np.float32, finite=True, name="gradient")
+    got = buffers.ChunkedArray(values.size, np.float32, finite=True, name="gradient")
     got.add(*wire.parse_chunk(wire.split(msgs[1])[1]))
     with pytest.raises(InvalidArgument, match="gradient element 40000 is nan"):
         got.add(*wire.parse_chunk(wire.split(msgs[2])[1]))

@@ -35,8 +35,8 @@ from test_pserver_store import g, join, store
 
 from dtlab.models.run.metrics import read_metrics
 from dtlab.protos import dtlab_ps_pb2 as pb
-from dtlab.pserver import wire
-from dtlab.pserver.leases import Leases
+from dtlab.pserver.common import codec as wire
+from dtlab.pserver.server.leases import Leases
 
 INIT = initial_params()
 N = INIT.size

@@ -40,9 +40,9 @@ from dtlab.models.config import ConfigError, build
 from dtlab.models.run import checkpoint as run_checkpoint
 from dtlab.models.run.metrics import read_metrics
 from dtlab.protos import dtlab_ps_pb2 as pb
-from dtlab.pserver import wire
-from dtlab.pserver.config import ServerConfig
-from dtlab.pserver.errors import InvalidArgument
+from dtlab.pserver.common import codec as wire
+from dtlab.pserver.common.config import ServerConfig
+from dtlab.pserver.common.errors import InvalidArgument
 
 EVERY_S = 0.2
 

@@ -33,9 +33,10 @@ from dtlab.models.config import ConfigError, build
 from dtlab.models.run import checkpoint
 from dtlab.models.run.metrics import read_metrics
 from dtlab.protos import dtlab_ps_pb2 as pb
-from dtlab.pserver import replication, wire
-from dtlab.pserver.config import ClientConfig, ServerConfig
-from dtlab.pserver.replication import REPLICATION
+from dtlab.pserver.common import codec as wire
+from dtlab.pserver.common.config import ClientConfig, ServerConfig
+from dtlab.pserver.server.replication import journal as replication
+from dtlab.pserver.server.replication.journal import REPLICATION
 
 MODEL = {"d_in": 16, "d_hidden": 16, "n_layers": 1, "n_classes": 3}
 MODEL_FLAGS = ["--model", "mlp", "--d-in", "16", "--d-hidden", "16", "--n-layers", "1",
@@ -492,7 +493,7 @@ def test_tiny_replication_benchmark(tmp_path):
 
 @pytest.mark.parametrize("shm", [False, True], ids=["grpc", "shm"])
 def test_ranged_pushes_reach_the_backup_which_holds_them_after_a_kill(tmp_path, shm):
-    """MoE workers' ranged pushes (pserver.ranges) are journaled with their ranges: after
+    """MoE workers' ranged pushes (pserver.common.ranges) are journaled with their ranges: after
     kill -9 of the primary the backup holds exactly INIT minus the pushed ranges' values
     (SGD, lr 1), the elements outside every range untouched."""
     chain = Chain(tmp_path, 1, [])

@@ -1,4 +1,5 @@
-"""Bearer token (constant-time, health stays open) and TLS / mutual TLS, on real servers."""
+"""Bearer token (constant-time, health stays open), TLS / mutual TLS, and registrations (no
+client pulls or pushes as another worker), on real servers."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from support.pserver_util import OPENSSL, addresses, connect, initial_params, ma
 
 from dtlab.models.config import ConfigError
 from dtlab.protos import dtlab_ps_pb2 as pb
-from dtlab.pserver import auth, wire
+from dtlab.pserver.common import auth
+from dtlab.pserver.common import codec as wire
 
 INIT = initial_params()
 TOKEN = "s3cret-token"
@@ -21,7 +23,7 @@ def register_raw(address: str, metadata=()) -> grpc.StatusCode:
         call = ch.unary_unary(f"/{wire.SERVICE}/Register", pb.RegisterRequest.SerializeToString,
                               pb.RegisterReply.FromString)
         req = pb.RegisterRequest(worker_id=5, model="mlp", model_size=INIT.size,
-                                 layout_crc32=wire.layout_crc(INIT.specs))
+                                 layout_crc32=wire.layout_crc(INIT.specs), registration=0x5EC)
         try:
             call(req, timeout=20, metadata=metadata)
             return grpc.StatusCode.OK
@@ -98,3 +100,82 @@ def test_mutual_tls_requires_a_client_certificate(tmp_path):
                     connect_timeout_s=1.0)
         client = connect(address, tls_ca=str(cert), tls_cert=str(ccert), tls_key=str(ckey))
         client.close()
+
+
+ONES = np.ones(INIT.size, np.float32)
+
+
+def refusal(call) -> tuple[grpc.StatusCode, str]:
+    """(status, details) of a call that must fail."""
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code(), e.value.details()
+
+
+def as_worker_0(address: str, registration: int) -> list[tuple[grpc.StatusCode, str]]:
+    """Every call naming worker 0 with `registration`: a Push, a Pull, a Session's pull,
+    a Deregister; their (status, details)."""
+    meta = pb.TensorMeta(dtype=pb.FLOAT32, shape=[INIT.size], offset=0, version=0)
+    header = pb.PushHeader(worker_id=0, step=7, shard=0, meta=meta, registration=registration)
+    pull = pb.PullRequest(worker_id=0, shard=0, registration=registration)
+    with grpc.insecure_channel(address) as ch:
+        push = ch.stream_unary(f"/{wire.SERVICE}/Push", None, pb.PushReply.FromString)
+        pulling = ch.unary_stream(f"/{wire.SERVICE}/Pull", pb.PullRequest.SerializeToString)
+        session = ch.stream_stream(f"/{wire.SERVICE}/Session")
+        leave = ch.unary_unary(f"/{wire.SERVICE}/Deregister",
+                               pb.DeregisterRequest.SerializeToString)
+        return [
+            refusal(lambda: push(iter(wire.stream(header, ONES)), timeout=20)),
+            refusal(lambda: list(pulling(pull, timeout=20))),
+            refusal(lambda: list(session(iter([pb.SessionRequest(pull=pull).SerializeToString()]),
+                                         timeout=20))),
+            refusal(lambda: leave(pb.DeregisterRequest(worker_id=0, registration=registration),
+                                  timeout=20))]
+
+
+def test_no_client_pulls_or_pushes_as_a_registered_worker_without_its_registration():
+    """Worker 0 registered with its number: calls as worker 0 with 0 (which meant "unchecked"
+    before) or with another number are refused, naming why, and nothing is applied."""
+    with serve() as daemons:
+        address, store = addresses(daemons), daemons[0].store
+        client = connect(address)
+        try:
+            for code, details in as_worker_0(address, 0):
+                assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+                assert "worker 0: registration 0" in details
+            for code, details in as_worker_0(address, client.registration ^ 1):
+                assert code == grpc.StatusCode.FAILED_PRECONDITION, details
+                assert "registered by another process" in details
+            code, details = refusal(lambda: register(address, 0))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "registration 0" in details
+            assert store.version == 0 and store.stats().workers[0].active
+            assert store.stats().rejected["registration"] == 5
+            client.pull(np.empty(INIT.size, np.float32))  # the worker itself goes on
+            assert client.push(ONES, 0)[0].version == 1
+        finally:
+            client.close()
+
+
+def test_unchecked_registration_is_the_contract_before_the_check():
+    with serve(unchecked_registration=True) as daemons:
+        address, store = addresses(daemons), daemons[0].store
+        client = connect(address)
+        try:
+            assert register(address, 0).worker_id == 1  # a client without a number
+            meta = pb.TensorMeta(dtype=pb.FLOAT32, shape=[INIT.size], offset=0, version=0)
+            header = pb.PushHeader(worker_id=0, step=0, shard=0, meta=meta)
+            with grpc.insecure_channel(address) as ch:  # as worker 0, with no registration
+                reply = ch.stream_unary(f"/{wire.SERVICE}/Push", None, pb.PushReply.FromString)(
+                    iter(wire.stream(header, ONES)), timeout=20)
+            assert reply.version == 1 and store.version == 1
+        finally:
+            client.close()
+
+
+def register(address: str, registration: int) -> pb.RegisterReply:
+    with grpc.insecure_channel(address) as ch:
+        return ch.unary_unary(f"/{wire.SERVICE}/Register", pb.RegisterRequest.SerializeToString,
+                              pb.RegisterReply.FromString)(
+            pb.RegisterRequest(model="mlp", model_size=INIT.size,
+                               layout_crc32=wire.layout_crc(INIT.specs),
+                               registration=registration), timeout=20)

@@ -28,7 +28,7 @@ from support.pserver_util import (
 
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.protos import dtlab_ps_pb2_grpc as pb_grpc
-from dtlab.pserver import shm
+from dtlab.pserver.common import shm
 
 INIT = initial_params()
 N = INIT.size

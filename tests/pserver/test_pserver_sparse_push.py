@@ -1,4 +1,4 @@
-"""Mixture-of-Experts workers push only the experts their tokens reached (pserver.ranges).
+"""Mixture-of-Experts workers push only the experts their tokens reached (pserver.common.ranges).
 
 Against real daemons on loopback ports: a push of ranges equals a dense push whose
 other ranges are zero (SGD, exactly, over every transport path); experts no push
@@ -24,13 +24,15 @@ from dtlab.models.params import FlatParams
 from dtlab.models.run.metrics import read_metrics
 from dtlab.models.zoo import build_model, config_class
 from dtlab.protos import dtlab_ps_pb2 as pb
-from dtlab.pserver import checkpoint, metrics, ranges, wire
-from dtlab.pserver.blocked import BlockedOptimizer
-from dtlab.pserver.client import PSClient
-from dtlab.pserver.config import ClientConfig
-from dtlab.pserver.consistency import Consistency
-from dtlab.pserver.errors import InvalidArgument
-from dtlab.pserver.store import ShardLayout, ShardStore
+from dtlab.pserver.common import codec as wire
+from dtlab.pserver.common import ranges
+from dtlab.pserver.common.config import ClientConfig
+from dtlab.pserver.common.errors import InvalidArgument
+from dtlab.pserver.server import checkpoint, metrics
+from dtlab.pserver.server.blocked import BlockedOptimizer
+from dtlab.pserver.server.consistency import Consistency
+from dtlab.pserver.server.store import ShardLayout, ShardStore
+from dtlab.pserver.worker.client import PSClient
 
 MOE = {"vocab": 8, "seq_len": 8, "d_model": 8, "n_heads": 2, "n_layers": 2, "d_ff": 16,
        "moe_experts": 4, "moe_top_k": 1}

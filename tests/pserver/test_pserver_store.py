@@ -11,12 +11,19 @@ from dtlab.models.config import ConfigError, build
 from dtlab.models.optim import OptimConfig, Schedule, make_optimizer
 from dtlab.models.run.launcher import RANK_VARS, SIZE_VARS
 from dtlab.protos import dtlab_ps_pb2 as pb
-from dtlab.pserver import checkpoint, wire
-from dtlab.pserver.blocked import BlockedOptimizer
-from dtlab.pserver.consistency import Consistency
-from dtlab.pserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
-from dtlab.pserver.store import ShardLayout, ShardStore
-from dtlab.pserver.worker import WorkerConfig
+from dtlab.pserver.common import buffers
+from dtlab.pserver.common import codec as wire
+from dtlab.pserver.common.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+)
+from dtlab.pserver.server import checkpoint
+from dtlab.pserver.server.blocked import BlockedOptimizer
+from dtlab.pserver.server.consistency import Consistency
+from dtlab.pserver.server.store import ShardLayout, ShardStore
+from dtlab.pserver.worker.loop import WorkerConfig
 
 N = 10
 
@@ -40,10 +47,10 @@ def g(value: float) -> np.ndarray:
     return np.full(N, value, np.float32)
 
 
-def chunked(values: np.ndarray, chunk_bytes: int) -> wire.ChunkedArray:
+def chunked(values: np.ndarray, chunk_bytes: int) -> buffers.ChunkedArray:
     """`values` as the server receives a push of it: views into the chunk messages."""
     msgs = list(wire.stream(pb.PushHeader(), values, chunk_bytes))
-    out = wire.ChunkedArray(values.size, values.dtype)
+    out = buffers.ChunkedArray(values.size, values.dtype)
     for raw in msgs[1:-1]:
         out.add(*wire.parse_chunk(wire.split(raw)[1]))
     out.finish(wire.parse(pb.Trailer, wire.split(msgs[-1])[1]))
@@ -334,7 +341,7 @@ def test_a_pull_overtaken_by_an_update_streams_its_own_version_whole(overtaken_a
     s.push(0, 1, 1, g(100))
     got += list(msgs)
     s.release(read)
-    out = wire.ChunkedArray(N, np.float32)
+    out = buffers.ChunkedArray(N, np.float32)
     for raw in got[1:-1]:
         out.add(*wire.parse_chunk(wire.split(raw)[1]))
     out.finish(wire.parse(pb.Trailer, wire.split(got[-1])[1]))

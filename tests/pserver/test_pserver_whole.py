@@ -14,7 +14,7 @@ from support.pserver_util import addresses, connect, initial_params, serve
 
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.protos import dtlab_ps_pb2_grpc as pb_grpc
-from dtlab.pserver import wire
+from dtlab.pserver.common import codec as wire
 
 INIT = initial_params()
 N = INIT.size

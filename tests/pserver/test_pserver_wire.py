@@ -14,8 +14,9 @@ from support.pserver_util import ROOT, connect, initial_params, serve
 
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.protos import dtlab_ps_pb2_grpc as pb_grpc
-from dtlab.pserver import wire
-from dtlab.pserver.errors import DataLoss, InvalidArgument
+from dtlab.pserver.common import buffers
+from dtlab.pserver.common import codec as wire
+from dtlab.pserver.common.errors import DataLoss, InvalidArgument
 
 GENERATED = ("dtlab_ps_pb2.py", "dtlab_ps_pb2_grpc.py", "dtlab_ps_pb2.pyi")
 
@@ -59,8 +60,8 @@ def test_chunk_data_starts_aligned_and_the_pad_is_ignored(start, nbytes):
     assert (got_start, bytes(got)) == (start, data)
 
 
-def received(msgs, n: int, **kw) -> wire.ChunkedArray:
-    got = wire.ChunkedArray(n, np.float32, **kw)
+def received(msgs, n: int, **kw) -> buffers.ChunkedArray:
+    got = buffers.ChunkedArray(n, np.float32, **kw)
     for raw in msgs:
         got.add(*wire.parse_chunk(wire.split(raw)[1]))
     return got
@@ -82,7 +83,7 @@ def test_stream_round_trip_checks_order_and_checksum():
     with pytest.raises(ValueError, match="copied its chunks"):
         received(msgs[1:-1], values.size, into=out)[0:5]
     with pytest.raises(ValueError, match="into: float64"):
-        wire.ChunkedArray(values.size, np.float32, into=out.astype(np.float64))
+        buffers.ChunkedArray(values.size, np.float32, into=out.astype(np.float64))
     flipped = list(msgs[1:-1])
     flipped[4] = flipped[4][:-1] + bytes([flipped[4][-1] ^ 1])
     with pytest.raises(DataLoss, match="adler32"):
@@ -95,19 +96,19 @@ def test_stream_round_trip_checks_order_and_checksum():
         received(list(wire.stream(pb.PushHeader(), nan, 400))[1:-1], values.size, finite=True,
                  name="gradient")
 
-    got = wire.ChunkedArray(values.size, np.float32)
+    got = buffers.ChunkedArray(values.size, np.float32)
     with pytest.raises(InvalidArgument, match="expected 0"):
         got.add(*wire.parse_chunk(wire.split(msgs[2])[1]))  # a gap
     with pytest.raises(InvalidArgument, match="whole number"):
         got.add(0, memoryview(b"\x00" * 6))
-    got = wire.ChunkedArray(3, np.float32)
+    got = buffers.ChunkedArray(3, np.float32)
     with pytest.raises(InvalidArgument, match="runs past"):
         got.add(0, memoryview(values[:4].tobytes()))
     got.add(0, memoryview(values[:3].tobytes()))
     with pytest.raises(DataLoss, match="adler32"):
         got.finish(pb.Trailer(adler32=trailer.adler32, chunks=1))
     with pytest.raises(DataLoss, match="ended at element 0"):
-        wire.ChunkedArray(3, np.float32).finish(pb.Trailer(chunks=0))
+        buffers.ChunkedArray(3, np.float32).finish(pb.Trailer(chunks=0))
 
 
 def test_big_chunks_are_used_in_place_and_small_ones_coalesced():
@@ -131,7 +132,7 @@ def test_big_chunks_are_used_in_place_and_small_ones_coalesced():
 
 def test_snapshot_streams_match_the_plain_stream():
     values = np.arange(300, dtype=np.float32)
-    snap = wire.Snapshot(values, chunk_bytes=256)
+    snap = buffers.Snapshot(values, chunk_bytes=256)
     want = list(wire.stream(pb.PullHeader(), values, 256))
     assert list(snap.stream(pb.PullHeader())) == want
     assert list(snap.stream(pb.PullHeader())) == want  # a second reader, checksums cached

@@ -33,7 +33,7 @@ from support.pserver_util import (
 from test_pserver_store import N, store
 
 from dtlab.models.run.metrics import read_metrics
-from dtlab.pserver.errors import AlreadyExists, FailedPrecondition
+from dtlab.pserver.common.errors import AlreadyExists, FailedPrecondition
 
 ADAM = {"optimizer": "adam", "lr": 3e-3, "warmup": 0, "schedule": "constant", "clip": 0.0}
 WORKER = [*TINY_MLP_FLAGS, "--n-samples", "256", "--label-noise", "0.1", "--batch-size", "8",

@@ -25,10 +25,10 @@ from dtlab.models.data import DataConfig
 from dtlab.models.optim import OptimConfig
 from dtlab.models.params import FlatParams
 from dtlab.models.zoo import build_model, config_class
-from dtlab.pserver import wire
-from dtlab.pserver.client import PSClient
-from dtlab.pserver.config import ClientConfig, ServerConfig
-from dtlab.pserver.daemon import Daemon, build_store, config_record
+from dtlab.pserver.common import codec as wire
+from dtlab.pserver.common.config import ClientConfig, ServerConfig
+from dtlab.pserver.server.daemon import Daemon, build_store, config_record
+from dtlab.pserver.worker.client import PSClient
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_MLP = {"d_in": 4, "d_hidden": 8, "n_layers": 1, "n_classes": 3}

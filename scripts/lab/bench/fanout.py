@@ -30,7 +30,7 @@ shard:
 on the shared-memory path (`shm`, a worker's path to shards on its host)
 and the gRPC one (`fused`). simulate.py --calibrate fits per path
 round = alpha + (S - 1) per_shard + n beta over the cold rows
-(simulate_lib/calibrate.py), the parameter server's round on this host, and
+(simulate/calibrate.py), the parameter server's round on this host, and
 the same form over the CPU column, the CPU a round takes from the cores
 that the other workers compute on.
 `--co-runners K` keeps K processes computing dtlab's default transformer
@@ -65,8 +65,8 @@ from dtlab.models.config import build
 from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.session import build_session, parse
 from dtlab.models.run.threads import share_cores
-from dtlab.pserver.client import PSClient
-from dtlab.pserver.config import ClientConfig
+from dtlab.pserver.common.config import ClientConfig
+from dtlab.pserver.worker.client import PSClient
 
 PATHS = {"shm": True, "fused": False}  # name: shared memory on
 

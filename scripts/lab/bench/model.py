@@ -185,7 +185,7 @@ def start(prog: str):
 def trainer_step(session, role: str):
     """One step of a trainer's own compute, as `role` times it in compute_s: the batch,
     forward and backward, the gradient norm, and for a sync "rank" the optimizer (a
-    "worker"'s servers run it: pserver/worker.py)."""
+    "worker"'s servers run it: pserver/worker/loop.py)."""
     s = session
 
     def step() -> None:

@@ -6,7 +6,7 @@
 An update is memory-bound: SGD reads p and g and writes p (3 x the tensor's
 bytes), momentum also reads and writes v (5 x), Adam m and v (7 x). For each
 size, optimizer and thread count this times one step of the parameter
-server's optimizer (pserver.blocked.BlockedOptimizer over models.optim, the
+server's optimizer (pserver.server.blocked.BlockedOptimizer over models.optim, the
 trainers' code) on float32, by both paths: `C` (models/_fused.c, one pass)
 and `numpy` (the array lines it replaces, models.optim._fused switched off),
 and next to it, in the same run, the simplest update there is, `p += g` in
@@ -44,7 +44,7 @@ from dtlab.models.config import (
 )
 from dtlab.models.optim import OptimConfig
 from dtlab.models.run.cli import run_cli
-from dtlab.pserver.blocked import BlockedOptimizer
+from dtlab.pserver.server.blocked import BlockedOptimizer
 
 MB = 1 << 20
 TRAFFIC = {"sgd": 3, "momentum": 5, "adam": 7}  # tensor-sized reads + writes per step

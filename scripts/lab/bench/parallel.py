@@ -5,7 +5,7 @@
     dtlab-bench parallel --tiny --json out.json              # seconds (tests)
 
 For each size and grid (tp, pp), tp * pp <= 4, dp 1, one `mpiexec -n tp*pp` launch
-(scripts/bench_parallel_lib/launch.py) runs every schedule (GPipe, 1F1B, ZB-H1;
+(bench/parallel_launch.py) runs every schedule (GPipe, 1F1B, ZB-H1;
 models/schedule.py) at each micro-batch count m, timing steps after warm-up, and reports:
 
     step_ms       median step time (slowest rank) of compute_grads + clip + optimizer step
@@ -15,7 +15,7 @@ models/schedule.py) at each micro-batch count m, timing steps after warm-up, and
                   sends (pipe_bytes_sent, summed over ranks) plus the tensor-parallel
                   all-reduce payloads times the ring's 2(t-1)/t (nccl-tests' busbw
                   convention) and the cross-entropy all-gather's (t-1)/t; against the
-                  formula from the config (bench_parallel_lib/formulas.py derives it)
+                  formula from the config (bench/parallel_formulas.py derives it)
     bubble        measured idle fraction: the time each stage blocked on its neighbours or
                   had finished before the slowest, over the makespan, mean over stages
                   (models/pipeline.py), median over steps; against (p-1)/(m+p-1) for GPipe
@@ -64,7 +64,7 @@ TOLERANCE, MEMORY_TOLERANCE = 0.05, 0.05
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="d128,d256", help="comma-separated model sizes "
-                   "(bench_parallel_lib/launch.py SIZES)")
+                   "(bench/parallel_formulas.py SIZES)")
     p.add_argument("--grids", default=",".join(f"{t}x{q}" for t, q in GRIDS),
                    help="comma-separated TPxPP grids (default: all with tp*pp <= 4)")
     p.add_argument("--microbatches", default="4,8", help="comma-separated m values")
@@ -188,7 +188,7 @@ def header(args, cores: int) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
-        from bench_parallel_lib import launch as one
+        from dtlab.lab.bench import parallel_launch as one
 
         size, grid, out = args.worker
         tp, pp = (int(x) for x in grid.split("x"))

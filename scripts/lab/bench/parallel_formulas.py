@@ -36,6 +36,14 @@ from dtlab.models.schedule import Op
 
 HEADER_BYTES = (MAX_NDIM + 1) * 8  # the int64 shape header before every activation
 
+_COMMON = ["--model", "transformer", "--vocab", "64", "--seq-len", "64", "--n-layers", "4"]
+SIZES = {  # name -> (model flags, samples per micro-batch)
+    "tiny": (["--model", "transformer", "--vocab", "16", "--seq-len", "8", "--d-model", "16",
+              "--n-heads", "4", "--n-layers", "4", "--d-ff", "32"], 2),
+    "d128": ([*_COMMON, "--d-model", "128", "--n-heads", "4", "--d-ff", "512"], 2),
+    "d256": ([*_COMMON, "--d-model", "256", "--n-heads", "8", "--d-ff", "1024"], 2),
+}
+
 
 def ring_factor(t: int) -> float:
     """Bytes on each rank's link per payload byte of a bandwidth-optimal all-reduce."""

@@ -16,20 +16,13 @@ import numpy as np
 
 from dtlab.collective.grid import ProcessGrid
 from dtlab.lab.bench import parallel_formulas as formulas
+from dtlab.lab.bench.parallel_formulas import SIZES
 from dtlab.models.memory import context_bytes
 from dtlab.models.partition import module_parts
 from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.session import PipelineSpec, build_session, parse
 from dtlab.models.run.threads import share_cores
 from dtlab.models.schedule import SCHEDULES, bubble_formula, make, simulate
-
-_COMMON = ["--model", "transformer", "--vocab", "64", "--seq-len", "64", "--n-layers", "4"]
-SIZES = {  # name -> (model flags, samples per micro-batch)
-    "tiny": (["--model", "transformer", "--vocab", "16", "--seq-len", "8", "--d-model", "16",
-              "--n-heads", "4", "--n-layers", "4", "--d-ff", "32"], 2),
-    "d128": ([*_COMMON, "--d-model", "128", "--n-heads", "4", "--d-ff", "512"], 2),
-    "d256": ([*_COMMON, "--d-model", "256", "--n-heads", "8", "--d-ff", "1024"], 2),
-}
 
 
 class CountingComm:

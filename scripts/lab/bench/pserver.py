@@ -6,8 +6,8 @@
 
 For every payload (float32, 1 MB to 64 MB), shard count S, optimizer and
 worker count W, S shard daemons run as separate processes (the real
-pserver.daemon.Daemon over a flat store of n elements, ASP) and W worker
-processes (the real pserver.client.PSClient) repeat, in lock-step rounds:
+pserver.server.daemon.Daemon over a flat store of n elements, ASP) and W worker
+processes (the real pserver.worker.client.PSClient) repeat, in lock-step rounds:
 
     push       every worker pushes its gradient to all shards in parallel;
                the reply comes after the server applied it (optimizer included)
@@ -44,7 +44,7 @@ by every data path in turn, round by round, in the same launch:
                push_pull, one message each way for a tensor that fits one
     shm        fused, with the tensor bytes in shared memory
     generated  the session over gRPC with every message made and read by the
-               generated protobuf classes instead of pserver.wire's hand codec,
+               generated protobuf classes instead of pserver.common.codec's hand codec,
                against a server doing the same
 
 and prints each path's median round, pull and push times (a fused round has
@@ -91,14 +91,14 @@ from dtlab.models.config import (
 from dtlab.models.optim import OptimConfig, Schedule
 from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.cli import run_cli
-from dtlab.pserver import wire
-from dtlab.pserver.allocator import huge_empty
-from dtlab.pserver.blocked import BlockedOptimizer
-from dtlab.pserver.client import PSClient
-from dtlab.pserver.config import ClientConfig, ServerConfig
-from dtlab.pserver.consistency import Consistency
-from dtlab.pserver.daemon import Daemon
-from dtlab.pserver.store import ShardLayout, ShardStore
+from dtlab.pserver.common import codec as wire
+from dtlab.pserver.common.config import ClientConfig, ServerConfig
+from dtlab.pserver.server.allocator import huge_empty
+from dtlab.pserver.server.blocked import BlockedOptimizer
+from dtlab.pserver.server.consistency import Consistency
+from dtlab.pserver.server.daemon import Daemon
+from dtlab.pserver.server.store import ShardLayout, ShardStore
+from dtlab.pserver.worker.client import PSClient
 
 MODEL = "bench-flat"
 CEILING = "dtlab.bench.Ceiling"

@@ -5,9 +5,9 @@
 
 For every payload (float32, 1 MB and 16 MB by default) two setups run side by side,
 as separate processes on this host: a shard daemon alone (replicas 1, the baseline)
-and a primary with its backup (replicas 2, pserver.replication: every push is
+and a primary with its backup (replicas 2, pserver.server.replication.primary: every push is
 applied by the primary, streamed to the backup, applied there, and only then
-acknowledged). W worker processes (the real pserver.client.PSClient, over gRPC, no
+acknowledged). W worker processes (the real pserver.worker.client.PSClient, over gRPC, no
 shared memory unless --shm) push R gradients each, back to back, to one setup
 and then the other, in alternating order, --trials times; a trial's time is from
 the first worker's first push to the last worker's last reply (CLOCK_MONOTONIC is
@@ -46,15 +46,15 @@ from dtlab.models.optim import OptimConfig, Schedule
 from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.cli import run_cli
 from dtlab.protos import dtlab_ps_pb2 as pb
-from dtlab.pserver.allocator import huge_empty
-from dtlab.pserver.blocked import BlockedOptimizer
-from dtlab.pserver.client import PSClient
-from dtlab.pserver.config import ClientConfig, ServerConfig
-from dtlab.pserver.consistency import Consistency
-from dtlab.pserver.daemon import Daemon
-from dtlab.pserver.replication import REPLICATION
-from dtlab.pserver.store import ShardLayout, ShardStore
-from dtlab.pserver.wire import SERVICE
+from dtlab.pserver.common.codec import SERVICE
+from dtlab.pserver.common.config import ClientConfig, ServerConfig
+from dtlab.pserver.server.allocator import huge_empty
+from dtlab.pserver.server.blocked import BlockedOptimizer
+from dtlab.pserver.server.consistency import Consistency
+from dtlab.pserver.server.daemon import Daemon
+from dtlab.pserver.server.replication.journal import REPLICATION
+from dtlab.pserver.server.store import ShardLayout, ShardStore
+from dtlab.pserver.worker.client import PSClient
 
 MODEL = "bench-flat"
 MB = 1 << 20

@@ -15,7 +15,7 @@ barriers, as the all-reduce or the round holds them in step:
     rank    the batch, forward and backward, the gradient norm, the optimizer
             (models/run/trainer.py: a sync rank's compute_s); waits poll and
             yield the core when the host is oversubscribed (collective/waits.py)
-    worker  the batch, forward and backward, the gradient norm (pserver/worker.py:
+    worker  the batch, forward and backward, the gradient norm (pserver/worker/loop.py:
             the servers run the optimizer); waits asleep, as a worker blocked in gRPC
 
 and per step records the makespan (the first process's start to the last
@@ -27,7 +27,7 @@ alone, timed in the same launch while the others wait asleep:
     spread   = makespan - the typical process's step (the slowest one's lateness)
 
 simulate.py --validate runs it beside the measured runs and takes the
-compute of its predictions from it (simulate_lib/validate.py).
+compute of its predictions from it (simulate/validate.py).
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ factors that its topology trades against each other:
 Step k of a run is the k-th step of every rank (sync) or worker (async). Its
 loss is the mean of their step-k losses (what the sync trainer logs; a BSP
 run logs the same numbers), its time the slowest one's `elapsed_s` at step k
-(each process's clock starts when its training loop does), its samples seen
-k x global batch. One step's loss is one mini-batch's, so the target counts
+less the time its held-out evaluations took (`eval_s`: measurement, not
+training; each process's clock starts when its training loop does), its
+samples seen k x global batch. One step's loss is one mini-batch's, so the target counts
 as reached at the first step whose trailing mean over `window` steps (the
 steps / 20, at least 1) is at or below it. The final loss is the mean of the
 last 10% of the steps, as the trainers' own summaries take it.
@@ -39,7 +40,7 @@ SPLIT = ("compute", "comm", "pull", "other")
 class Curve:
     loss: np.ndarray  # [K] mean over ranks/workers of step k's training loss
     smooth: np.ndarray  # [K] trailing mean of `loss` over `window` steps
-    elapsed_s: np.ndarray  # [K] seconds since training started, slowest process
+    elapsed_s: np.ndarray  # [K] seconds of training (evaluations left out), slowest process
     samples: np.ndarray  # [K] samples seen after step k, all processes
     eval_steps: np.ndarray  # [E] steps (1-based) with a held-out loss
     eval_loss: np.ndarray  # [E] mean over processes of the held-out loss there
@@ -53,7 +54,11 @@ def curve(records: list[list[dict]], global_batch: int, window: int) -> Curve:
     """records: one list of step records per rank (sync: rank 0's only) or worker."""
     k = min(len(r) for r in records)
     loss = np.array([[r[i]["loss"] for i in range(k)] for r in records]).mean(axis=0)  # [K]
-    elapsed = np.array([[r[i]["elapsed_s"] for i in range(k)] for r in records]).max(axis=0)
+    # seconds of training: each process's clock less the held-out evaluations it made
+    # (measurement, not training; `eval_s` in the records that have one)
+    elapsed = np.array([[r[i]["elapsed_s"] for i in range(k)] for r in records])  # [P, K]
+    evals = np.cumsum([[r[i].get("eval_s", 0.0) for i in range(k)] for r in records], axis=1)
+    elapsed = (elapsed - evals).max(axis=0)  # [K]
     sums = np.concatenate([[0.0], np.cumsum(loss)])  # [K+1]
     ends = np.arange(1, k + 1)
     starts = np.maximum(0, ends - window)
@@ -78,7 +83,7 @@ def measure(topology: str, records: list[list[dict]], global_batch: int, workers
     to_target = int(reached[0]) + 1 if reached.size else None
     per_step = time_s / steps
     # every async push is one update of every shard, except under BSP: one per round
-    updates = steps * (workers if topology == "async" and consistency != "bsp" else 1)
+    updates = steps * (workers if topology != "sync" and consistency != "bsp" else 1)
     held_reached = np.flatnonzero(c.eval_loss <= target)
     return c, {
         "final_eval_loss": float(c.eval_loss[-1]) if c.eval_loss.size else None,
@@ -97,8 +102,32 @@ def measure(topology: str, records: list[list[dict]], global_batch: int, workers
         "updates_per_s": updates / time_s,
         "split_ms": split_ms(topology, records),
         "allreduce_ms": (mean_ms(records, "comm_s") if topology == "sync" else None),
-        "staleness": staleness(records) if topology == "async" else None,
+        "staleness": staleness(records) if topology != "sync" else None,
     }
+
+
+def rounds(pushes: list[dict]) -> list[dict]:
+    """A simulated run's push records (dtlab-train --simulate-workers: one per push, "round"
+    1-based) as one record per round, the step of the async run it stands for: the mean
+    loss of its pushes, the time and held-out loss at its last push, the summed step and
+    compute times."""
+    out: list[dict] = []
+    for push in pushes:
+        if not out or out[-1]["step"] != push["round"]:
+            out.append({"step": push["round"], "losses": [], "step_s": 0.0, "compute_s": 0.0,
+                        "staleness": []})
+        r = out[-1]
+        r["losses"].append(push["loss"])
+        r["staleness"].append(push["staleness"])
+        r["step_s"] += push["step_s"]
+        r["compute_s"] += push["compute_s"]
+        r["elapsed_s"] = push["elapsed_s"]
+        for key in ("eval_loss", "eval_s"):
+            if key in push:
+                r[key] = push[key]
+    for r in out:
+        r["loss"] = float(np.mean(r.pop("losses")))
+    return out
 
 
 def mean_ms(records: list[list[dict]], key: str) -> float:
@@ -113,6 +142,8 @@ def split_ms(topology: str, records: list[list[dict]]) -> dict:
     step, compute = mean_ms(records, "step_s"), mean_ms(records, "compute_s")
     if topology == "sync":
         comm, pull = mean_ms(records, "wait_s"), 0.0
+    elif topology == "simulated":  # one process, no communication
+        comm = pull = 0.0
     else:
         comm, pull = mean_ms(records, "push_s"), mean_ms(records, "pull_s")
     return {"compute": compute, "comm": comm, "pull": pull,
@@ -126,3 +157,44 @@ def staleness(records: list[list[dict]]) -> dict:
             "p50": float(np.percentile(values, 50, method="inverted_cdf")),
             "p95": float(np.percentile(values, 95, method="inverted_cdf")),
             "max": int(values.max()), "pushes": int(values.size)}
+
+
+def what_ran(topology: str, headers: list[dict], records: list[list[dict]]) -> dict:
+    """What a run actually did, from its own metrics (not from its name): sync, the
+    all-reduce each gradient bucket ran (its header's allreduce_buckets, as the
+    communicator chose it); async, how each shard's tensors travelled (every path a
+    worker recorded: at its first step and whenever it changed); both, the precision
+    of compute and of the wire."""
+    header = headers[0]
+    run = header["config"]["run"]
+    ran = {"precision": run.get("precision", "fp32"), "dtype": run.get("dtype"),
+           "wire": header.get("wire", "fp32")}
+    if topology == "sync":
+        ran["allreduce"] = header.get("allreduce")
+        ran["buckets"] = header.get("allreduce_buckets", [])
+    elif topology == "simulated":
+        ran["simulated"] = {k: header.get(k) for k in ("simulate_workers", "staleness",
+                                                       "staleness_lr", "schedule_steps")}
+    else:
+        seen: list = []
+        for rs in records:
+            for r in rs:
+                if "paths" in r and r["paths"] not in seen:
+                    seen.append(r["paths"])
+        ran["paths"] = seen
+    return ran
+
+
+def ran_words(ran: dict) -> str:
+    """what_ran in a few words, for a table cell."""
+    if "simulated" in ran:
+        s = ran["simulated"]
+        return (f"{s['simulate_workers']} workers in one process, {s['staleness']} stale; "
+                f"{ran['precision']}")
+    if "buckets" in ran:
+        names = [b["algorithm"] for b in ran["buckets"]]
+        how = ", ".join(f"{n} x{names.count(n)}" if names.count(n) > 1 else n
+                        for n in dict.fromkeys(names)) or "-"
+    else:
+        how = " then ".join(" / ".join(dict.fromkeys(p)) for p in ran["paths"]) or "-"
+    return f"{how}; {ran['precision']}, {ran['wire']} wire"

@@ -27,13 +27,13 @@ Each run is started, waited for and cleaned up here (every process it
 started is gone when it ends, also on Ctrl-C, a failure or --timeout); a
 failed run is marked failed in the report with the end of its log and the
 others go on. OUT (--out, default runs/compare-DATE-TIME) gets each run's
-metrics and logs, summary.json, report.md and PNG plots (compare_lib/report.py):
+metrics and logs, summary.json, report.md and PNG plots (compare/report.py):
 hardware efficiency (s/step) and statistical efficiency (steps to the target
 loss) multiplied into time to target (Hadjis et al. 2016, Omnivore). The
 target is the data's loss floor + 0.1 nats, or --target-loss. --trace merges
-each run's process traces into OUT/NAME.trace.json (compare_lib/traces.py);
+each run's process traces into OUT/NAME.trace.json (compare/traces.py);
 --calibration FILE sets the cost model's step beside each run's measured one
-(compare_lib/predict.py). The exit
+(compare/predict.py). The exit
 status is 0 when every run finished, 1 when one failed, 2 for a bad config
 (named before anything starts), 130 on Ctrl-C.
 """
@@ -53,10 +53,21 @@ import time
 from pathlib import Path
 
 from dtlab.lab import presets
-from dtlab.lab.compare import analysis, cluster, launch, predict, report, sweep, traces
+from dtlab.lab.compare import (
+    analysis,
+    cluster,
+    launch,
+    predict,
+    report,
+    study,
+    study_report,
+    sweep,
+    traces,
+)
 from dtlab.lab.compare.launch import Bench, Outcome, Processes, RunSpec
 from dtlab.models.config import ConfigError
 from dtlab.models.data.dataset import in_words
+from dtlab.models.data.factory import source_of
 from dtlab.models.run.cli import run_cli
 from dtlab.models.run.metrics import hardware, read_metrics, versions
 from dtlab.models.run.session import Setup, build_session, parse
@@ -65,11 +76,12 @@ from dtlab.models.zoo import build_model, check_grid
 
 PROG = "dtlab-compare"
 # BSP applies no stale gradient, so async-bsp-div would repeat async-bsp
-DEFAULT_RUNS = ("sync-ring,sync-naive,sync-mpi,async-bsp,async-ssp2,async-asp,"
-                "async-ssp2-div,async-asp-div")
+DEFAULT_RUNS = "sync-ring,sync-auto,async-bsp,async-ssp2,async-asp,async-asp-div"
 RUN_FLAGS = ("steps", "batch_size", "grad_accum", "seed", "dtype", "log_every", "eval_every",
              "eval_samples", "straggler", "delay_ms")
 TARGET_GAP = 0.1  # nats above the floor
+DEFAULT_SEEDS = 3
+EVALS = 20  # held-out evaluations a run makes when --eval-every is not given
 
 
 def add_compare_flags(p: argparse.ArgumentParser) -> None:
@@ -82,6 +94,14 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
                    help="sync ranks = async workers, N (default 2)")
     g.add_argument("--shards", type=int, default=2,
                    help="parameter-server shards of every async run (default 2)")
+    g.add_argument("--tune", action="append", default=[], metavar="NAME=V1,V2,...",
+                   help="tune every method over these values of an optimizer setting "
+                        "(repeat for a grid: --tune lr=0.005,0.01 --tune momentum=0.5,0.9) "
+                        "and report each at its best (compare/study.py); default: lr at "
+                        "0.5, 1 and 2 x the config's; 'none': the config as it is")
+    g.add_argument("--seeds", type=int, default=DEFAULT_SEEDS,
+                   help=f"fresh seeds each method runs at its best point; the figures are "
+                        f"their mean and min-max (default {DEFAULT_SEEDS})")
     g.add_argument("--target-loss", type=float, default=None,
                    help=f"the loss every run is timed to (default: the data's floor + "
                         f"{TARGET_GAP} nats; needed when the data has no known floor)")
@@ -97,7 +117,7 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tcp-cc", default="reno",
                    help="the emulated hosts' TCP congestion control (default reno, loss-based, "
                         "what the cost model's link assumes; 'host': this machine's own; "
-                        "compare_lib/cluster.py)")
+                        "compare/cluster.py)")
     g.add_argument("--trace", action="store_true",
                    help="every process of every run writes a Chrome trace into OUT; after "
                         "each run they are merged into OUT/NAME.trace.json (opens in Perfetto)")
@@ -107,7 +127,7 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep", choices=["model-size"], default=None,
                    help="instead of comparing topologies, train --sweep-sizes under the first "
                         "of --runs for one compute budget (--steps steps of the smallest) and "
-                        "fit loss against parameters and compute (compare_lib/sweep.py)")
+                        "fit loss against parameters and compute (compare/sweep.py)")
     g.add_argument("--sweep-sizes", default="32,64,128",
                    help="widths of the sweep: transformer d_model (d_ff = 4 d_model), mlp "
                         "d_hidden (default 32,64,128)")
@@ -139,7 +159,11 @@ def parse_args(argv: list[str]) -> tuple[Setup, list[RunSpec]]:
                   why="every run's metrics, logs and processes are the comparison's own "
                       "(see --out)")
     opts = setup.extra
-    for flag, value in (("--ranks", opts.ranks), ("--shards", opts.shards)):
+    held_out = source_of(setup.data, setup.model_name, setup.model) in ("teacher", "markov")
+    if not setup.run.eval_every and held_out:  # by default: targets are judged on it
+        setup.run.eval_every = max(1, setup.run.steps // EVALS)
+    for flag, value in (("--ranks", opts.ranks), ("--shards", opts.shards),
+                        ("--seeds", opts.seeds)):
         if value < 1:
             raise ConfigError(f"{flag} must be at least 1 (got {value})")
     if not opts.timeout > 0:
@@ -153,6 +177,11 @@ def parse_args(argv: list[str]) -> tuple[Setup, list[RunSpec]]:
                           "comparison runs on this host")
     if opts.hosts > 1 and (why := cluster.check_congestion_control(opts.tcp_cc)):
         raise ConfigError(f"--tcp-cc {opts.tcp_cc}: {why}")
+    opts.grid = study.parse_grid(opts.tune, setup.optim)
+    studied = len(opts.grid.points()) > 1 or opts.seeds > 1
+    if studied and (opts.sweep or opts.calibration):
+        raise ConfigError(f"{'--sweep' if opts.sweep else '--calibration'} runs every method "
+                          "once: give --tune none --seeds 1")
     if opts.calibration and opts.sweep:
         raise ConfigError("--calibration predicts the runs of a comparison, not a --sweep")
     check_parallel(setup)
@@ -177,7 +206,12 @@ def parse_args(argv: list[str]) -> tuple[Setup, list[RunSpec]]:
                 opts.widths):
             raise ConfigError(f"--sweep-sizes {opts.sweep_sizes!r}: needs two or more distinct "
                               "positive widths")
-    return setup, [RunSpec.parse(n) for n in names]
+    specs = [RunSpec.parse(n) for n in names]
+    simulated = [s.name for s in specs if s.topology == "simulated"]
+    if simulated and opts.tp * opts.pp * opts.ep > 1:
+        raise ConfigError(f"--runs {', '.join(simulated)}: the simulated workers are one "
+                          "process of whole replicas; drop --tp/--pp/--ep or the run")
+    return setup, specs
 
 
 def check_parallel(setup: Setup) -> None:
@@ -276,11 +310,15 @@ def analyse(outcome: Outcome, bench: Bench, global_batch: int, floor: float | No
             target: float) -> report.Result:
     if outcome.error:
         return report.Result(outcome)
-    records = [read_metrics(str(p))[1] for p in outcome.metrics]
+    read = [read_metrics(str(p)) for p in outcome.metrics]
+    headers, records = [h for h, _ in read], [r for _, r in read]
     spec = outcome.spec
+    if spec.topology == "simulated":
+        records = [analysis.rounds(records[0])]
     curve, stats = analysis.measure(spec.topology, records, global_batch, bench.ranks,
                                     spec.consistency, floor, target)
-    return report.Result(outcome, curve, stats)
+    return report.Result(outcome, curve, stats, analysis.what_ran(spec.topology, headers,
+                                                                  records))
 
 
 def describe(setup: Setup, data: dict) -> list[str]:
@@ -378,6 +416,123 @@ def run_sweep(setup: Setup, spec: RunSpec, argv: list[str], session, out: Path,
     return 0
 
 
+@dataclasses.dataclass
+class Lab:
+    """What every folder of a comparison shares while it runs."""
+
+    setup: Setup
+    data: dict  # setup_record's
+    floor: float | None
+    target: float
+    mpiexec: str
+    procs: Processes
+    hosts: cluster.EmulatedCluster | None = None
+
+
+def run_folder(lab: Lab, folder: Path, point: dict, seed: int, specs: list[RunSpec],
+               title: str = "") -> list[report.Result]:
+    """Every run of `specs` with the shared config at grid `point` and `seed`, into
+    `folder` (its config.json, metrics and logs); their results."""
+    opts = lab.setup.extra
+    config = dict(lab.data["config"])
+    config["optim"] = {**config["optim"], **point}
+    config["run"] = {**config["run"], "seed": seed}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    bench = Bench(folder, (folder / "config.json").resolve(), opts.ranks, opts.shards,
+                  lab.setup.run.steps, opts.timeout, lab.mpiexec, lab.hosts, opts.trace,
+                  grid_of(opts))
+    if title:
+        print(title, file=sys.stderr)
+    board = Board(specs, lab.setup.run.steps)
+    results = []
+    try:
+        for i, spec in enumerate(specs):
+            outcome = launch.run(spec, bench, lab.procs, board.watch(i, spec.name))
+            if opts.trace:
+                traces.merge_run(outcome, folder)
+            results.append(analyse(outcome, bench, lab.data["global_batch"], lab.floor,
+                                   lab.target))
+            board.done(i, results[-1])
+    finally:
+        board.end_line()
+    return results
+
+
+def run_single(lab: Lab, out: Path, specs: list[RunSpec], load_before) -> int:
+    """No study (--tune none --seeds 1): each method once, as configured, into OUT."""
+    setup, data, opts = lab.setup, lab.data, lab.setup.extra
+    if opts.cal is not None:
+        (out / "config.json").write_text(json.dumps(data["config"], indent=1) + "\n")
+        print("benchmarking the model for --calibration", file=sys.stderr)
+        predict.bench_compute(opts.cal, (out / "config.json").resolve(), opts.ranks, out)
+    results = run_folder(lab, out, {}, setup.run.seed, specs)
+    plots, note = report.plot(out, results, lab.floor, lab.target)
+    if note:
+        print(note, file=sys.stderr)
+    data["load_avg"] = {"before": list(load_before), "after": list(os.getloadavg())}
+    summary = report.summary(data, results, plots, note)
+    if opts.cal is not None:
+        predict.predict(opts.cal, out, summary)
+    report.write_summary(out, summary)
+    report.write_report(out, summary, results, describe(setup, data))
+    return finish(out, results)
+
+
+def run_study(lab: Lab, out: Path, specs: list[RunSpec], grid: study.Grid,
+              load_before) -> int:
+    """Tune every method over `grid` with the tuning seed, then run each at its best point
+    with --seeds fresh seeds (compare/study.py)."""
+    setup, data = lab.setup, lab.data
+    seed0, k = setup.run.seed, setup.extra.seeds
+    trials: list[study.Trial] = []
+    results: list[report.Result] = []
+
+    def record(phase: str, folder: Path, point: dict, seed: int,
+               done: list[report.Result]) -> None:
+        for r in done:
+            trials.append(study.Trial(r.outcome.spec, point, seed, r.stats,
+                                      str(folder.relative_to(out)), r.ran or {}))
+            results.append(r)
+            r.phase, r.point, r.seed, r.folder = phase, point, seed, trials[-1].folder
+
+    points = grid.points()
+    best = {s.name: {} for s in specs}
+    if len(points) > 1:
+        for point in points:
+            folder = out / "tune" / study.label(point)
+            record("tune", folder, point, seed0,
+                   run_folder(lab, folder, point, seed0, specs,
+                              f"tuning {study.label(point)}, seed {seed0}:"))
+        best = {s.name: study.best_point([t for t in trials if t.spec.name == s.name])
+                for s in specs}
+    seeds = [seed0 + 1 + i for i in range(k)] if len(points) > 1 else \
+        [seed0 + i for i in range(k)]
+    for seed in seeds:
+        for point in {study.label(p): p for p in best.values()}.values():
+            group = [s for s in specs if best[s.name] == point]
+            folder = out / f"seed-{seed}" / study.label(point)
+            record("seed", folder, point, seed,
+                   run_folder(lab, folder, point, seed, group,
+                              f"seed {seed}, {study.label(point)}:"))
+    data["load_avg"] = {"before": list(load_before), "after": list(os.getloadavg())}
+    summary = study_report.summary(data, specs, grid, best, seeds, trials, results)
+    summary["plots"], summary["plots_note"] = study_report.plot(out, summary, results,
+                                                                lab.floor, lab.target)
+    report.write_summary(out, summary)
+    study_report.write(out, summary, results, describe(setup, data))
+    return finish(out, results)
+
+
+def finish(out: Path, results: list[report.Result]) -> int:
+    print(f"report: {out / 'report.md'}")
+    failed = [r.name for r in results if not r.ok]
+    if failed:
+        print(f"{PROG}: {len(failed)} of {len(results)} runs failed ({', '.join(failed)}); "
+              "see the report", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def main(argv: list[str]) -> int:
     setup, specs = parse_args(argv)
     opts = setup.extra
@@ -389,60 +544,37 @@ def main(argv: list[str]) -> int:
         sweep.plan(setup.model_name, setup.model, opts.widths, 1, setup.run.steps)  # or named
         return run_sweep(setup, specs[0], argv, session, out_dir(opts.out), mpiexec, target,
                          rule)
+    grid = opts.grid
     out = out_dir(opts.out)
     data = setup_record(setup, argv, session, target, rule)
-    config = out / "config.json"
-    config.write_text(json.dumps(data["config"], indent=1) + "\n")
-    if opts.cal is not None:
-        print("benchmarking the model for --calibration", file=sys.stderr)
-        predict.bench_compute(opts.cal, config.resolve(), opts.ranks, out)
-    board = Board(specs, setup.run.steps)
-    print(f"{len(specs)} runs of {setup.model_name} into {out}", file=sys.stderr)
+    trivial = len(grid.points()) == 1 and opts.seeds == 1
+    runs = len(specs) * (len(grid.points()) + opts.seeds if len(grid.points()) > 1
+                         else opts.seeds)
+    print(f"{runs} runs of {setup.model_name} into {out}"
+          + ("" if trivial else f": {len(specs)} methods, tuned over {grid.describe() or '-'}, "
+             f"then {opts.seeds} seed(s) each at its best"), file=sys.stderr)
     load_before = os.getloadavg()
-    procs = Processes()
+    lab = Lab(setup, data, floor, target, mpiexec, Processes())
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # cleaned up as Ctrl-C is
-    results = []
-    hosts = None
     try:
         if opts.hosts > 1:
-            hosts = cluster.EmulatedCluster(opts.hosts, opts.link_gbit, out,
-                                            opts.tcp_cc).__enter__()
-            data["cluster"] = hosts.describe()
+            lab.hosts = cluster.EmulatedCluster(opts.hosts, opts.link_gbit, out,
+                                                opts.tcp_cc).__enter__()
+            data["cluster"] = lab.hosts.describe()
             data["emulated"] = {"hosts": opts.hosts, "link_gbit": opts.link_gbit,
-                                "tcp_cc": hosts.congestion_control()}
-            print(hosts.describe(), file=sys.stderr)
-        bench = Bench(out, config.resolve(), opts.ranks, opts.shards, setup.run.steps,
-                      opts.timeout, mpiexec, hosts, opts.trace, grid_of(opts))
-        for i, spec in enumerate(specs):
-            outcome = launch.run(spec, bench, procs, board.watch(i, spec.name))
-            if opts.trace:
-                traces.merge_run(outcome, out)
-            results.append(analyse(outcome, bench, data["global_batch"], floor, target))
-            board.done(i, results[-1])
+                                "tcp_cc": lab.hosts.congestion_control()}
+            print(lab.hosts.describe(), file=sys.stderr)
+        if trivial:
+            return run_single(lab, out, specs, load_before)
+        return run_study(lab, out, specs, grid, load_before)
     finally:
-        board.end_line()
         kept = {sig: signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C does not cut it short
                 for sig in (signal.SIGINT, signal.SIGTERM)}
-        procs.stop_all()
-        if hosts is not None:
-            hosts.close()
+        lab.procs.stop_all()
+        if lab.hosts is not None:
+            lab.hosts.close()
         for sig, handler in kept.items():
             signal.signal(sig, handler)
-    plots, note = report.plot(out, results, floor, target)
-    if note:
-        print(note, file=sys.stderr)
-    data["load_avg"] = {"before": list(load_before), "after": list(os.getloadavg())}
-    summary = report.summary(data, results, plots, note)
-    if opts.cal is not None:
-        predict.predict(opts.cal, out, summary)
-    report.write_summary(out, summary)
-    report.write_report(out, summary, results, describe(setup, data))
-    print(f"report: {out / 'report.md'}")
-    failed = [r.name for r in results if not r.ok]
-    if failed:
-        print(f"{PROG}: {len(failed)} of {len(results)} runs failed ({', '.join(failed)}); "
-              "see the report", file=sys.stderr)
-    return 1 if failed else 0
 
 
 def cli() -> None:

@@ -63,11 +63,23 @@ BURST = "256kb"  # tbf bucket: a few packets' worth at 1 Gbit/s
 LATENCY = "50ms"  # tbf queue limit, as time
 
 
+# where iproute2 lives on machines whose PATH lacks the admin folders (a container's root)
+SBIN = ("/usr/sbin", "/sbin")
+
+
+def tool_path() -> str:
+    """PATH with the admin folders appended where missing: the commands the cluster runs
+    (ip, tc, unshare) and the processes it starts find them there."""
+    parts = os.environ.get("PATH", "").split(os.pathsep)
+    return os.pathsep.join([*parts, *(d for d in SBIN if d not in parts)])
+
+
 def check() -> str:
     """'' when this machine can build an emulated cluster, else why not."""
     if os.geteuid() != 0:
         return "emulated hosts need root (network namespaces, tc)"
-    missing = [tool for tool in ("ip", "tc", "unshare") if shutil.which(tool) is None]
+    missing = [tool for tool in ("ip", "tc", "unshare")
+               if shutil.which(tool, path=tool_path()) is None]
     if missing:
         return f"emulated hosts need iproute2 and util-linux: {', '.join(missing)} not found"
     return ""
@@ -120,6 +132,7 @@ class EmulatedCluster:
         return [f"h{i}" for i in range(self.hosts)]
 
     def __enter__(self) -> EmulatedCluster:
+        os.environ["PATH"] = tool_path()  # for ip, tc and every process started in a host
         try:
             _run("ip", "link", "add", self.bridge, "type", "bridge")
             _run("ip", "addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)

@@ -9,7 +9,7 @@
 
 With --trace, every rank adds --trace OUT/NAME.trace.{rank}.json, every shard
 OUT/NAME.trace.sK.json, every worker --trace OUT/NAME.trace.w{worker}.json,
-every rank of a worker group OUT/NAME.trace.{rank}.json (compare_lib/traces.py
+every rank of a worker group OUT/NAME.trace.{rank}.json (compare/traces.py
 merges them). --tp/--pp/--ep
 (Grid) are passed through: N x tp x pp processes per launch.
 
@@ -17,7 +17,7 @@ The processes are started, tracked and stopped by processes.Processes.
 The servers of an async run are fresh for every run (port 0: each picks a
 free loopback port and writes it to its ready file).
 
-On an emulated cluster (compare_lib/cluster.py) the placement rule is: rank
+On an emulated cluster (compare/cluster.py) the placement rule is: rank
 or worker r on host r mod H, with --tp T blocks of T consecutive ranks (a
 tensor-parallel group) instead of single ranks (mpiexec through the namespace launcher), shard
 k on host k mod H listening on that host's address; shared memory is off
@@ -44,10 +44,12 @@ from dtlab.models.config import ConfigError
 from dtlab.models.run.launcher import mpiexec_path
 from dtlab.models.run.metrics import read_metrics
 
-RUN_NAME = re.compile(r"sync-(?P<allreduce>ring|naive|mpi)"
-                      r"|async-(?P<consistency>bsp|asp|ssp(?P<bound>\d+))(?P<div>-div)?")
-KNOWN = "sync-ring, sync-naive, sync-mpi, async-bsp, async-sspS (S: the bound), async-asp, " \
-        "each async one optionally with -div"
+RUN_NAME = re.compile(r"sync-(?P<allreduce>ring|auto|naive|mpi)"
+                      r"|async-(?P<consistency>bsp|asp|ssp(?P<bound>\d+))(?P<div>-div)?"
+                      r"|sim-asp(?P<sim_div>-div)?")
+KNOWN = ("sync-ring, sync-auto, sync-naive, sync-mpi, async-bsp, async-sspS (S: the bound), "
+         "async-asp, each async one optionally with -div; sim-asp, sim-asp-div (N workers "
+         "simulated in one process)")
 POLL_S = 0.2
 SERVER_START_S = 60.0
 TAIL_LINES = 20
@@ -71,16 +73,23 @@ class RunSpec:
             raise ConfigError(f"--runs: unknown run {name!r} (known: {KNOWN})")
         if m["allreduce"]:
             return cls(name, "sync", allreduce=m["allreduce"])
+        if name.startswith("sim-"):
+            return cls(name, "simulated", consistency="asp",
+                       staleness_lr="divide" if m["sim_div"] else "none")
         consistency = "ssp" if m["bound"] is not None else m["consistency"]
         return cls(name, "async", consistency=consistency, staleness=int(m["bound"] or 0),
                    staleness_lr="divide" if m["div"] else "none")
 
     def describe(self) -> str:
         if self.topology == "sync":
-            return {"ring": "sync, ours (ring family, by size)", "naive": "sync, reduce + "
-                    "broadcast", "mpi": "sync, MPI_Allreduce"}[self.allreduce]
+            return {"ring": "sync, our ring", "auto": "sync, ours chosen by size",
+                    "naive": "sync, reduce + broadcast", "mpi": "sync, MPI_Allreduce"}[
+                self.allreduce]
+        div = ", lr / staleness" if self.staleness_lr == "divide" else ""
+        if self.topology == "simulated":
+            return f"ASP simulated in one process (N - 1 stale){div}"
         rule = f"SSP s={self.staleness}" if self.consistency == "ssp" else self.consistency.upper()
-        return f"async, {rule}" + (", lr / staleness" if self.staleness_lr == "divide" else "")
+        return f"async, {rule}{div}"
 
 
 @dataclass(frozen=True)
@@ -153,7 +162,7 @@ class Outcome:
     tail: str = ""  # the end of the failed run's log(s)
     wall_s: float = 0.0
     link_bytes: list[int] | None = None  # per emulated host, sent during the run
-    trace: Path | None = None  # the run's merged Chrome trace (compare_lib/traces.py)
+    trace: Path | None = None  # the run's merged Chrome trace (compare/traces.py)
 
 
 def find_mpiexec() -> str:
@@ -206,7 +215,7 @@ def run(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch) -> Outcome:
     """Run `spec` to its end (or failure, or timeout); its processes are gone afterwards."""
     start = time.monotonic()
     sent = bench.cluster.bytes_sent() if bench.cluster else None
-    launch = run_sync if spec.topology == "sync" else run_async
+    launch = {"sync": run_sync, "async": run_async, "simulated": run_simulated}[spec.topology]
     outcome = launch(spec, bench, procs, watch, start + bench.timeout_s)
     outcome.wall_s = time.monotonic() - start
     if bench.cluster:
@@ -214,8 +223,10 @@ def run(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch) -> Outcome:
                                                     strict=True)]
     if not outcome.error:
         done = min((count_steps(p) for p in outcome.metrics), default=0)
-        if done != bench.steps:
-            outcome.error = f"the metrics hold {done} of {bench.steps} steps"
+        # a simulated run's records are pushes: N a step
+        expected = bench.steps * (bench.ranks if spec.topology == "simulated" else 1)
+        if done != expected:
+            outcome.error = f"the metrics hold {done} of {expected} records"
     return outcome
 
 
@@ -237,6 +248,24 @@ def run_sync(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
         cmd += ["--trace", str(bench.out / f"{spec.name}.trace.{{rank}}.json")]
     outcome = Outcome(spec, [metrics], [cmd])
     main = procs.start(cmd, log, bench.cluster.env if bench.cluster else None)
+    try:
+        outcome.error = _wait(procs, main, [], deadline, bench.timeout_s, [metrics], watch)
+    finally:
+        procs.stop([main])
+    if outcome.error:
+        outcome.tail = tail(log)
+    return outcome
+
+
+def run_simulated(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
+                  deadline: float) -> Outcome:
+    """N ASP workers simulated in one process (dtlab-train --simulate-workers N): the
+    staleness of an async run without its systems, on this machine (no network)."""
+    metrics, log = bench.out / f"{spec.name}.jsonl", bench.out / f"{spec.name}.log"
+    cmd = [*program("dtlab-train"), "--config", str(bench.config), "--simulate-workers",
+           str(bench.ranks), "--staleness-lr", spec.staleness_lr, "--metrics", str(metrics)]
+    outcome = Outcome(spec, [metrics], [cmd])
+    main = procs.start(cmd, log)
     try:
         outcome.error = _wait(procs, main, [], deadline, bench.timeout_s, [metrics], watch)
     finally:

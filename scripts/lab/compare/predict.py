@@ -2,11 +2,11 @@
 
 Before the runs, the comparison's own model and batch are benchmarked in one
 process at the BLAS thread counts the runs' processes get
-(simulate_lib/validate.bench_compute, written as OUT/model-tT.json) and added to
+(simulate/validate.bench_compute, written as OUT/model-tT.json) and added to
 the calibration's compute rows. After the runs, each run's step is predicted
-by simulate_lib/validate.predict_run from the run's name, N, S, the
+by simulate/validate.predict_run from the run's name, N, S, the
 calibration and this host's cores (on an emulated cluster: its hosts and link
-rate, simulate_lib/emulated.py) and set beside the measured median step after
+rate, simulate/emulated.py) and set beside the measured median step after
 warm-up (validate.measure): error = (predicted - measured) / measured.
 Nothing measured in the runs goes into a prediction.
 """

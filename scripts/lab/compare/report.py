@@ -8,8 +8,8 @@
     time_split.png     ms per step: compute, comm, pull, other, per run
 
 With --calibration the efficiency table gets the measured median step, the
-cost model's and the error (compare_lib/predict.py); with --trace the report
-links each run's merged Chrome trace (compare_lib/traces.py).
+cost model's and the error (compare/predict.py); with --trace the report
+links each run's merged Chrome trace (compare/traces.py).
 
 The plots need matplotlib (the `plot` extra); without it the report says so.
 """
@@ -17,7 +17,7 @@ The plots need matplotlib (the `plot` extra); without it the report says so.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dtlab.lab.compare.analysis import SPLIT, Curve
@@ -34,6 +34,11 @@ class Result:
     outcome: Outcome
     curve: Curve | None = None
     stats: dict | None = None
+    ran: dict | None = None  # analysis.what_ran: what the run actually did
+    phase: str = ""  # in a study (compare/study.py): "tune" or "seed"
+    point: dict = field(default_factory=dict)  # the grid point it ran at
+    seed: int | None = None
+    folder: str = ""  # where its files are, relative to OUT
 
     @property
     def name(self) -> str:
@@ -51,7 +56,8 @@ def summary(setup: dict, results: list[Result], plots: list[str], plots_note: st
         runs.append({"name": r.name, "topology": o.spec.topology, "what": o.spec.describe(),
                      "status": "ok" if r.ok else "failed", "error": o.error, "log_tail": o.tail,
                      "wall_s": o.wall_s, "metrics": [p.name for p in o.metrics],
-                     "commands": o.commands, "stats": r.stats, "link_bytes": o.link_bytes,
+                     "commands": o.commands, "stats": r.stats, "what_ran": r.ran,
+                     "link_bytes": o.link_bytes,
                      "trace": o.trace.name if o.trace else None})
     return {**setup, "runs": runs, "plots": plots, "plots_note": plots_note}
 

@@ -7,7 +7,7 @@ from dtlab.lab.simulate.formulas import Network, RoundCPU, ServerLink
 from dtlab.lab.simulate.links import Link
 from dtlab.models.config import ConfigError
 
-# the parameter-server data path a worker takes to shards on its own host (pserver/config.py)
+# the parameter-server data path a worker takes to shards on its own host (pserver/common/config.py)
 LOCAL_PATH = "shm"
 APPLY_NAME = {"adamw": "adam", "sgd-momentum": "sgd"}
 

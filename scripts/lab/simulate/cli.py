@@ -24,8 +24,8 @@ step, the naive reduce + broadcast's, the parameter server's with --shards
 S, and step x --steps-to-target (a measured run's statistical efficiency;
 the same K at every N: how K falls with a larger global batch is not
 modelled, McCandlish et al. 2018). The formulas are in
-simulate_lib/formulas.py, the overlap and core-sharing rules in
-simulate_lib/step.py.
+simulate/formulas.py, the overlap and core-sharing rules in
+simulate/step.py.
 
 Model parallelism: --pp P (--pp-schedule gpipe|1f1b|zb-h1, --microbatches M,
 default --grad-accum; --stages as dtlab-sync's), --tp T, --ep E (with
@@ -34,32 +34,32 @@ N = dp P E T ranks (N not a multiple of P E T is left out); the step is the
 schedule's op lists (models/schedule.py) replayed with each stage's F/B/W
 times (its models/cost.py FLOPs / T at the compute rate) and the receives of
 the activations and gradients between stages at the link's alpha-beta
-(simulate_lib/pipeline.py), with Megatron's 4 all-reduces of (b, T, d) per
-block inside the passes (simulate_lib/tensor.py, on --intra-link), the MoE
+(simulate/pipeline.py), with Megatron's 4 all-reduces of (b, T, d) per
+block inside the passes (simulate/tensor.py, on --intra-link), the MoE
 layers' 4 all-to-alls of the dispatched rows per micro-batch
-(simulate_lib/moe.py), and the gradient all-reduce, dense over dp x ep,
-experts over dp (simulate_lib/parallel.py). The table gains the bubble, p2p,
+(simulate/moe.py), and the gradient all-reduce, dense over dp x ep,
+experts over dp (simulate/parallel.py). The table gains the bubble, p2p,
 tp and a2a columns of the dimensions used.
 
 Links: --link (between nodes) and --intra-link (within one, default the
-same) name a preset (simulate_lib/links.py: nvlink, 400gbit, 200gbit,
+same) name a preset (simulate/links.py: nvlink, 400gbit, 200gbit,
 100gbit, 25gbit, 10gbit, 1gbit) or `local`, this host as --calibration
 measured it (every rank on it, sharing its cores). --alpha-us / --gbit
 replace the inter-node link's figures (a cluster measured elsewhere, an
 emulated one at a set rate).
 
---calibrate fits the constants to benchmark JSON (simulate_lib/calibrate.py)
+--calibrate fits the constants to benchmark JSON (simulate/calibrate.py)
 and writes them to --calibration with their fit errors. --validate runs
 dtlab-compare at each N of --ranks (or reads --measured DIR) and
 prints predicted against measured step time per run, the relative error
-and whether it is within 25% (simulate_lib/validate.py); with --hosts H the
+and whether it is within 25% (simulate/validate.py); with --hosts H the
 runs go across H emulated hosts (compare.py --hosts H --link-gbit X, at every
-rate of --link-gbit) and are predicted with that link (simulate_lib/emulated.py:
+rate of --link-gbit) and are predicted with that link (simulate/emulated.py:
 one rank or worker per host). --validate-parallel measures the pipeline rows of
 dtlab.lab.bench.parallel (pp 2: GPipe, 1F1B, ZB-H1 at m 4 and 8) and a
 dtlab-sync MoE run with --ep 2 (or reads --measured DIR: an earlier
 --validate-parallel folder) and prints predicted against measured step time
-and bubble (simulate_lib/validate_parallel.py). Exit status: 0, 1
+and bubble (simulate/validate_parallel.py). Exit status: 0, 1
 when a validated run is off by more than the bound, 2 for a bad flag.
 """
 
@@ -169,7 +169,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hosts", type=int, default=1,
                    help="--validate: run compare.py across this many emulated hosts (root; "
                         "one rank or worker per host) and predict with their shaped links "
-                        "(simulate_lib/emulated.py); 1: this host (default)")
+                        "(simulate/emulated.py); 1: this host (default)")
     g.add_argument("--link-gbit", default="1,0.1",
                    help="--validate --hosts H: the link rates in Gbit/s, comma-separated, "
                         "each measured and predicted (default 1,0.1)")
@@ -241,11 +241,11 @@ def parse_args(argv: list[str]):
     if o.hosts < 1:
         raise ConfigError(f"--hosts must be at least 1 (got {o.hosts})")
     o.rates = float_list(o.link_gbit, "--link-gbit")
-    if o.hosts > 1 and o.validate and not o.measured and cluster.check():
-        raise ConfigError(f"--hosts {o.hosts}: {cluster.check()}")
     if o.hosts > 1 and not o.measured and max(int_list(o.ranks, "--ranks")) > o.hosts:
         raise ConfigError(f"--hosts {o.hosts}: the emulated-cluster model takes one rank or "
                           f"worker per host; give --ranks of at most {o.hosts}")
+    if o.hosts > 1 and o.validate and not o.measured and cluster.check():
+        raise ConfigError(f"--hosts {o.hosts}: {cluster.check()}")
     for flag, value in (("--pp", o.pp), ("--tp", o.tp), ("--ep", o.ep),
                         ("--moe-steps", o.moe_steps)):
         if value < 1:
@@ -488,9 +488,33 @@ def do_predict(setup, o) -> int:
     return 0
 
 
+# with no flags and no calibration of this host: a stated nominal cluster, not this host
+NOMINAL = {"link": "100gbit", "intra_link": "nvlink", "gpus_per_node": 8, "tflops": 100.0}
+
+
+def nominal(o) -> bool:
+    """--link local asked for by default, with no calibration written yet: predict the
+    NOMINAL cluster instead (saying so and how to calibrate); True when it did."""
+    defaulted = (o.link == links.LOCAL and not o.intra_link and o.tflops is None
+                 and o.calibration == DEFAULT_CALIBRATION and o.gpus_per_node == 1)
+    if not defaulted or Path(o.calibration).exists() or o.calibrate or o.validate \
+            or o.validate_parallel:
+        return False
+    for k, v in NOMINAL.items():
+        setattr(o, k, v)
+    print(f"# no calibration of this host ({DEFAULT_CALIBRATION}): nominal constants, "
+          f"{o.gpus_per_node} ranks a node on {o.intra_link}, {o.link} between nodes, "
+          f"{o.tflops:g} TFLOP/s a rank. To predict this host, calibrate it from the "
+          "benchmarks' JSON (scripts/README.md, 'Predicting scale', step 1): dtlab-simulate "
+          "--calibrate --bench runs/ar.json runs/rounds.json runs/ps.json runs/model.json "
+          "runs/fanout.json")
+    return True
+
+
 def main(argv: list[str]) -> int:
     setup = parse_args(argv)
     o = setup.extra
+    nominal(o)
     if o.calibrate:
         return do_calibrate(o)
     if o.validate:

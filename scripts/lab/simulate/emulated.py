@@ -1,7 +1,7 @@
 """The step on an emulated cluster (compare.py --hosts H --link-gbit X): H network
 namespaces of this one host, each host's egress shaped by a token bucket, the CPUs shared.
 
-Placement is compare_lib/launch.py's: rank, worker or shard i on host i mod H.
+Placement is compare/launch.py's: rank, worker or shard i on host i mod H.
 The link is the alpha-beta model of one TCP stream through the shaped qdisc
 (Hockney 1994):
 

@@ -14,7 +14,7 @@ and sends the rows to their experts' ranks:
     backward  the rows' gradients back to the experts, and back again
 
 so 4 all-to-alls of `bytes` per MoE layer per micro-batch, each costing
-(e - 1) alpha + (e - 1)/e bytes beta (pairwise exchange, simulate_lib/formulas.py's
+(e - 1) alpha + (e - 1)/e bytes beta (pairwise exchange, simulate/formulas.py's
 "alltoall"). k is the router's slots (k_max with dynamic routing: an upper bound).
 Balanced routing is assumed: a skewed router makes the busiest rank's exchange and
 experts slower than this.

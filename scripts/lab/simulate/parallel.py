@@ -1,14 +1,14 @@
 """One step of a dp x pp x ep x tp layout: the pipeline's replay plus the gradient all-reduce.
 
-    step = pipeline makespan (simulate_lib/pipeline.py: the schedule's op lists replayed
+    step = pipeline makespan (simulate/pipeline.py: the schedule's op lists replayed
            with each stage's passes and receives)
          + the straggler wait (step.ComputeRate.straggler_s)
          + the exposed gradient all-reduce
          + the update: once-a-step work (the optimizer) on the rank's parameters
 
 A stage's passes per micro-batch are its FLOPs over t (tensor-split) at the compute
-rate, plus the communication inside them: tp's all-reduces (simulate_lib/tensor.py)
-and the MoE layers' all-to-alls (simulate_lib/moe.py) on the forward and on the input
+rate, plus the communication inside them: tp's all-reduces (simulate/tensor.py)
+and the MoE layers' all-to-alls (simulate/moe.py) on the forward and on the input
 gradient pass. The compute rate is seconds per FLOP of the whole model's forward and
 backward of one micro-batch (measured, or a calibrated fit's rate, or 1 / --tflops),
 so the work models/cost.py does not count (elementwise layers) is charged in

@@ -1,6 +1,6 @@
 """Predictions from 1 to 1024 ranks or workers: one row per N, every topology (the
 parameter server in lock-step, BSP: its pulls wait for the slowest push), or one
-dp x pp x ep x tp layout (simulate_lib/parallel.py)."""
+dp x pp x ep x tp layout (simulate/parallel.py)."""
 
 from __future__ import annotations
 

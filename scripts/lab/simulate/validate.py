@@ -14,7 +14,7 @@ process (as bench model JSON) serves the emulated hosts and a folder
 without the former. The communication comes from the calibration; nothing
 measured in the runs goes into the prediction.
 A folder run across emulated hosts (its summary's `emulated`: hosts and link
-rate) is predicted with that cluster's link (simulate_lib/emulated.py).
+rate) is predicted with that cluster's link (simulate/emulated.py).
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ def predict_run(name: str, w: Workload, n: int, shards: int, cal: dict, host: Ho
                 bucket_bytes: float, cluster: Cluster | None = None,
                 together: dict[tuple[str, int], Together] | None = None):
     """The step of run `name` (compare.py's run names) at N ranks or workers on this host,
-    or across `cluster`'s emulated hosts (simulate_lib/emulated.py). On this host the
+    or across `cluster`'s emulated hosts (simulate/emulated.py). On this host the
     compute is `together`'s (N processes measured stepping at once) where it holds N for
     the run's role, else one process's rate over its share of the cores."""
     threads = host.threads(n)

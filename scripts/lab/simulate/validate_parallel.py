@@ -9,7 +9,7 @@ step after warm-up of its metrics (validate.warm).
 Each launch first benchmarks the very model at one micro-batch in one process at the
 ranks' thread count (validate.bench_compute: forward + backward, and the optimizer's
 update, timed apart), then runs the measured program; its predictions
-(simulate_lib/parallel.py) take their compute rate and update time from that benchmark and
+(simulate/parallel.py) take their compute rate and update time from that benchmark and
 their communication from the calibration (calibrated.host_p2p point to point, the
 all-to-all fit, the all-reduce fits). Nothing measured in the runs goes into the
 prediction. With several launches the launch figures' medians are compared.
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from dtlab.lab import presets
-from dtlab.lab.bench.parallel_launch import SIZES
+from dtlab.lab.bench.parallel_formulas import SIZES
 from dtlab.lab.simulate import calibrate, parallel, pipeline, table, validate
 from dtlab.lab.simulate.calibrated import host_alltoall, host_network, host_p2p
 from dtlab.lab.simulate.step import Host

@@ -8,6 +8,7 @@ an unfinished save (a crash while writing), a directory that is not ours.
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import numpy as np
@@ -72,16 +73,32 @@ def test_missing_manifest_and_missing_file_are_named(tmp_path):
     assert skipped[1][1] == "params.npy: missing from checkpoint"
 
 
-def test_unfinished_save_is_skipped_and_said(tmp_path):
+def test_an_unfinished_save_is_removed_and_said(tmp_path, caplog):
     (first,) = write(tmp_path, 10)
     crashed = tmp_path / ".step-00000020.abc123"  # what save() leaves if killed mid-write
     crashed.mkdir()
     (crashed / "params.npy").write_bytes(b"\x93NUMPY")
-    path, skipped = checkpoint.latest_valid(str(tmp_path))
-    assert path == first
-    assert skipped == [(str(crashed), "an unfinished save (the writer stopped before renaming "
-                                      "it into place)")]
+    with caplog.at_level(logging.WARNING, logger="dtlab.models.run.checkpoint"):
+        assert checkpoint.latest_valid(str(tmp_path)) == (first, [])
+    assert f"{crashed}: removed (an unfinished save: the writer stopped before renaming it " \
+           "into place)" in caplog.text
+    assert sorted(os.listdir(tmp_path)) == ["step-00000010"]
     assert checkpoint.latest_valid(str(tmp_path), at_most=9) == (None, [])
+
+
+def test_a_save_removes_what_killed_saves_left_before_it_writes(tmp_path, caplog):
+    """A process that starts saving without --resume: its first save recovers the directory
+    (the temporary directory of a killed save, the copy a killed replace had moved aside)."""
+    (first,) = write(tmp_path, 10)
+    aside = tmp_path / ".replaced-step-00000010.x1"  # killed between _replace's renames
+    aside.mkdir()
+    os.rename(first, aside / "old")
+    (tmp_path / ".step-00000011.y2").mkdir()
+    with caplog.at_level(logging.WARNING, logger="dtlab.models.run.checkpoint"):
+        write(tmp_path, 12)
+    assert "step-00000010: put back from" in caplog.text
+    assert sorted(os.listdir(tmp_path)) == ["step-00000010", "step-00000012"]
+    np.testing.assert_array_equal(checkpoint.load(first)[0]["params"], params(10))
 
 
 def test_nothing_valid_gives_none_with_every_reason(tmp_path):

@@ -123,7 +123,7 @@ def test_one_file_serves_the_server_and_its_worker(tmp_path):
 def test_server_takes_seed_and_schedule_from_the_run_config(tmp_path):
     from dtlab.models.config import add_flags
     from dtlab.pserver.__main__ import SERVER_OPTIM_FLAGS, server_config
-    from dtlab.pserver.config import ServerConfig
+    from dtlab.pserver.common.config import ServerConfig
 
     setup = parse(["--config", write(tmp_path, RUN), "--num-workers", "3"], prog="t",
                   flags={"data": None, "optim": SERVER_OPTIM_FLAGS},

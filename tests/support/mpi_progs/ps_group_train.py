@@ -3,7 +3,7 @@
     mpiexec -n 4 python -m mpi4py tests/support/mpi_progs/ps_group_train.py OUT.npy \\
         --servers 127.0.0.1:50051 --pp 2 --model mlp ...
 
-Runs pserver.group_worker's `run_group` with the given worker flags (every
+Runs pserver.worker.group_worker's `run_group` with the given worker flags (every
 rank ends holding the servers' parameters of its partition after its last
 step), rebuilds every dense tensor of this rank's stage from its tp shards
 (dense_out.save_dense: every group holds the servers' values after its last
@@ -17,9 +17,9 @@ import sys
 from dense_out import save_dense
 
 from dtlab.models.config import from_namespace
-from dtlab.pserver.config import ClientConfig
-from dtlab.pserver.group_worker import run_group
-from dtlab.pserver.worker import WorkerConfig, parse_args
+from dtlab.pserver.common.config import ClientConfig
+from dtlab.pserver.worker.group_worker import run_group
+from dtlab.pserver.worker.loop import WorkerConfig, parse_args
 
 out, argv = sys.argv[1], sys.argv[2:]
 setup = parse_args(argv)

@@ -1,0 +1,237 @@
+"""Asynchronous workers simulated in one process: what staleness does, without the systems.
+
+    dtlab-train --model mlp --steps 200 --simulate-workers 4                 # 3 versions stale
+    dtlab-train --model mlp --steps 200 --simulate-workers 4 --staleness 0   # the same, fresh
+    dtlab-train --model mlp --steps 200 --simulate-workers 4 --staleness-lr divide
+
+W equal-speed ASP workers (Dean et al. 2012, Downpour SGD) against a parameter
+server take turns: worker w's step s is push p = s W + w. Each worker pulls
+right after its own push is applied, so by its next push the other W - 1 have
+pushed: every gradient is W - 1 versions stale (the first round's 0, 1, ...,
+W - 1, all workers having read the initial values). Here push p
+
+    reads   the parameters as they were before push max(0, p - S)    (S = W - 1 default)
+    grads   on worker w's batch of its step s: ShardedLoader(rank w, world W), the
+            loader pserver.worker.loop gives worker w, so the data is an ASP run's
+    clip    --clip on that gradient, as the worker clips before pushing
+    apply   one optimizer step on the current parameters, at the server's lr:
+            Schedule(W x --steps updates)(updates so far) (the span `pserver serve
+            --config` gives --steps x --num-workers; the index pserver.server.store
+            uses), with --staleness-lr divide / max(1, staleness)
+            (Zhang et al. 2016, "Staleness-aware Async-SGD"), staleness = updates now -
+            updates in the values read (pserver.server.store's rule)
+
+S = 0 is the same W-way sharded run without staleness; W = 1, S = 0 is plain
+dtlab-train bit for bit. A push whose half-precision gradient overflowed
+applies nothing (an ASP worker pushes nothing). --steps and --eval-every count
+rounds (one push per worker, a worker's steps); each metrics record is one
+push: "step" (its number, 1 .. W x --steps), "round", "worker", "update" (the
+updates applied after it), "read_version" and "staleness"; the header adds
+simulate_workers, staleness, staleness_lr and schedule_steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from dtlab.models.config import ConfigError, add_flags, choice, described, from_namespace
+from dtlab.models.data import ShardedLoader
+from dtlab.models.optim import Schedule, divided_lr
+from dtlab.models.run import moe_report
+from dtlab.models.run.metrics import MetricsLog
+from dtlab.models.run.progress import Progress
+from dtlab.models.run.session import RunConfig, Session, Setup
+from dtlab.models.run.stop import StopSignals
+from dtlab.models.run.trace import Trace
+from dtlab.models.run.trainer import Summary
+
+
+@dataclass
+class SimulateConfig:
+    simulate_workers: int = described(0, "train as W equal-speed asynchronous workers would "
+                                         "against a parameter server, in this one process "
+                                         "(models/run/simulated.py; left out: plain training)")
+    staleness: int = described(-1, "with --simulate-workers: each gradient is computed on the "
+                                   "parameters this many updates back (-1: W - 1, as W "
+                                   "equal-speed ASP workers; 0: none)")
+    staleness_lr: str = choice("none", "none", "divide",
+                               help="with --simulate-workers: divide the lr by the gradient's "
+                                    "staleness (Zhang et al. 2016), as the servers' "
+                                    "--staleness-lr")
+
+    @property
+    def stale(self) -> int:
+        """S, the updates each gradient is behind (-1 resolved to W - 1)."""
+        return self.simulate_workers - 1 if self.staleness == -1 else self.staleness
+
+    def validate(self):
+        W = self.simulate_workers
+        if W < 0:
+            raise ConfigError(f"--simulate-workers must be at least 1 (got {W})")
+        if self.staleness < -1:
+            raise ConfigError(f"--staleness must not be negative (got {self.staleness}; "
+                              "-1 is W - 1)")
+        if not W and (self.staleness != -1 or self.staleness_lr != "none"):
+            raise ConfigError("--staleness and --staleness-lr need --simulate-workers W")
+        if W == 1 and self.stale:
+            raise ConfigError(f"--staleness {self.stale} with --simulate-workers 1: one "
+                              "worker reads its own last update, its gradients are never "
+                              "stale; give --staleness 0 or more workers")
+        if W and self.stale > W - 1:
+            raise ConfigError(f"--staleness {self.stale} exceeds W - 1 = {W - 1}: {W} "
+                              f"equal-speed workers' gradients are at most {W - 1} updates "
+                              "stale")
+
+    def header(self, run: RunConfig) -> dict:
+        """The metrics header's fields of a simulated run."""
+        return {"simulate_workers": self.simulate_workers, "staleness": self.stale,
+                "staleness_lr": self.staleness_lr,
+                "schedule_steps": run.steps * self.simulate_workers}
+
+
+# Run flags a simulated run cannot take, and why.
+REFUSED = {
+    ("checkpoint_dir", "checkpoint_every", "resume", "keep"):
+        "a simulated run keeps no checkpoints (its state is W loaders and S past versions)",
+    ("straggler", "delay_ms"):
+        "the simulated workers are equal-speed and take turns; no time passes between them",
+}
+
+
+def add_simulate_flags(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, SimulateConfig, "simulated asynchronous workers")
+
+
+def simulate_config(setup: Setup) -> SimulateConfig | None:
+    """The --simulate-workers flags (None: plain training); ConfigError naming the flag
+    for a bad value or a run flag that does not combine with them."""
+    if getattr(setup.extra, "simulate_workers", None) == 0:
+        raise ConfigError("--simulate-workers must be at least 1 (got 0); leave it out for "
+                          "plain training")
+    cfg = from_namespace(SimulateConfig, setup.extra)
+    if not cfg.simulate_workers:
+        return None
+    run = setup.run
+    for names, why in REFUSED.items():
+        for name in names:
+            if getattr(run, name) != getattr(RunConfig, name):
+                raise ConfigError(f"--simulate-workers does not combine with "
+                                  f"--{name.replace('_', '-')}: {why}")
+    return cfg
+
+
+class SimulatedWorkers:
+    """The pushes of W workers taking turns, each gradient S updates stale."""
+
+    def __init__(self, session: Session, log: MetricsLog, cfg: SimulateConfig):
+        s, run = session, session.setup.run
+        self.s, self.log, self.cfg = s, log, cfg
+        self.W, self.S = cfg.simulate_workers, cfg.stale
+        self.loaders = [ShardedLoader(s.dataset, run.batch_size, rank=w, world=self.W,
+                                      seed=run.seed, micro_batches=run.grad_accum)
+                        for w in range(self.W)]
+        self.schedule = Schedule(s.setup.optim, run.steps * self.W)
+        # The optimizer steps `live`; the replica computes on params.data, which holds the
+        # values read (S = 0: they are the live ones, nothing copied). `past` holds
+        # (updates, values) before each of the last S + 1 pushes; past[0] is what the
+        # next push reads.
+        self.live = s.params.data if self.S == 0 else s.params.data.copy()
+        self.past = deque([(0, self.live.copy())], maxlen=self.S + 1) if self.S else None
+        self.updates = 0
+        self.trace = Trace(run.trace, pid=0, process=f"{self.W} simulated workers")
+
+    def read(self) -> int:
+        """The values the next push reads into params.data; how many updates they hold."""
+        if self.past is None:
+            return self.updates
+        updates, values = self.past[0]
+        self.s.params.data[...] = values
+        return updates
+
+    def push(self, p: int) -> dict:
+        """Push p: worker p mod W's step p // W."""
+        s, worker = self.s, p % self.W
+        t0 = time.perf_counter()
+        read = self.read()
+        loss = s.replica.compute_grads(self.loaders[worker].next())
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at push {p + 1} (worker {worker}); "
+                                     "lower --lr or enable --clip")
+        t1 = time.perf_counter()
+        apply, scaling = s.replica.finish_grads()  # mixed precision: unscaled, overflow checked
+        staleness = self.updates - read
+        lr = divided_lr(self.schedule(s.optimizer.steps), [staleness], self.cfg.staleness_lr)
+        grad_norm = None
+        if apply:
+            grad_norm = s.model.clip_grad_norm(s.params, s.setup.optim.clip)
+            s.optimizer.step(self.live, s.params.grad, lr)
+            self.updates += 1
+        if self.past is not None:
+            self.past.append((self.updates, self.live.copy() if apply else self.past[-1][1]))
+        t2 = time.perf_counter()
+        self.trace.span("compute", t0, t1, step=p + 1, worker=worker)
+        self.trace.span("optimizer", t1, t2)
+        return {"step": p + 1, "round": p // self.W + 1, "worker": worker,
+                "update": self.updates, "read_version": read, "staleness": staleness,
+                "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_s": t2 - t0,
+                "compute_s": t2 - t0, **scaling, **s.replica.timing,
+                **moe_report.merge([moe_report.step_record(s.model.moe)])}
+
+    def evaluate(self) -> float:
+        """The held-out loss of the live parameters (what a pull would read now)."""
+        t = time.perf_counter()
+        if self.past is not None:
+            self.s.params.data[...] = self.live
+        loss = self.s.replica.evaluate(self.s.heldout)
+        self.trace.span("eval", t, time.perf_counter())
+        return loss
+
+    def run(self) -> Summary:
+        """W x --steps pushes, or until SIGTERM / SIGINT (after the push in progress);
+        params.data ends holding the live parameters."""
+        run, W = self.s.setup.run, self.W
+        progress = Progress(run.steps, run.log_every)
+        start = time.perf_counter()
+        losses: list[float] = []
+        with StopSignals() as stop:
+            for p in range(run.steps * W):
+                record = self.push(p)
+                rounds = p // W + 1
+                if run.eval_every and p % W == W - 1 and (rounds % run.eval_every == 0
+                                                          or rounds == run.steps):
+                    t = time.perf_counter()
+                    record["eval_loss"] = self.evaluate()
+                    record["eval_s"] = time.perf_counter() - t  # not training time
+                record["elapsed_s"] = time.perf_counter() - start
+                losses.append(record["loss"])
+                self.log.write(record)
+                if p % W == W - 1:
+                    progress.update(rounds - 1, record["loss"],
+                                    f"update {self.updates}  lr {record['lr']:.2e}")
+                if stop.agreed():
+                    print(f"stopped by {stop.name} after push {p + 1}; a simulated run keeps "
+                          "no checkpoint", file=sys.stderr)
+                    break
+        if self.past is not None:
+            self.s.params.data[...] = self.live
+        self.trace.close()
+        summary = Summary.of(losses, time.perf_counter() - start, self.s.dataset.floor,
+                             run.batch_size * run.grad_accum)
+        summary.stopped_by, summary.exit_code = stop.name, stop.exit_code
+        summary.extra_lines = [self.describe(), *moe_report.summary_lines(
+            moe_report.layer_summaries(self.s.model.moe))]
+        if hasattr(self.s.replica, "summary_line"):
+            summary.extra_lines.append(self.s.replica.summary_line())
+        return summary
+
+    def describe(self) -> str:
+        """The summary's line that says the run was simulated, and how."""
+        lr = ", lr / staleness" if self.cfg.staleness_lr == "divide" else ""
+        return (f"simulated: {self.W} asynchronous worker(s) in one process taking turns, "
+                f"each gradient {self.S} update(s) stale (ASP steady state: {self.W - 1}); "
+                f"{self.updates} updates{lr}")

@@ -1,0 +1,239 @@
+"""The backup's end of chain replication: it follows the primary's journal, applies each
+change with the same store code in the same order, acknowledges each (and each heartbeat,
+with its beat: the primary's lease), and when the primary's stream ends, breaks or goes
+silent asks the primary and takes over or leaves (pserver.server.replication.primary
+describes the protocol and its rule of one primary)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from dtlab.protos import dtlab_ps_pb2 as pb
+from dtlab.pserver.common import auth
+from dtlab.pserver.common import codec as wire
+from dtlab.pserver.common import ranges as ranges_lib
+from dtlab.pserver.common.buffers import ChunkedArray
+from dtlab.pserver.common.errors import PSError
+from dtlab.pserver.server.replication import peer
+from dtlab.pserver.server.replication.journal import APPLIED, JOIN, REPLICATION, same_run, unpack
+
+if TYPE_CHECKING:
+    from dtlab.pserver.server.replication.primary import Replication
+
+log = logging.getLogger(__name__)
+
+
+class Follower:
+    """A backup's thread: joins the primary, loads its snapshot, applies its entries in
+    order and acknowledges each; then takes over, or leaves once dropped."""
+
+    def __init__(self, r: Replication):
+        self.r, self.store = r, r.store
+        self.applied = 0  # the primary's last entry applied here
+        self.caught_up = False  # holds the primary's snapshot
+        self._stopped = threading.Event()
+        self._call = None
+        self._heard = time.monotonic()  # when the primary's last message came
+        self._thread = threading.Thread(target=self._run, name="ps-follower", daemon=True)
+        cfg = r.cfg
+        token = auth.read_token(cfg.token_file, cfg.token_env)
+        self._metadata = auth.call_metadata(token)
+        self._channel = grpc.insecure_channel(
+            cfg.replica_of, options=[*wire.transport_options(cfg.max_message_bytes),
+                                     ("grpc.initial_reconnect_backoff_ms", 100),
+                                     ("grpc.min_reconnect_backoff_ms", 100),
+                                     ("grpc.max_reconnect_backoff_ms", 1000)])
+        self._replicate = self._channel.stream_stream(f"/{REPLICATION}/Replicate")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def fence(self) -> None:
+        """This backup was dropped (Replication.dropped): stop following at once."""
+        call = self._call
+        if call is not None:
+            call.cancel()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.fence()
+        self._thread.join(timeout=5)
+        self._channel.close()
+
+    def _run(self) -> None:
+        r, cfg = self.r, self.r.cfg
+        deadline = time.monotonic() + max(30.0, 10 * cfg.replica_timeout_s)
+        while not self._stopped.is_set():
+            try:
+                self._follow()
+                why = "its stream ended"
+            except grpc.RpcError as e:
+                why = f"{e.code().name}: {e.details()}"
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and not self.caught_up:
+                    r.fail(f"the primary {cfg.replica_of} refuses this backup: {e.details()}")
+                    return
+            except (PSError, ValueError, KeyError) as e:  # the replicas differ: no way on
+                r.fail(f"shard {self.store.layout.shard}: entry {self.applied + 1} from "
+                       f"{cfg.replica_of} does not apply to this backup ({e})")
+                return
+            if self._stopped.is_set():
+                return
+            if r.role == "dropped":
+                self._leave(why)
+                return
+            if not self.caught_up:
+                if time.monotonic() > deadline:
+                    r.fail(f"could not join the primary {cfg.replica_of} as its backup: {why}")
+                    return
+                log.info("joining %s: %s; trying again", cfg.replica_of, why)
+                self._stopped.wait(0.5)
+                continue
+            self._decide(why)
+            return
+
+    def _decide(self, why: str) -> None:
+        """The primary's stream is over: a primary that answers keeps its role (this backup
+        was dropped: it leaves); one that stops or was replaced, or nothing on its port, is
+        taken over from at once; silence, once the primary's lease has run out."""
+        r, primary, shard = self.r, self.r.cfg.replica_of, self.store.layout.shard
+        log.warning("shard %d: lost the primary %s (%s): asking it", shard, primary, why)
+        answer = peer.ask(primary, self._metadata, r.ask_timeout)
+        if isinstance(answer, pb.ReplicaStatusReply):
+            if answer.role in ("primary", "isolated"):
+                r.dropped(f"{why}; the primary answers as {answer.role}")
+                self._leave(why)
+                return
+            found = f"it answers as {answer.role}"
+        elif answer == peer.GONE:
+            found = "nothing listens on its port"
+        else:
+            found = "it gives no answer"
+            wait = self._heard + r.cfg.replica_timeout_s - time.monotonic()
+            if wait > 0:
+                log.info("shard %d: the primary %s gives no answer: taking over once its "
+                         "lease has run out, in %.2f s", shard, primary, wait)
+                if self._stopped.wait(wait):
+                    return
+        if not r.promote(f"{why}; {found}"):
+            self._leave(why)
+
+    def _leave(self, why: str) -> None:
+        """Dropped: stay (answering "dropped" to the primary) until the primary goes on in a
+        higher term, is gone or is no primary (bounded), then stop, to be restarted."""
+        r, primary = self.r, self.r.cfg.replica_of
+        limit = time.monotonic() + max(10.0, 10 * r.cfg.replica_timeout_s)
+        while not self._stopped.is_set() and time.monotonic() < limit:
+            answer = peer.ask(primary, self._metadata, r.ask_timeout)
+            if answer == peer.GONE or (isinstance(answer, pb.ReplicaStatusReply) and (
+                    answer.term > r.journal.term or answer.role not in ("primary",
+                                                                        "isolated"))):
+                break
+            self._stopped.wait(r.cfg.replica_timeout_s / 4)
+        if not self._stopped.is_set():
+            r.fail(f"the primary {primary} dropped this backup ({why}): restart this daemon "
+                   f"with --replica-of {primary} to rejoin")
+
+    def _follow(self) -> None:
+        r, store = self.r, self.store
+        lay = store.layout
+        up: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        up.put(wire.wrap(JOIN, pb.ReplicaJoin(
+            shard=lay.shard, num_shards=lay.num_shards, model=lay.model,
+            model_size=lay.model_size, layout_crc32=lay.layout_crc, address=r.address,
+            config=json.dumps(same_run(r.config)))))
+        self._call = call = self._replicate(iter(up.get, None), metadata=self._metadata)
+        self._heard = time.monotonic()
+        watch = threading.Thread(target=self._watch, args=(call,), daemon=True,
+                                 name="ps-follower-watch")
+        watch.start()
+        snapshot: bytearray | None = None
+        expect: pb.ReplicaState | None = None
+        entry, grad, header = None, None, None
+        try:
+            for raw in call:
+                self._heard = time.monotonic()
+                kind, value = wire.HAND.read(pb.ReplicaDown, raw)
+                if kind == "state":
+                    expect, snapshot = value, bytearray()
+                elif kind == "state_part":
+                    if snapshot is None or value.start != len(snapshot):
+                        raise PSError(f"snapshot part at {value.start} out of order")
+                    snapshot += value.data
+                    if len(snapshot) == expect.nbytes:
+                        self._load(bytes(snapshot), expect)
+                        snapshot = None
+                elif kind == "entry":
+                    entry = value
+                    if value.kind == pb.ReplicaEntry.REGISTER:
+                        store.register(value.worker_id, lay.model, lay.model_size,
+                                       lay.layout_crc, value.registration)
+                        self._done(value.seq, up)
+                    elif value.kind == pb.ReplicaEntry.DEREGISTER:
+                        store.deregister(value.worker_id)
+                        self._done(value.seq, up)
+                elif kind == "heartbeat":  # answered with its beat: the primary's lease
+                    if value.term != r.journal.term:
+                        raise PSError(f"a heartbeat of term {value.term}; this backup "
+                                      f"follows term {r.journal.term}")
+                    up.put(wire.wrap(APPLIED, pb.ReplicaApplied(
+                        seq=self.applied, term=value.term, beat=value.beat)))
+                elif kind == "header":
+                    if entry is None or entry.kind != pb.ReplicaEntry.PUSH:
+                        raise PSError("a push's header without its entry")
+                    header = value
+                    ranges = ranges_lib.decode(value.ranges, lay.length) \
+                        if value.HasField("ranges") else None
+                    n = lay.length if ranges is None else ranges_lib.size(ranges)
+                    grad = ChunkedArray(n, store.params.dtype, name="gradient")
+                elif grad is None:
+                    raise PSError(f"a {kind} outside a push")
+                elif kind == "chunk":
+                    grad.add(*value)
+                elif kind == "trailer":
+                    grad.finish(value)
+                    store.push(header.worker_id, header.step, header.meta.version, grad,
+                               ranges)
+                    self._done(entry.seq, up)
+                    grad = header = None
+        finally:
+            up.put(None)
+            self._call = None
+
+    def _load(self, data: bytes, expect: pb.ReplicaState) -> None:
+        if wire.adler32(data) != expect.adler32:
+            raise PSError(f"the primary's snapshot fails its Adler-32 ({len(data)} bytes)")
+        state = unpack(data)
+        store = self.store
+        with store.locked():
+            store.load_state(state)
+            for w, registration in state["registrations"].items():
+                store.clocks.workers[w].registration = registration
+        self.applied, self.caught_up = expect.seq, True
+        if self.r.joined(expect.term):
+            log.info("shard %d: backup of %s from version %d (entry %d, term %d)",
+                     self.store.layout.shard, self.r.cfg.replica_of, self.store.version,
+                     expect.seq, expect.term)
+
+    def _done(self, seq: int, up: queue.SimpleQueue) -> None:
+        if seq != self.applied + 1:
+            raise PSError(f"entry {seq} after entry {self.applied}: entries lost or reordered")
+        self.applied = seq
+        up.put(wire.wrap(APPLIED, pb.ReplicaApplied(seq=seq, term=self.r.journal.term)))
+
+    def _watch(self, call) -> None:
+        """Cancels the stream once the primary has said nothing for --replica-timeout-s."""
+        limit = self.r.cfg.replica_timeout_s
+        while self._call is call and not self._stopped.is_set():
+            if time.monotonic() - self._heard > limit:
+                log.warning("no word from the primary %s for %.1f s", self.r.cfg.replica_of,
+                            limit)
+                call.cancel()
+                return
+            self._stopped.wait(limit / 8)

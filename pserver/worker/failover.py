@@ -1,0 +1,157 @@
+"""A worker's client of a replicated shard: its primary, and its backup to fail over to.
+
+`--servers` lists a shard kept by two daemons (`dtlab-pserver serve --replicas
+2`, pserver.server.replication.primary) as PRIMARY|BACKUP (either order). ReplicatedShard
+holds one ShardClient per daemon and sends every call to the one it takes
+for the primary: at connect, the first whose health check says SERVING (a
+backup says NOT_SERVING). A call that fails with UNAVAILABLE (the daemon is
+dead: connection refused or reset; or it is a backup, or a primary that was
+replaced, which answer workers UNAVAILABLE) is sent to the other daemon,
+then back, with exponential backoff after each round of both, up to
+--retries rounds. The call is the same call: a push keeps its (worker, step),
+so a push that reached the backup before the primary died is answered as a
+duplicate by the new primary and applied once (Li et al. 2014). The worker's
+registration is the primary's, which the backup holds too (replicated), so
+nothing is registered again after a failover.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dtlab.protos import dtlab_ps_pb2 as pb
+from dtlab.pserver.common.codec import SERVICE
+from dtlab.pserver.common.config import ClientConfig
+
+log = logging.getLogger(__name__)
+
+SEPARATOR = "|"  # between the addresses of one shard's replicas in --servers
+_MAX_BACKOFF_S = 2.0
+
+
+class ReplicatedShard:
+    """The ShardClient interface over one shard's replicas; `make(address, cfg)` makes
+    each replica's ShardClient (it retries nothing itself: this fails over instead)."""
+
+    def __init__(self, addresses: list[str], cfg: ClientConfig, make: Callable):
+        self.cfg = cfg
+        once = dataclasses.replace(cfg, retries=0)
+        self.replicas = [make(a, once) for a in addresses]
+        self.current = 0
+        self.failovers = 0  # switches from one replica to the other
+        self.pushed_bytes = self.pulled_bytes = 0  # counted by PSClient, as on a ShardClient
+
+    @property
+    def address(self) -> str:
+        return self.replicas[self.current].address
+
+    @property
+    def info(self) -> pb.RegisterReply | None:
+        return self.replicas[self.current].info
+
+    @info.setter
+    def info(self, value: pb.RegisterReply | None) -> None:
+        for r in self.replicas:
+            r.info = value
+
+    @property
+    def registration(self) -> int:
+        return self.replicas[0].registration
+
+    @registration.setter
+    def registration(self, value: int) -> None:
+        for r in self.replicas:
+            r.registration = value
+
+    @property
+    def partition(self) -> pb.PartitionLayout | None:
+        return self.replicas[0].partition
+
+    @partition.setter
+    def partition(self, value: pb.PartitionLayout | None) -> None:
+        for r in self.replicas:
+            r.partition = value
+
+    @property
+    def shared_memory(self) -> bool:
+        return self.replicas[self.current].shared_memory
+
+    def wait_ready(self) -> None:
+        """Until one replica's health says SERVING (bounded): that one is the primary."""
+        start, delay = time.monotonic(), self.cfg.backoff_s
+        request = health_pb2.HealthCheckRequest(service=SERVICE)
+        seen: dict[str, str] = {}
+        while time.monotonic() - start < self.cfg.connect_timeout_s:
+            for i, r in enumerate(self.replicas):
+                try:
+                    reply = health_pb2_grpc.HealthStub(r.channel).Check(
+                        request, timeout=min(2.0, self.cfg.rpc_timeout_s))
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        self.current = i
+                        return
+                    seen[r.address] = "not serving (a backup, or a primary without one yet)"
+                except grpc.RpcError as e:
+                    seen[r.address] = e.code().name
+            time.sleep(delay)
+            delay = min(_MAX_BACKOFF_S, delay * 2)
+        found = "; ".join(f"{a}: {why}" for a, why in seen.items())
+        raise TimeoutError(f"no replica of {'|'.join(r.address for r in self.replicas)} "
+                           f"serves after {self.cfg.connect_timeout_s:g} s ({found})")
+
+    def _on_primary(self, call: Callable, what: str):
+        """call(replica) on the primary; on UNAVAILABLE, on the other replica, and so on."""
+        n = len(self.replicas)
+        rounds, delay = self.cfg.retries + 1, self.cfg.backoff_s
+        for i in range(rounds * n):
+            replica = self.replicas[self.current]
+            try:
+                return call(replica)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or i == rounds * n - 1:
+                    raise
+                self.current = (self.current + 1) % n
+                self.failovers += 1
+                log.warning("%s %s: %s; trying %s", replica.address, what, e.details(),
+                            self.address)
+                if (i + 1) % n == 0:
+                    time.sleep(min(_MAX_BACKOFF_S, delay) * random.uniform(0.5, 1))
+                    delay *= 2
+        raise AssertionError("unreachable")
+
+    def register(self, worker: int | None, model: str, model_size: int, layout_crc: int,
+                 run_config: str = "") -> pb.RegisterReply:
+        info = self._on_primary(lambda r: r.register(worker, model, model_size, layout_crc,
+                                                     run_config), "Register")
+        self.info = info
+        return info
+
+    def deregister(self, worker: int) -> None:
+        self._on_primary(lambda r: r.deregister(worker), "Deregister")
+
+    def stats(self) -> pb.StatsReply:
+        return self._on_primary(lambda r: r.stats(), "Stats")
+
+    def save_checkpoint(self) -> pb.CheckpointReply:
+        return self._on_primary(lambda r: r.save_checkpoint(), "SaveCheckpoint")
+
+    def pull_into(self, out, worker: int, known_version: int | None) -> tuple[int, bool]:
+        return self._on_primary(lambda r: r.pull_into(out, worker, known_version), "Pull")
+
+    def push(self, grad, worker: int, step: int, version: int,
+             ranges=None) -> pb.PushReply:
+        return self._on_primary(lambda r: r.push(grad, worker, step, version, ranges), "Push")
+
+    def push_pull(self, grad, worker: int, step: int, version: int, out, ranges=None):
+        return self._on_primary(lambda r: r.push_pull(grad, worker, step, version, out, ranges),
+                                "PushPull")
+
+    def close(self) -> None:
+        for r in self.replicas:
+            r.close()

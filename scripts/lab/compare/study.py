@@ -1,0 +1,163 @@
+"""A fair comparison: every method at its own best hyperparameters, over several seeds.
+
+    dtlab-compare --tune lr=0.005,0.01,0.02 --seeds 3      # what the default does
+    dtlab-compare --tune lr=0.01,0.03 --tune momentum=0.5,0.9 --optimizer sgd --seeds 2
+    dtlab-compare --tune none --seeds 1                    # one run per method, as given
+
+A comparison of training methods is only as good as the tuning each got
+(Shallue et al. 2019, "Measuring the effects of data parallelism on neural
+network training"; Choi et al. 2019, "On empirical comparisons of
+optimizers for deep learning"): ASP with W workers makes W times as many
+updates as sync, each on 1/W of the batch, so one learning rate cannot
+suit both. The protocol:
+
+1. Tune. Every method runs at every point of the grid (the Cartesian
+   product of the --tune values; default: the config's lr times 0.5, 1
+   and 2) with the tuning seed (the config's --seed).
+2. Select. Each method's best point is the one with the shortest time to
+   the target on the held-out loss; points that never reach it rank after
+   those that do, by their final held-out loss (lower is better).
+3. Evaluate. Each method runs at its best point with K fresh seeds (the
+   tuning seed + 1 ... + K: initial weights and data order), so the figures
+   reported are not the ones the choice was made on (no winner's curse).
+   The report gives each figure's mean and its spread, min-max over the
+   seeds, and how many seeds reached the target.
+
+Held-out loss is on by default (every run evaluates the same held-out
+examples every steps/20 steps); targets and "best" are judged on it.
+With one grid point and one seed (--tune none --seeds 1) there is no
+study: each method runs once, as configured, into OUT itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from dtlab.lab.compare.launch import RunSpec
+from dtlab.models.config import ConfigError
+from dtlab.models.optim import OptimConfig
+
+DEFAULT_FACTORS = (0.5, 1.0, 2.0)  # of the config's lr: the default grid
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Hyperparameter values to try: name -> values (OptimConfig fields)."""
+
+    axes: dict[str, tuple]
+
+    def points(self) -> list[dict]:
+        names = list(self.axes)
+        return [dict(zip(names, values, strict=True))
+                for values in itertools.product(*(self.axes[n] for n in names))]
+
+    def describe(self) -> str:
+        return "; ".join(f"{n} in {{{', '.join(f'{v:g}' for v in vs)}}}"
+                         for n, vs in self.axes.items())
+
+
+def parse_grid(given: list[str], optim: OptimConfig) -> Grid:
+    """--tune NAME=V1,V2,... (repeatable); ["none"]: the config alone; []: the default,
+    the config's lr times DEFAULT_FACTORS."""
+    if not given:
+        return Grid({"lr": tuple(round(optim.lr * f, 12) for f in DEFAULT_FACTORS)})
+    if given == ["none"]:
+        return Grid({})
+    fields = {f.name: f for f in dataclasses.fields(OptimConfig)}
+    axes: dict[str, tuple] = {}
+    for item in given:
+        name, sep, values = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or not values.strip():
+            raise ConfigError(f"--tune {item!r}: expected NAME=V1,V2,... (e.g. lr=0.005,0.01)")
+        if name not in fields or fields[name].type not in ("float", float):
+            numeric = sorted(n for n, f in fields.items() if f.type in ("float", float))
+            raise ConfigError(f"--tune {item!r}: {name!r} is not a numeric optimizer setting "
+                              f"(one of {', '.join(numeric)})")
+        if name in axes:
+            raise ConfigError(f"--tune names {name} twice")
+        try:
+            vals = tuple(float(v) for v in values.split(","))
+        except ValueError:
+            raise ConfigError(f"--tune {item!r}: values must be numbers") from None
+        if len(set(vals)) != len(vals):
+            raise ConfigError(f"--tune {item!r}: a value is given twice")
+        for v in vals:  # each point must be a valid config
+            try:
+                dataclasses.replace(optim, **{name: v}).validate()
+            except ConfigError as e:
+                raise ConfigError(f"--tune {item!r}: {e}") from None
+        axes[name] = vals
+    return Grid(axes)
+
+
+def label(point: dict) -> str:
+    """A grid point as a folder name and a table cell: "lr=0.005,momentum=0.9"."""
+    return ",".join(f"{k}={v:g}" for k, v in point.items()) or "as-configured"
+
+
+@dataclass
+class Trial:
+    """One run of one method at one grid point with one seed."""
+
+    spec: RunSpec
+    point: dict
+    seed: int
+    stats: dict | None = None  # analysis.measure's, None when the run failed
+    folder: str = ""  # relative to OUT
+    what_ran: dict = field(default_factory=dict)
+
+    def key(self) -> tuple[float, float]:
+        """Selection order: time to the held-out target (inf: not reached or failed), then
+        the final held-out loss."""
+        s = self.stats
+        if s is None:
+            return math.inf, math.inf
+        t = held_time_to_target(s)
+        final = s.get("final_eval_loss")
+        return (math.inf if t is None else t,
+                math.inf if final is None or not math.isfinite(final) else final)
+
+
+def held_time_to_target(stats: dict) -> float | None:
+    """Seconds to the first held-out evaluation at or below the target (HE x steps)."""
+    k = stats.get("eval_steps_to_target")
+    return None if k is None else stats["s_per_step"] * k
+
+
+def best_point(trials: list[Trial]) -> dict:
+    """The grid point of the trial that ranks first (see Trial.key); ties: the grid order."""
+    return min(trials, key=Trial.key).point
+
+
+def spread(values: list[float]) -> dict | None:
+    """Mean, min and max of the values (None when there are none)."""
+    if not values:
+        return None
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def aggregate(trials: list[Trial], global_batch: int) -> dict:
+    """One method's seeds at its best point: each figure's spread over the seeds that
+    finished (time and samples to target: over the seeds that reached it)."""
+    done = [t for t in trials if t.stats is not None]
+    times = [held_time_to_target(t.stats) for t in done]
+    reached = [x for x in times if x is not None]
+    steps = [t.stats["eval_steps_to_target"] for t in done
+             if t.stats["eval_steps_to_target"] is not None]
+    return {
+        "seeds": [t.seed for t in trials],
+        "finished": len(done),
+        "reached": len(reached),
+        "time_to_target_s": spread(reached),
+        "samples_to_target": spread([k * global_batch for k in steps]),
+        "final_eval_loss": spread([t.stats["final_eval_loss"] for t in done
+                                   if t.stats.get("final_eval_loss") is not None]),
+        "final_loss": spread([t.stats["final_loss"] for t in done]),
+        "s_per_step": spread([t.stats["s_per_step"] for t in done]),
+    }

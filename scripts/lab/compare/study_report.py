@@ -1,0 +1,257 @@
+"""What a comparison with tuning and seeds writes (compare/study.py's protocol).
+
+    summary.json           the setup, the protocol, per method its best point, the spread
+                           of every figure over the seeds and what ran; every run
+    report.md              leads with one table: each method at its best, time and samples
+                           to the held-out target with their spread, vs the first method;
+                           then the sensitivity table, what ran, the plots, every run
+    sensitivity.png        final held-out loss against each tuned value, one line per method
+    heldout_vs_samples.png held-out loss against samples seen: mean over the seeds at each
+                           method's best point, min-max band
+    heldout_vs_time.png    ... against seconds of training
+    time_split.png         ms per step (compute, comm, pull, other), mean over the seeds
+
+Each run's own files (metrics, logs, config) are in OUT/tune/POINT/ (tuning, the tuning
+seed) and OUT/seed-S/POINT/ (evaluation seeds), named after the run.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from dtlab.lab.compare import study
+from dtlab.lab.compare.analysis import SPLIT, ran_words
+from dtlab.lab.compare.launch import RunSpec
+from dtlab.lab.compare.report import NO_MATPLOTLIB, Result, _f
+
+PLOTS = {"sensitivity.png": "final held-out loss against the tuned setting",
+         "heldout_vs_samples.png": "held-out loss against samples seen (band: min-max over "
+                                   "seeds)",
+         "heldout_vs_time.png": "held-out loss against wall time (band: min-max over seeds)",
+         "time_split.png": "where a step's time goes (mean over seeds)"}
+
+
+def summary(data: dict, specs: list[RunSpec], grid: study.Grid, best: dict, seeds: list[int],
+            trials: list[study.Trial], results: list[Result]) -> dict:
+    methods = []
+    for spec in specs:
+        mine = [t for t in trials if t.spec.name == spec.name]
+        final = [t for t in mine if t.seed in seeds and t.point == best[spec.name]
+                 and t.folder.startswith("seed-")]
+        agg = study.aggregate(final, data["global_batch"])
+        methods.append({
+            "name": spec.name, "what": spec.describe(), "best": best[spec.name],
+            "tuning": [{"point": t.point, "folder": t.folder, "status": "ok" if t.stats else
+                        "failed", "time_to_target_s": study.held_time_to_target(t.stats)
+                        if t.stats else None,
+                        "final_eval_loss": t.stats.get("final_eval_loss") if t.stats else None}
+                       for t in mine if t.folder.startswith("tune")],
+            **agg,
+            "what_ran": [t.what_ran for t in final],
+        })
+    base = methods[0]["time_to_target_s"]
+    for m in methods:
+        t = m["time_to_target_s"]
+        m["vs_first"] = t["mean"] / base["mean"] if t and base else None
+    runs = [{"name": r.name, "phase": r.phase, "point": r.point, "seed": r.seed,
+             "folder": r.folder, "status": "ok" if r.ok else "failed", "error": r.outcome.error,
+             "log_tail": r.outcome.tail, "wall_s": r.outcome.wall_s,
+             "metrics": [f"{r.folder}/{p.name}" for p in r.outcome.metrics],
+             "commands": r.outcome.commands, "stats": r.stats, "what_ran": r.ran}
+            for r in results]
+    protocol = {"grid": grid.axes, "tuning_seed": data["config"]["run"]["seed"],
+                "seeds": seeds, "spread": "min-max over the seeds",
+                "selection": "shortest time to the held-out target; unreached points after, "
+                             "by final held-out loss",
+                "held_out": {"every": data["config"]["run"]["eval_every"],
+                             "examples": data["config"]["run"]["eval_samples"]}}
+    return {**data, "protocol": protocol, "methods": methods, "runs": runs}
+
+
+def _spread(s: dict | None, fmt: str) -> str:
+    if s is None:
+        return "-"
+    if s["n"] == 1 or s["min"] == s["max"]:
+        return format(s["mean"], fmt)
+    return f"{format(s['mean'], fmt)} [{format(s['min'], fmt)}-{format(s['max'], fmt)}]"
+
+
+def leading_table(data: dict) -> list[str]:
+    first = data["methods"][0]["name"]
+    names = list(data["protocol"]["grid"]) or ["-"]
+    rows = [f"| method | what | best {', '.join(names)} | time to target (s) | reached "
+            f"| samples to target | final held-out loss | ms/step | vs {first} |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for m in data["methods"]:
+        best = ", ".join(f"{v:g}" for v in m["best"].values()) or "as configured"
+        ms = m["s_per_step"]
+        ms = None if ms is None else {k: v * 1e3 if k != "n" else v for k, v in ms.items()}
+        rows.append(f"| {m['name']} | {m['what']} | {best} "
+                    f"| {_spread(m['time_to_target_s'], '.2f')} "
+                    f"| {m['reached']}/{len(m['seeds'])} "
+                    f"| {_spread(m['samples_to_target'], ',.0f')} "
+                    f"| {_spread(m['final_eval_loss'], '.4f')} | {_spread(ms, '.2f')} "
+                    f"| {_f(m['vs_first'], '.2f')} |")
+    return rows
+
+
+def sensitivity_table(data: dict) -> list[str]:
+    """Per method and grid point: the tuning seed's final held-out loss and time to target."""
+    points = [t["point"] for t in data["methods"][0]["tuning"]]
+    if not points:
+        return []
+    head = " | ".join(study.label(p) for p in points)
+    rows = [f"| method | {head} |", "|---|" + "---|" * len(points)]
+    for m in data["methods"]:
+        cells = []
+        for t in m["tuning"]:
+            loss, time_s = t["final_eval_loss"], t["time_to_target_s"]
+            cell = "failed" if t["status"] != "ok" else \
+                f"{_f(loss, '.4f')} ({'-' if time_s is None else f'{time_s:.2f} s'})"
+            cells.append(f"**{cell}**" if t["point"] == m["best"] else cell)
+        rows.append(f"| {m['name']} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def what_ran_table(data: dict) -> list[str]:
+    rows = ["| method | what ran (every seed) |", "|---|---|"]
+    for m in data["methods"]:
+        words = list(dict.fromkeys(ran_words(r) for r in m["what_ran"] if r)) or ["-"]
+        rows.append(f"| {m['name']} | {' / '.join(words)} |")
+    return rows
+
+
+def runs_table(data: dict) -> list[str]:
+    rows = ["| run | phase | point | seed | status | final held-out loss | held-out steps to "
+            "target | ms/step | folder |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in data["runs"]:
+        s = r["stats"] or {}
+        rows.append(f"| {r['name']} | {r['phase']} | {study.label(r['point'])} | {r['seed']} "
+                    f"| {r['status']} | {_f(s.get('final_eval_loss'), '.4f')} "
+                    f"| {_f(s.get('eval_steps_to_target'), 'd')} "
+                    f"| {_f(s['s_per_step'] * 1e3 if s else None, '.2f')} | {r['folder']} |")
+    return rows
+
+
+def write(out: Path, data: dict, results: list[Result], lines: list[str]) -> None:
+    p = data["protocol"]
+    grid = study.Grid(p["grid"]).describe() or "none"
+    first = data["methods"][0]["name"]
+    text = ["# Sync vs async training, each method at its own best", "", *lines,
+            f"- protocol: every method tuned over {grid} with seed {p['tuning_seed']}, then "
+            f"run at its best point with seeds {', '.join(map(str, p['seeds']))}; held-out "
+            f"loss every {p['held_out']['every']} steps on {p['held_out']['examples']} "
+            f"examples (the same for every run); best = {p['selection']}", "",
+            "## Each method at its best", "", *leading_table(data), "",
+            "Figures over the evaluation seeds: mean [min-max]. time to target: ms/step x the "
+            "first evaluated step whose held-out loss is at or below the target, over the "
+            "seeds that reached it (reached: how many did); samples to target: that step x "
+            f"the global batch; final held-out loss: the last evaluation; vs {first}: mean "
+            f"time to target / {first}'s. -: no seed reached the target.", ""]
+    sens = sensitivity_table(data)
+    if sens:
+        text += ["## Sensitivity to the tuned setting (tuning seed)", "", *sens, "",
+                 "Each cell: final held-out loss (time to the held-out target); bold: the "
+                 "method's best point.", ""]
+    text += ["## What ran", "", *what_ran_table(data), "",
+             "From each run's own metrics: the all-reduce each gradient bucket ran (sync), "
+             "how each shard's tensors travelled (async; every path a worker recorded), "
+             "compute precision and the wire dtype.", ""]
+    failed = [r for r in results if not r.ok]
+    if failed:
+        text += ["## Failed runs", ""]
+        for r in failed:
+            text += [f"### {r.name} ({r.folder})", "", r.outcome.error, "", "```",
+                     r.outcome.tail, "```", ""]
+    text += ["## Plots", ""]
+    text += ([f"![{PLOTS[q]}]({q})" for q in data["plots"]] if data["plots"]
+             else [data["plots_note"]])
+    text += ["", "## Every run", "", *runs_table(data), "",
+             "Each run's metrics, log and config are in its folder; summary.json holds every "
+             "number above.", ""]
+    (out / "report.md").write_text("\n".join(text) + "\n")
+
+
+def bands(curves: list, x: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Held-out curves of several seeds on their common evaluation steps: x (the mean of
+    the seeds' x there), mean, min and max of the held-out loss."""
+    steps = sorted(set.intersection(*(set(c.eval_steps.tolist()) for c in curves)))
+    idx = np.array(steps) - 1  # [E]
+    xs = np.mean([getattr(c, x)[idx] for c in curves], axis=0)  # [E]
+    ys = np.array([[c.eval_loss[list(c.eval_steps).index(s)] for s in steps]
+                   for c in curves])  # [seeds, E]
+    return xs, ys.mean(axis=0), ys.min(axis=0), ys.max(axis=0)
+
+
+def plot(out: Path, data: dict, results: list[Result], floor: float | None,
+         target: float) -> tuple[list[str], str]:
+    """The PNG plots written, or none and why."""
+    try:
+        import matplotlib
+    except ImportError:
+        return [], NO_MATPLOTLIB
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best = {m["name"]: m["best"] for m in data["methods"]}
+    final = {name: [r for r in results if r.phase == "seed" and r.name == name
+                    and r.curve is not None and r.curve.eval_steps.size] for name in best}
+    written = []
+    axes = list(data["protocol"]["grid"])
+    if axes:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for m in data["methods"]:
+            pts = [(t["point"][axes[0]], t["final_eval_loss"]) for t in m["tuning"]
+                   if t["final_eval_loss"] is not None and math.isfinite(t["final_eval_loss"])]
+            if pts:
+                ax.plot(*zip(*sorted(pts), strict=True), "o-", label=m["name"], linewidth=1.2)
+        if floor is not None:
+            ax.axhline(floor, color="black", linestyle=":", linewidth=1, label="floor")
+        ax.axhline(target, color="black", linestyle="--", linewidth=1, label="target")
+        ax.set_xscale("log")
+        ax.set(xlabel=axes[0] + (" (other settings: every point)" if len(axes) > 1 else ""),
+               ylabel="final held-out loss (nats)", title=PLOTS["sensitivity.png"])
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "sensitivity.png", dpi=110)
+        plt.close(fig)
+        written.append("sensitivity.png")
+    for name, x, label in (("heldout_vs_samples.png", "samples", "samples seen"),
+                           ("heldout_vs_time.png", "elapsed_s", "seconds of training")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for method, runs in final.items():
+            if not runs:
+                continue
+            xs, mean, lo, hi = bands([r.curve for r in runs], x)
+            (line,) = ax.plot(xs, mean, label=f"{method} ({study.label(best[method])})",
+                              linewidth=1.2,
+                              linestyle="-" if runs[0].outcome.spec.topology == "sync" else "--")
+            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
+        if floor is not None:
+            ax.axhline(floor, color="black", linestyle=":", linewidth=1, label="floor")
+        ax.axhline(target, color="black", linestyle="--", linewidth=1, label="target")
+        ax.set(xlabel=label, ylabel="held-out loss (nats)", title=PLOTS[name])
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(name)
+    shown = [m for m in best if final[m]]
+    if shown:
+        fig, ax = plt.subplots(figsize=(7, 0.5 * len(shown) + 1.5))
+        left = [0.0] * len(shown)
+        for part in SPLIT:
+            widths = [float(np.mean([r.stats["split_ms"][part] for r in final[m]]))
+                      for m in shown]
+            ax.barh(shown, widths, left=left, label=part)
+            left = [a + b for a, b in zip(left, widths, strict=True)]
+        ax.invert_yaxis()
+        ax.set(xlabel="ms per step", title=PLOTS["time_split.png"])
+        ax.legend(fontsize=8, ncol=len(SPLIT), loc="upper center", bbox_to_anchor=(0.5, -0.12))
+        fig.savefig(out / "time_split.png", dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        written.append("time_split.png")
+    return written, ""

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dtlab.lab.compare import cluster
 from dtlab.lab.simulate import calibrate, validate
 from dtlab.lab.simulate.calibrated import host_server
 from dtlab.lab.simulate.emulated import Cluster, ps_step_on, sync_step_on
@@ -39,7 +40,6 @@ from dtlab.lab.simulate.step import (
     ps_step_together,
     sync_step,
 )
-from dtlab.lab.compare import cluster
 from dtlab.models.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -332,9 +332,13 @@ def test_tiny_validation_against_real_runs(tmp_path):
                     "--val-runs", "sync-ring,async-bsp", "--val-shards", "1", "--launches", "1",
                     "--out", str(out),
                     "--json", str(report), timeout=180)
-    assert done.returncode in (0, 1), done.stderr  # 1: off by more than the bound
+    assert done.returncode in (0, 1), done.stderr  # 1: a row off by more than 25%
     assert "# legend:" in done.stdout and "sync-ring" in done.stdout
     rows = json.loads(report.read_text())["rows"]
+    # the compute is this host's own, measured in the same launch, the links synthetic
+    # constants of this host's order: each prediction within a factor of 2 of its run
+    for r in rows:
+        assert 0.5 <= r["pred_step_s"] / r["meas_step_s"] <= 2.0, (r["run"], r["rel_err"])
     assert [r["run"] for r in rows] == ["sync-ring", "async-bsp"]
     for r in rows:
         assert r["n"] == 2 and r["meas_step_s"] > 0 and r["pred_step_s"] > 0

@@ -1,7 +1,3 @@
-"""The parts of dtlab-compare, one job each.
-
-    launch.py      run names; the commands of a sync or async run; running one to its end
-    processes.py   starting processes, following the trees under them, stopping all of it
-    analysis.py    metrics files -> loss curves and the per-run numbers (Omnivore's split)
-    report.py      summary.json, report.md and the PNG plots
-"""
+"""dtlab-compare: sync against async training of one model on one budget, each method
+at its own tuned hyperparameters over several seeds, judged on held-out loss, with what
+every run actually did on the record. ARCHITECTURE.md maps its modules."""

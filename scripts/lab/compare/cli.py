@@ -59,6 +59,7 @@ from dtlab.lab.compare import (
     launch,
     predict,
     report,
+    reproductions,
     study,
     study_report,
     sweep,
@@ -102,6 +103,10 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seeds", type=int, default=DEFAULT_SEEDS,
                    help=f"fresh seeds each method runs at its best point; the figures are "
                         f"their mean and min-max (default {DEFAULT_SEEDS})")
+    g.add_argument("--preset", choices=list(reproductions.PRESETS), default=None,
+                   help="a known result reproduced: its runs and grid, its expected "
+                        "outcome stated and checked in the report (compare/reproductions.py; "
+                        "flags given win over the preset's)")
     g.add_argument("--target-loss", type=float, default=None,
                    help=f"the loss every run is timed to (default: the data's floor + "
                         f"{TARGET_GAP} nats; needed when the data has no known floor)")
@@ -476,6 +481,7 @@ def run_single(lab: Lab, out: Path, specs: list[RunSpec], load_before) -> int:
         predict.predict(opts.cal, out, summary)
     report.write_summary(out, summary)
     report.write_report(out, summary, results, describe(setup, data))
+    check_reproduction(lab, out, summary)
     return finish(out, results)
 
 
@@ -521,7 +527,28 @@ def run_study(lab: Lab, out: Path, specs: list[RunSpec], grid: study.Grid,
                                                                 lab.floor, lab.target)
     report.write_summary(out, summary)
     study_report.write(out, summary, results, describe(setup, data))
+    check_reproduction(lab, out, summary)
     return finish(out, results)
+
+
+def check_reproduction(lab: Lab, out: Path, summary: dict) -> None:
+    """With --preset: its expectation checked on what ran, added to the report and the
+    summary, and said."""
+    if lab.setup.extra.reproduction is None:
+        return
+    name, preset = lab.setup.extra.reproduction
+    try:
+        held, measured = preset.check(summary, out)
+    except (KeyError, StopIteration, TypeError, ValueError) as e:  # a run failed
+        held, measured = False, f"could not be checked ({type(e).__name__}: {e})"
+    summary["reproduction"] = {"preset": name, "expected": preset.expected, "held": held,
+                               "measured": measured}
+    report.write_summary(out, summary)
+    text = (out / "report.md").read_text().split("\n")
+    at = next(i for i, line in enumerate(text) if line.startswith("## ") and i > 0)
+    text[at:at] = reproductions.lines(name, preset, held, measured)
+    (out / "report.md").write_text("\n".join(text))
+    print(f"{name}: {'held' if held else 'not held'}: {measured}", file=sys.stderr)
 
 
 def finish(out: Path, results: list[report.Result]) -> int:
@@ -534,7 +561,9 @@ def finish(out: Path, results: list[report.Result]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    setup, specs = parse_args(argv)
+    expanded, preset, preset_name = reproductions.expand(argv)
+    setup, specs = parse_args(expanded)
+    setup.extra.reproduction = (preset_name, preset) if preset else None
     opts = setup.extra
     session = build_session(setup)  # the model and data exist and fit: else a ConfigError
     floor = session.dataset.floor

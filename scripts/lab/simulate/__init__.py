@@ -1,3 +1,3 @@
-"""The parts of dtlab-simulate, the alpha-beta-gamma cost model of training at scale:
-links (presets and calibrated), the communication formulas, calibration from benchmark
-JSON, the step model, the tables, and the validation against measured runs."""
+"""dtlab-simulate: the alpha-beta-gamma cost model of training at scale, calibrated from
+the benchmarks on a host and validated against measured comparisons. ARCHITECTURE.md
+maps its modules."""

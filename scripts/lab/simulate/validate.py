@@ -193,7 +193,8 @@ def run_comparisons(config_path: str, ranks: list[int], runs: str, shards: int, 
     for n in ranks:
         for gbit in rates if hosts > 1 else (None,):
             d = folder / (f"n{n}" + (f"-g{gbit:g}" if gbit else ""))
-            cmd = [sys.executable, "-m", "dtlab.lab.compare", "--config", config_path,
+            cmd = [sys.executable, "-m", "dtlab.lab.compare", "--tune", "none", "--seeds", "1",
+                   "--config", config_path,
                    "--runs", runs, "--ranks", str(n), "--shards", str(shards),
                    "--steps", str(steps), "--log-every", str(steps), "--out", str(d),
                    "--timeout", str(timeout_s)]

@@ -163,9 +163,13 @@ class MoE(Module):
     `training` (False: no router noise), `groups`, `aux_scale` (multiplies the balancing
     terms' gradients; set it to the loss's scale under gradient accumulation),
     `noise_step` (advances by one per backward). After each
-    forward `last_aux_loss` holds the balancing terms times their coefficients (what a
-    Model adds to the loss it reports; also in the context as `moe_aux_loss`, but
-    Recompute keeps no context).
+    forward `last_aux_loss` holds the balancing terms times their coefficients (also in
+    the context as `moe_aux_loss`; Recompute keeps no context). It is not in the loss a
+    Model reports (Model.forward returns the cross-entropy only); its gradient is in
+    backward. `take_aux_loss()` gives the mean of that term over the backward passes
+    since it was last called: under gradient accumulation the micro-batches of one
+    step, whose mean the balancing gradient follows (what each step's metrics record
+    logs as `moe_aux_loss`, models/run/moe_report.py).
     """
 
     def __init__(self, name: str, d: int, d_ff: int, router: RouterOptions, kind: str = "gelu",
@@ -195,6 +199,7 @@ class MoE(Module):
                        for s in range(shared)]
         self.training, self.aux_scale, self.noise_step = True, 1.0, 0
         self.last_aux_loss = 0.0  # coefficient x balancing terms of the latest forward
+        self._aux_sum, self._aux_backwards = 0.0, 0  # of the backwards since take_aux_loss
 
     def specs(self):
         experts = [s for m in self.experts for s in m.specs()]
@@ -271,9 +276,21 @@ class MoE(Module):
             lo += n
         return dxs
 
+    def take_aux_loss(self) -> float:
+        """The mean of coefficient x balancing terms over the backward passes since the
+        last call (each the forward whose context it used: a recomputed forward is not
+        counted twice), then reset; the latest forward's if no backward ran since."""
+        if not self._aux_backwards:
+            return self.last_aux_loss
+        mean = self._aux_sum / self._aux_backwards
+        self._aux_sum, self._aux_backwards = 0.0, 0
+        return mean
+
     def backward(self, P, ctx, dy):
         xp = array_module(dy)
         r, slots, out, k = ctx["route"], ctx["slots"], ctx["out"], self.k
+        self._aux_sum += ctx["moe_aux_loss"]
+        self._aux_backwards += 1
         n = r["n"]
         dy2 = dy.reshape(n, self.d)  # (n, d)
         dyr = dy2.take(slots // k, axis=0)  # (A, d)

@@ -81,11 +81,11 @@ class ParameterServerServicer:
 
     def Describe(self, request, context):
         """What a client must know to register, asked before it does (no worker id,
-        no registration; answered by every replica of a shard, a backup too; the
-        bearer token is needed as for every method but the health service): the
-        model, its size and parameter layout, the layout CRC and the exact text it
-        is computed from, the dtype, the consistency model, the optimizer, this
-        shard's slice and the RegisterRequest fields this server requires.
+        no registration; the bearer token is needed as for every method but the
+        health service): the model, its size and parameter layout, the layout CRC
+        and the exact text it is computed from, the dtype, the consistency model,
+        the optimizer, this shard's slice and the RegisterRequest fields this
+        server requires.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

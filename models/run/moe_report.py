@@ -3,8 +3,11 @@
 Each step's metrics record gets "moe": one object per MoE layer with the last
 forward's tokens per expert, load imbalance (max / mean), dropped tokens,
 router entropy, experts per token (dynamic k), the balancing terms and the
-selection bias, and "moe_aux_loss" (coefficient x balancing terms, summed
-over layers). The run's summary ends with a table per layer: the means over
+selection bias, and "moe_aux_loss": coefficient x balancing terms, summed
+over layers, each layer's the mean over the step's micro-batches (its
+backward passes: the mean the balancing gradient follows under gradient
+accumulation, MoE.take_aux_loss; not part of the logged "loss", which is the
+cross-entropy). The run's summary ends with a table per layer: the means over
 every forward and p50/p95/p99 of the router, dispatch, expert compute and
 combine times (models/moe_stats.py).
 """
@@ -18,7 +21,8 @@ PER_STEP = ("imbalance", "dropped_tokens", "dropped_pairs", "entropy", "experts_
 
 
 def step_record(layers: list) -> dict:
-    """{"moe": [...], "moe_aux_loss": x} for a step's metrics record ({} without MoE)."""
+    """{"moe": [...], "moe_aux_loss": x} for a step's metrics record ({} without MoE),
+    once per step, after its backward passes (moe_aux_loss: the mean over them)."""
     if not layers:
         return {}
     out = []
@@ -29,7 +33,7 @@ def step_record(layers: list) -> dict:
             if key in last:
                 rec[key] = [float(v) for v in last[key]]
         out.append(rec)
-    return {"moe": out, "moe_aux_loss": sum(m.last_aux_loss for m in layers)}
+    return {"moe": out, "moe_aux_loss": sum(m.take_aux_loss() for m in layers)}
 
 
 def merge(records: list[dict]) -> dict:

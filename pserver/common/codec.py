@@ -87,7 +87,9 @@ def transport_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 def layout_crc(specs) -> int:
-    """CRC-32 of a model's parameter layout, "name:d0xd1;..." in flat order."""
+    """CRC-32 (zlib's) of a model's parameter layout: the UTF-8 of "name:d0xd1x...;..." over
+    every tensor in flat order (RegisterRequest.layout_crc32; a server's Describe answers
+    the text as layout_crc32_input, built by the same rule from its layout)."""
     text = ";".join(f"{s.name}:{'x'.join(map(str, s.shape))}" for s in specs)
     return zlib.crc32(text.encode())
 

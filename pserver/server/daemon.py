@@ -50,7 +50,7 @@ from dtlab.models.config import ConfigError, build
 from dtlab.models.data import DataConfig
 from dtlab.models.optim import OptimConfig, Schedule
 from dtlab.models.params import FlatParams
-from dtlab.models.run.checkpoint import CheckpointError, latest_valid
+from dtlab.models.run.checkpoint import CheckpointError
 from dtlab.models.run.trace import Trace
 from dtlab.models.zoo import build_model, config_class
 from dtlab.pserver.common import auth, shm
@@ -249,9 +249,7 @@ class Daemon:
         """Every partition this shard saved, made again in its newest state that verifies."""
         for k, count, directory in checkpoint.saved_partitions(self.cfg.checkpoint_dir,
                                                                self.store.layout):
-            path, skipped = latest_valid(directory)
-            for bad, why in skipped:
-                log.warning("--resume: skipped %s (%s)", bad, why)
+            path = checkpoint.newest(directory)  # the dense shard's rule: one for both
             if path is None:
                 continue
             store = self.partitions.restore(path, optimizer)

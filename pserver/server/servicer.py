@@ -417,6 +417,7 @@ class ParameterServerServicer:
         `skip()` passes over what a duplicate still sends; `hold`: the push's own call
         holds its worker's registration (a session holds it throughout)."""
         self._check_header(h)
+        self._identify(h.worker_id, h.registration)  # (a session's holder did already)
         ranges = self._ranges(h)
         with (self.store.holding(h.worker_id, h.registration) if hold
               else contextlib.nullcontext()):
@@ -455,7 +456,6 @@ class ParameterServerServicer:
                 kind, h = self.codec.read(pb.PushRequest, first)
                 if kind != "header":
                     raise InvalidArgument("push stream must start with a header", reason="order")
-                self._identify(h.worker_id, h.registration)
                 result = self._push(
                     h, lambda r: self._receive(requests, pb.PushRequest, False, h.meta.dtype, r),
                     hold=True)
@@ -701,7 +701,7 @@ def stats_reply(s: ShardStats, store: ShardStore) -> pb.StatsReply:
 
 def handler(servicer: ParameterServerServicer) -> grpc.GenericRpcHandler:
     """The service's method handlers: raw bytes in, serialized protobuf out. `servicer`: a
-    ParameterServerServicer, or the router over one (pserver.common.partitions.Partitions),
+    ParameterServerServicer, or the router over one (pserver.server.partitions.Partitions),
     whose dense servicer answers Describe (the model the server was started with)."""
     unary = {name: grpc.unary_unary_rpc_method_handler(
         getattr(servicer, name), response_serializer=lambda m: m.SerializeToString())

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
@@ -124,8 +125,12 @@ def test_metrics_reflection_and_sigterm_with_checkpoint(tmp_path: Path):
         assert e.value.code == 404
 
         with grpc.insecure_channel(d.address) as ch:
-            services = ProtoReflectionDescriptorDatabase(ch).get_services()
+            reflected = ProtoReflectionDescriptorDatabase(ch)
+            services = reflected.get_services()
             assert wire.SERVICE in services and "grpc.health.v1.Health" in services
+            describe = descriptor_pool.DescriptorPool(reflected).FindServiceByName(
+                wire.SERVICE).FindMethodByName("Describe")  # a client's way in, reflected
+            assert describe.output_type.fields_by_name["layout_crc32_input"]
 
             watch = health_pb2_grpc.HealthStub(ch).Watch(
                 health_pb2.HealthCheckRequest(service=wire.SERVICE), timeout=60)

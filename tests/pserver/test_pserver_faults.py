@@ -17,6 +17,7 @@ from support.pserver_util import ROOT, addresses, connect, initial_params, serve
 
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver.common import codec as wire
+from dtlab.pserver.worker.shard_client import PROCESS_REGISTRATION as REG
 
 C = grpc.StatusCode
 INIT = initial_params()
@@ -25,7 +26,7 @@ N = INIT.size
 
 def header(**kw) -> pb.PushHeader:
     meta = {"dtype": pb.FLOAT32, "shape": [N], "offset": 0, "version": 0, **kw.pop("meta", {})}
-    return pb.PushHeader(**{"worker_id": 0, "step": 0, "shard": 0, **kw},
+    return pb.PushHeader(**{"registration": REG, "worker_id": 0, "step": 0, "shard": 0, **kw},
                          meta=pb.TensorMeta(**meta))
 
 
@@ -119,10 +120,10 @@ def test_unknown_worker_pull_and_shard_mismatch(shard):
     with grpc.insecure_channel(address) as ch:
         pull = ch.unary_stream(f"/{wire.SERVICE}/Pull", pb.PullRequest.SerializeToString)
         with pytest.raises(grpc.RpcError) as e:
-            list(pull(pb.PullRequest(worker_id=4), timeout=20))
+            list(pull(pb.PullRequest(registration=REG, worker_id=4), timeout=20))
         assert e.value.code() == C.FAILED_PRECONDITION
         with pytest.raises(grpc.RpcError) as e:
-            list(pull(pb.PullRequest(worker_id=0, shard=2), timeout=20))
+            list(pull(pb.PullRequest(registration=REG, worker_id=0, shard=2), timeout=20))
         assert e.value.code() == C.INVALID_ARGUMENT and "shard 2" in e.value.details()
 
 
@@ -145,8 +146,8 @@ HALF_PUSH = """
 import sys, time, grpc, numpy as np
 from dtlab.pserver.common import codec as wire
 from dtlab.protos import dtlab_ps_pb2 as pb
-n = int(sys.argv[2])
-h = pb.PushHeader(worker_id=0, step=0, shard=0,
+n, registration = int(sys.argv[2]), int(sys.argv[3])  # the test's: worker 0 is its
+h = pb.PushHeader(registration=registration, worker_id=0, step=0, shard=0,
                   meta=pb.TensorMeta(dtype=pb.FLOAT32, shape=[n], offset=0, version=0))
 msgs = list(wire.stream(h, np.ones(n, np.float32), chunk_bytes=64))
 def half():
@@ -160,7 +161,7 @@ ch.stream_unary("/" + wire.SERVICE + "/Push")(half(), timeout=600)
 
 def test_client_killed_mid_push_applies_nothing(shard):
     daemon, address = shard
-    proc = subprocess.Popen([sys.executable, "-c", HALF_PUSH, address, str(N)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-c", HALF_PUSH, address, str(N), str(REG)], cwd=ROOT,
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "sent"

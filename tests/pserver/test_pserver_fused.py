@@ -21,6 +21,7 @@ from support.pserver_util import addresses, connect, initial_params, serve
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.protos import dtlab_ps_pb2_grpc as pb_grpc
 from dtlab.pserver.common import codec as wire
+from dtlab.pserver.worker.shard_client import PROCESS_REGISTRATION as REG
 from dtlab.pserver.worker.shard_client import ShardClient
 
 INIT = initial_params()
@@ -181,9 +182,10 @@ def test_a_generated_stub_pushes_with_then_pull_and_reads_push_pulled():
         try:
             grad = np.arange(N, dtype=np.float32)
             meta = pb.TensorMeta(dtype=pb.FLOAT32, shape=[N], offset=0, version=0)
-            then = pb.PullRequest(worker_id=0, shard=0, known_version=0, whole_bytes=4 * N)
+            then = pb.PullRequest(registration=REG,
+                                  worker_id=0, shard=0, known_version=0, whole_bytes=4 * N)
             q.put(pb.SessionRequest(push_whole=pb.WholePush(
-                header=pb.PushHeader(worker_id=0, step=0, shard=0, meta=meta),
+                header=pb.PushHeader(registration=REG, worker_id=0, step=0, shard=0, meta=meta),
                 chunk=pb.Chunk(start=0, data=grad.tobytes()),
                 trailer=pb.Trailer(chunks=1, adler32=zlib.adler32(grad.tobytes())),
                 then_pull=then)))
@@ -205,7 +207,7 @@ def test_a_generated_stub_pushes_with_then_pull_and_reads_push_pulled():
             then.whole_bytes, then.known_version = 0, 1
             meta.version = 1
             q.put(pb.SessionRequest(push_whole=pb.WholePush(
-                header=pb.PushHeader(worker_id=0, step=1, shard=0, meta=meta),
+                header=pb.PushHeader(registration=REG, worker_id=0, step=1, shard=0, meta=meta),
                 chunk=pb.Chunk(start=0, data=grad.tobytes()),
                 trailer=pb.Trailer(chunks=1, adler32=zlib.adler32(grad.tobytes())),
                 then_pull=then)))
@@ -223,9 +225,10 @@ def test_a_generated_stub_pushes_with_then_pull_and_reads_push_pulled():
 @pytest.mark.parametrize("make", ["hand", "generated"])
 def test_then_pull_travels_in_the_whole_push_with_its_data_last_and_aligned(make):
     values = np.arange(1000, dtype=np.float32)
-    header = pb.PushHeader(worker_id=3, step=7, shard=0, meta=pb.TensorMeta(
+    header = pb.PushHeader(registration=REG, worker_id=3, step=7, shard=0, meta=pb.TensorMeta(
         dtype=pb.FLOAT32, shape=[1000]))
-    then = pb.PullRequest(worker_id=3, shard=0, known_version=5, whole_bytes=1 << 20)
+    then = pb.PullRequest(registration=REG,
+                          worker_id=3, shard=0, known_version=5, whole_bytes=1 << 20)
     raw = wire.whole(pb.SessionRequest, "push_whole", header, values, wire.CODECS[make],
                      then_pull=then)
     if make == "hand":
@@ -253,11 +256,13 @@ def test_a_faulty_then_pull_is_refused_by_name_after_its_push(then, words):
         grad = np.ones(N, np.float32)
         try:
             q.put(pb.SessionRequest(push_whole=pb.WholePush(
-                header=pb.PushHeader(worker_id=0, step=0, shard=0, meta=pb.TensorMeta(
+                header=pb.PushHeader(registration=REG,
+                                     worker_id=0, step=0, shard=0, meta=pb.TensorMeta(
                     dtype=pb.FLOAT32, shape=[N], offset=0, version=0)),
                 chunk=pb.Chunk(start=0, data=grad.tobytes()),
                 trailer=pb.Trailer(chunks=1, adler32=zlib.adler32(grad.tobytes())),
-                then_pull=pb.PullRequest(**{"worker_id": 0, "shard": 0, **then}))))
+                then_pull=pb.PullRequest(**{"registration": REG,
+                                            "worker_id": 0, "shard": 0, **then}))))
             with pytest.raises(grpc.RpcError) as e:
                 next(replies)
             assert e.value.code() == C.INVALID_ARGUMENT and words in e.value.details()

@@ -12,7 +12,6 @@ bound), a server holding partitions refuses dense workers, checkpoints and resum
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import os
 import signal
@@ -280,19 +279,6 @@ def test_ssp_counts_groups_and_holds_each_partitions_bound(transport, shm):
         finally:
             for c in fast + slow:
                 c.close()
-
-
-def test_only_the_group_worker_imports_collective():
-    """ARCHITECTURE.md's import rule: of pserver/, only group_worker.py (an MPI program)
-    imports collective/; servers never do."""
-    importers = []
-    for path in sorted((ROOT / "pserver").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            if any(n.startswith(("dtlab.collective", "collective")) for n in names):
-                importers.append(path.name)
-    assert set(importers) == {"group_worker.py"}, importers
 
 
 def test_a_launched_group_whose_partitions_differ_is_refused_and_the_job_ends(tmp_path):

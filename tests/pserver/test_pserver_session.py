@@ -29,6 +29,7 @@ from support.pserver_util import (
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.protos import dtlab_ps_pb2_grpc as pb_grpc
 from dtlab.pserver.common import shm
+from dtlab.pserver.worker.shard_client import PROCESS_REGISTRATION as REG
 
 INIT = initial_params()
 N = INIT.size
@@ -137,7 +138,7 @@ def test_shared_memory_push_checks_the_checksum_and_is_applied_once():
             grad = np.arange(N, dtype=np.float32)
             data[:] = grad
             meta = pb.TensorMeta(dtype=pb.FLOAT32, shape=[N], offset=0, version=0)
-            header = pb.PushHeader(worker_id=0, step=0, shard=0, meta=meta)
+            header = pb.PushHeader(registration=REG, worker_id=0, step=0, shard=0, meta=meta)
             good = zlib.adler32(grad.tobytes())
             q.put(pb.SessionRequest(shm_push=pb.ShmPush(header=header, adler32=good ^ 1)))
             with pytest.raises(grpc.RpcError) as e:
@@ -153,7 +154,8 @@ def test_shared_memory_push_checks_the_checksum_and_is_applied_once():
                 q.put(pb.SessionRequest(shm_push=pb.ShmPush(header=header, adler32=good)))
                 pushed = next(replies).pushed
             assert pushed.duplicate and pushed.version == 1
-            q.put(pb.SessionRequest(shm_pull=pb.PullRequest(worker_id=0, shard=0)))
+            q.put(pb.SessionRequest(shm_pull=pb.PullRequest(registration=REG,
+                                                            worker_id=0, shard=0)))
             pulled = next(replies).shm_pulled
             np.testing.assert_array_equal(data, INIT.data - grad)
             assert pulled.header.meta.version == 1

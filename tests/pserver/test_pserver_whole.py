@@ -15,6 +15,7 @@ from support.pserver_util import addresses, connect, initial_params, serve
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.protos import dtlab_ps_pb2_grpc as pb_grpc
 from dtlab.pserver.common import codec as wire
+from dtlab.pserver.worker.shard_client import PROCESS_REGISTRATION as REG
 
 INIT = initial_params()
 N = INIT.size
@@ -27,7 +28,7 @@ META = pb.TensorMeta(dtype=pb.FLOAT32, shape=[N], offset=0, version=0)
 @pytest.mark.parametrize("worker", [0, 1 << 20])  # header varints of other widths
 def test_whole_messages_are_protobuf_aligned_and_read_alike(make, nbytes, worker):
     values = np.arange(nbytes // 4, dtype=np.float32)
-    header = pb.PushHeader(worker_id=worker, step=worker, shard=0, meta=META)
+    header = pb.PushHeader(registration=REG, worker_id=worker, step=worker, shard=0, meta=META)
     raw = wire.whole(pb.SessionRequest, "push_whole", header, values, wire.CODECS[make])
     if make == "hand":
         assert (len(raw) - nbytes) % wire.ALIGN == 0  # the data ends the message, aligned
@@ -51,7 +52,7 @@ def session(address: str):
 def whole_push(grad: np.ndarray, step: int = 0, **trailer) -> pb.SessionRequest:
     fields = {"chunks": 1, "adler32": zlib.adler32(grad.tobytes()), **trailer}
     return pb.SessionRequest(push_whole=pb.WholePush(
-        header=pb.PushHeader(worker_id=0, step=step, shard=0, meta=META),
+        header=pb.PushHeader(registration=REG, worker_id=0, step=step, shard=0, meta=META),
         chunk=pb.Chunk(start=0, data=grad.tobytes()), trailer=pb.Trailer(**fields)))
 
 
@@ -66,14 +67,15 @@ def test_a_generated_stub_pushes_and_pulls_whole_and_is_streamed_what_it_does_no
                 q.put(whole_push(grad))
                 pushed = next(replies).pushed
             assert pushed.duplicate and pushed.version == 1
-            q.put(pb.SessionRequest(pull=pb.PullRequest(worker_id=0, shard=0, whole_bytes=4 * N)))
+            q.put(pb.SessionRequest(pull=pb.PullRequest(registration=REG,
+                                                        worker_id=0, shard=0, whole_bytes=4 * N)))
             pulled = next(replies).pulled_whole
             assert pulled.header.meta.version == 1 and pulled.trailer.chunks == 1
             np.testing.assert_array_equal(np.frombuffer(pulled.chunk.data, np.float32),
                                           INIT.data - grad)
             assert pulled.trailer.adler32 == zlib.adler32((INIT.data - grad).tobytes())
             for whole_bytes in (0, 4 * N - 1):  # not asked for, or too big: the stream
-                q.put(pb.SessionRequest(pull=pb.PullRequest(worker_id=0, shard=0,
+                q.put(pb.SessionRequest(pull=pb.PullRequest(registration=REG, worker_id=0, shard=0,
                                                             whole_bytes=whole_bytes)))
                 kinds = [next(replies).WhichOneof("kind") for _ in range(3)]
                 assert kinds == ["header", "chunk", "trailer"]

@@ -17,6 +17,7 @@ from dtlab.protos import dtlab_ps_pb2_grpc as pb_grpc
 from dtlab.pserver.common import buffers
 from dtlab.pserver.common import codec as wire
 from dtlab.pserver.common.errors import DataLoss, InvalidArgument
+from dtlab.pserver.worker.shard_client import PROCESS_REGISTRATION as REG
 
 GENERATED = ("dtlab_ps_pb2.py", "dtlab_ps_pb2_grpc.py", "dtlab_ps_pb2.pyi")
 
@@ -158,7 +159,8 @@ def test_generated_stub_speaks_to_the_server():
         connect(f"127.0.0.1:{daemons[0].port}")  # registers worker 0
         with grpc.insecure_channel(f"127.0.0.1:{daemons[0].port}") as ch:
             stub = pb_grpc.ParameterServerStub(ch)
-            replies = list(stub.Pull(pb.PullRequest(worker_id=0, shard=0), timeout=20))
+            replies = list(stub.Pull(pb.PullRequest(registration=REG,
+                                                    worker_id=0, shard=0), timeout=20))
             header = replies[0].header
             assert header.meta.dtype == pb.FLOAT32 and list(header.meta.shape) == [init.size]
             got = np.frombuffer(b"".join(r.chunk.data for r in replies[1:-1]), np.float32)
@@ -167,7 +169,8 @@ def test_generated_stub_speaks_to_the_server():
 
             grad = np.ones(init.size, np.float32)
             meta = pb.TensorMeta(dtype=pb.FLOAT32, shape=[init.size], offset=0, version=0)
-            reqs = [pb.PushRequest(header=pb.PushHeader(worker_id=0, step=0, shard=0, meta=meta)),
+            reqs = [pb.PushRequest(header=pb.PushHeader(registration=REG,
+                                                        worker_id=0, step=0, shard=0, meta=meta)),
                     pb.PushRequest(chunk=pb.Chunk(start=0, data=grad.tobytes())),
                     pb.PushRequest(trailer=pb.Trailer(adler32=zlib.adler32(grad.tobytes()),
                                                       chunks=1))]
@@ -178,7 +181,8 @@ def test_generated_stub_speaks_to_the_server():
             reqs[0].header.step, reqs[0].header.meta.version = 1, 1
             session = [pb.SessionRequest(**{r.WhichOneof("kind"): getattr(r, r.WhichOneof("kind"))})
                        for r in reqs]
-            session.append(pb.SessionRequest(pull=pb.PullRequest(worker_id=0, shard=0)))
+            session.append(pb.SessionRequest(pull=pb.PullRequest(registration=REG,
+                                                                 worker_id=0, shard=0)))
             replies = list(stub.Session(iter(session), timeout=20))
             assert replies[0].pushed.version == 2
             assert replies[1].header.meta.version == 2 and replies[-1].HasField("trailer")
@@ -197,7 +201,9 @@ def test_both_codecs_make_and_read_the_same_messages(name):
     for cls in (pb.PushRequest, pb.PullReply, pb.SessionRequest, pb.SessionReply):
         kind, (start, got) = other.read(cls, raw)
         assert (kind, start, bytes(got)) == ("chunk", 5, data.tobytes())
-    header = pb.SessionRequest(pull=pb.PullRequest(worker_id=3, shard=1)).SerializeToString()
-    assert codec.read(pb.SessionRequest, header) == ("pull", pb.PullRequest(worker_id=3, shard=1))
+    header = pb.SessionRequest(pull=pb.PullRequest(registration=REG,
+                                                   worker_id=3, shard=1)).SerializeToString()
+    assert codec.read(pb.SessionRequest, header) == ("pull", pb.PullRequest(registration=REG,
+                                                                            worker_id=3, shard=1))
     with pytest.raises(InvalidArgument, match="none of"):
         codec.read(pb.SessionRequest, b"")

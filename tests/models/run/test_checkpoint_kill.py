@@ -94,3 +94,25 @@ def test_a_save_killed_at_each_step_leaves_the_step_whole(tmp_path, caplog, poin
     said = caplog.text
     assert ("put back from" in said) == (".replaced" in on_disk and "step" not in on_disk)
     assert ("an unfinished save" in said) == (".step" in on_disk)
+
+
+def test_a_trainer_resuming_where_a_save_was_killed_says_what_it_recovered(tmp_path):
+    """dtlab-train --resume in a directory as the kills above leave it: the checkpoint moved
+    aside between the renames is put back and resumed from, the unfinished save removed."""
+    root = tmp_path / "ckpt"
+    flags = [sys.executable, "-m", "dtlab.models.run.train", "--model", "mlp", "--d-in", "4",
+             "--d-hidden", "8", "--n-layers", "1", "--n-classes", "3", "--batch-size", "8",
+             "--checkpoint-dir", str(root), "--checkpoint-every", "2"]
+    subprocess.run([*flags, "--steps", "4"], cwd=ROOT, check=True, capture_output=True,
+                   timeout=120)
+    aside = root / ".replaced-step-00000004.k1"
+    aside.mkdir()
+    (root / "step-00000004").rename(aside / "old")
+    (root / ".step-00000005.k2").mkdir()
+    run = subprocess.run([*flags, "--steps", "6", "--resume"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert f"{root}/step-00000004: put back from {aside}" in run.stderr
+    assert f"{root}/.step-00000005.k2: removed (an unfinished save" in run.stderr
+    assert "resumed from step 4" in run.stderr
+    assert sorted(os.listdir(root)) == ["step-00000002", "step-00000004", "step-00000006"]

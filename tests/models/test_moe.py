@@ -26,6 +26,8 @@ from dtlab.models.moe_stats import MoEStats
 from dtlab.models.params import FlatParams
 from dtlab.models.router import RouterOptions
 
+pytestmark = pytest.mark.usefixtures("mpiexec")
+
 D, DFF = 6, 10
 
 
@@ -311,8 +313,6 @@ from dtlab.collective.comm import Communicator
 from dtlab.models.moe import MoE
 from dtlab.models.params import FlatParams
 from dtlab.models.router import RouterOptions
-
-pytestmark = pytest.mark.usefixtures("mpiexec")
 
 comm = Communicator()
 opts = RouterOptions(6, top_k=2, bias_rate=0.1)

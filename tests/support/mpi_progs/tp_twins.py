@@ -36,7 +36,7 @@ from dtlab.models.tensor_parallel import (
 )
 from dtlab.models.transformer import Transformer, TransformerConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/
 from support.gradcheck import numeric_grad
 
 TOL = 1e-6

@@ -7,6 +7,8 @@
         --pp-schedule zb-h1 --model transformer
     mpiexec -n 4 python -m dtlab.collective.train --model transformer --moe-experts 8 \
         --dp 2 --ep 2 [--moe-alltoall ours|mpi] [--moe-chunks 2]
+    mpiexec -n 4 python -m dtlab.collective.train --model transformer --zero 1|2|3 \
+        [--no-zero-reshard-after-forward]
 
 The world is a dp x pp x ep x tp grid (collective/grid.py, tp fastest). With --tp 1
 every rank holds a full replica; with --tp b each group of b consecutive
@@ -41,6 +43,11 @@ dp ranks holding the same experts (dp_comm) and divided by e, since each expert'
 gradient already sums the e ranks' tokens: both are then the gradient of the mean loss of
 all dp x e ranks, that of one process on the global batch with the same token groups.
 
+With --zero S the dp ranks shard the model instead of replicating it (ZeRO,
+Rajbhandari et al. 2020; collective/zero.py): stage 1 the optimizer state, stage 2 also
+the gradients, stage 3 also the parameters, over our ring reduce-scatter and all-gather
+(dp alone: no --tp, --pp, --ep; the flags it cannot honour are refused by name).
+
 Rank 0 writes the metrics (per-step time split into compute, communication
 and waiting) and checkpoints. An exception on any rank aborts the whole job.
 """
@@ -61,6 +68,9 @@ from dtlab.collective.choose import OURS
 from dtlab.collective.comm import Communicator
 from dtlab.collective.failure import FORWARD_S
 from dtlab.collective.grid import GridError, ProcessGrid
+from dtlab.collective.zero import STAGES
+from dtlab.collective.zero_layout import RingTraffic
+from dtlab.collective.zero_trainer import shard_session, zero_bytes
 from dtlab.models.config import ConfigError
 from dtlab.models.data.dataset import in_words
 from dtlab.models.moe_ep import ExpertParallel
@@ -132,6 +142,15 @@ def add_sync_flags(parser: argparse.ArgumentParser) -> None:
                        help="gradient bucket size in MB (1e6 bytes)")
     group.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                        help="start a bucket's all-reduce as soon as backward has produced it")
+    group.add_argument("--zero", type=int, choices=(0, *STAGES), default=0,
+                       help="ZeRO sharded data parallelism (collective/zero.py): 1 shards the "
+                            "optimizer state over the dp ranks, 2 also the gradients, 3 also "
+                            "the parameters (0: every rank holds everything)")
+    group.add_argument("--zero-reshard-after-forward", action=argparse.BooleanOptionalAction,
+                       default=None,
+                       help="--zero 3: free each unit's gathered parameters after its forward "
+                            "and gather them again for backward (default; off keeps them, "
+                            "one all-gather per micro-batch fewer, more memory)")
     group.add_argument("--collective-timeout", type=float, default=None,
                        help="seconds before a stalled collective aborts the job "
                             "(default: DTLAB_COLLECTIVE_TIMEOUT or 600; 0 disables)")
@@ -158,7 +177,10 @@ class DataParallelReducer:
                                          algo=algo, ours=ours, overlap=False, wire=wire)
             self.divide = experts[2]
         self.ready = self.buckets.ready
+        self.overlap = self.buckets.overlap
         self._scalar = np.zeros(1)
+        sent = [ring_sent_bytes(b) for b in (self.buckets, self.experts) if b is not None]
+        self.sent_bytes = None if None in sent else sum(sent)
 
     def wait(self) -> dict:
         t = self.buckets.wait()
@@ -167,7 +189,8 @@ class DataParallelReducer:
             e = self.experts.wait()
             self.grad[self.lo:] /= self.divide
             comm_s, wait_s, wire = comm_s + e.comm_s, wait_s + e.wait_s, wire + e.wire_bytes
-        return {"comm_s": comm_s, "wait_s": wait_s, "wire_bytes": wire}
+        sent = {} if self.sent_bytes is None else {"sent_bytes": self.sent_bytes}
+        return {"comm_s": comm_s, "wait_s": wait_s, "wire_bytes": wire, **sent}
 
     def plan(self) -> list[dict]:
         """What every bucket's all-reduce runs (BucketReducer.plan), the experts' last."""
@@ -181,6 +204,16 @@ class DataParallelReducer:
         self.buckets.close()
         if self.experts is not None:
             self.experts.close()
+
+
+def ring_sent_bytes(buckets: BucketReducer) -> int | None:
+    """Bytes this rank sends per step in the buckets' all-reduces when every one runs our
+    ring (collective/zero_layout.py RingTraffic; collective on first use), else None."""
+    if any(b["algorithm"] not in ("ring", "none") for b in buckets.plan()):
+        return None
+    traffic = RingTraffic(buckets.comm)
+    itemsize = (buckets.shadow if buckets.shadow is not None else buckets.grad).itemsize
+    return sum(traffic.allreduce(hi - lo, itemsize) for lo, hi in buckets.buckets)
 
 
 def plan_words(plan: list[dict]) -> str:
@@ -223,7 +256,42 @@ def parse_args(argv: list[str]) -> Setup:
     if opts.stages and opts.pp == 1:
         raise ConfigError(f"--stages {opts.stages} has no effect without --pp")
     check_ep_flags(setup)
+    check_zero_flags(setup)
     return setup
+
+
+def check_zero_flags(setup: Setup) -> None:
+    """ConfigError naming the flag that --zero cannot honour, or that has no effect."""
+    opts, z = setup.extra, setup.extra.zero
+    if opts.zero_reshard_after_forward is not None and z != 3:
+        flag = "--" + "no-" * (not opts.zero_reshard_after_forward) + \
+            "zero-reshard-after-forward"
+        raise ConfigError(f"{flag} has no effect without --zero 3")
+    if not z:
+        return
+    for flag, value in (("--tp", opts.tp), ("--pp", opts.pp), ("--ep", opts.ep)):
+        if value > 1:
+            raise ConfigError(f"--zero {z} with {flag} {value}: ZeRO shards over the dp ranks "
+                              "of an unsplit model only (not over tensor-split, pipelined or "
+                              "expert-parallel shards)")
+    if getattr(setup.model, "moe_experts", 0):
+        raise ConfigError(f"--zero {z} with --moe-experts: not supported (the router's "
+                          "selection-bias updates and the experts' reduction are not sharded)")
+    if setup.run.checkpoint_dir:
+        raise ConfigError(f"--zero {z} with --checkpoint-dir: sharded checkpoints are not "
+                          "written yet (the trainer saves from dp rank 0 alone)")
+    for flag, value, default in (("--wire", opts.wire, "fp32"),
+                                 ("--allreduce", opts.allreduce, "ring"),
+                                 ("--bucket-mb", opts.bucket_mb, 25.0)):
+        if value != default:
+            raise ConfigError(f"{flag} {value} has no effect with --zero {z}: each unit's "
+                              "gradient is reduce-scattered by our ring in the compute dtype")
+
+
+def optimizer_kind(setup: Setup) -> str:
+    """The optimizer as models/cost.py counts its state: sgd, sgd-momentum, adam, adamw."""
+    optim = setup.optim
+    return "sgd-momentum" if optim.optimizer == "sgd" and optim.momentum > 0 else optim.optimizer
 
 
 def check_ep_flags(setup: Setup) -> None:
@@ -286,39 +354,52 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
                             world=grid.dp_size * grid.ep_size,
                             tp=grid.tp_comm if grid.tp_size > 1 else None, pipeline=pipeline,
                             ep=ep)
-    params = session.params
-    split = memory_split(session, grid)
-
     flops_per_step = replica_cost(setup).flops_step * grid.dp_size * grid.ep_size
-    # the buffer backward writes: params.grad, or its half copy under --precision fp16/bf16
-    reducer = DataParallelReducer(grid.dp_ep_comm, session.replica.compute_params.grad,
-                                  int(opts.bucket_mb * 1e6),
-                                  opts.allreduce, opts.overlap, opts.wire,
-                                  experts=expert_group(grid, params))
+    zero = None
+    if opts.zero:
+        session, reducer, zero = shard_session(session, comm, opts.zero,
+                                               opts.zero_reshard_after_forward is not False,
+                                               opts.overlap)
+        memory = zero_bytes(zero, session.optimizer, optimizer_kind(setup),
+                            dense_param_count(setup))
+        fields = {"zero_units": reducer.plan(), "zero_bytes": memory,
+                  "zero_reshard_after_forward": zero.reshard if opts.zero == 3 else None}
+        words = (f"ZeRO stage {opts.zero} over dp {grid.dp_size}, "
+                 f"{zero_words(memory)}; {len(reducer.plan())} units")
+        replicas = zero  # its checksum is the whole parameters' (collective)
+    else:
+        split = memory_split(session, grid)
+        # the buffer backward writes: params.grad, or its half copy under --precision fp16/bf16
+        reducer = DataParallelReducer(grid.dp_ep_comm, session.replica.compute_params.grad,
+                                      int(opts.bucket_mb * 1e6),
+                                      opts.allreduce, opts.overlap, opts.wire,
+                                      experts=expert_group(grid, session.params))
+        fields = {"allreduce": opts.allreduce, "allreduce_buckets": reducer.plan(),
+                  "bucket_mb": opts.bucket_mb, "wire": opts.wire, **split}
+        words = (f"{shard_words(split)}; allreduce {opts.allreduce} ({opts.wire} on the "
+                 f"wire), {len(reducer.buckets.buckets)} bucket(s) running "
+                 f"{plan_words(fields['allreduce_buckets'])}")
+        replicas = session.params
     processes = grid.world.mpi.allgather(f"{os.getpid()}@{socket.gethostname()}")
-    header = run_header(session, "sync", flops_per_step=flops_per_step,
-                        allreduce=opts.allreduce, allreduce_buckets=reducer.plan(),
-                        bucket_mb=opts.bucket_mb, wire=opts.wire,
-                        overlap=reducer.buckets.overlap, threads=threads.as_dict(),
+    header = run_header(session, "sync", flops_per_step=flops_per_step, zero=opts.zero,
+                        **fields, overlap=reducer.overlap, threads=threads.as_dict(),
                         dp=grid.dp_size,
                         **({"moe_alltoall": opts.moe_alltoall, "moe_chunks": opts.moe_chunks}
                            if grid.ep_size > 1 else {}),
-                        processes=processes, **split)
+                        processes=processes)
     log = MetricsLog(setup.run.metrics if rank == 0 else "", header, append=setup.run.resume)
     # loads a checkpoint on --resume; dp rank 0 of every (pp, ep, tp) rank saves its shard
     trainer = Trainer(session, log, reducer, is_main=rank == 0, saves=grid.dp_rank == 0,
                       agree=lambda counts: grid.world.allreduce(counts, algo="mpi"),
                       rank=rank, role="sync",
                       stages=grid.pp_comm.mpi.allgather if grid.pp_size > 1 else None)
-    comm.broadcast(params.data, root=0)
-    check_replicas_agree(comm, params, "after the initial broadcast")
+    if zero is None:
+        comm.broadcast(session.params.data, root=0)
+    check_replicas_agree(comm, replicas, "at the start")
     if rank == 0:
         print(f"{setup.model_name}: {dense_param_count(setup):,} parameters on dp "
               f"{grid.dp_size} x {pipe_words(session, opts)}{ep_words(opts)}tp {grid.tp_size} "
-              f"ranks, "
-              f"{shard_words(split)}; allreduce {opts.allreduce} ({opts.wire} on the wire), "
-              f"{len(reducer.buckets.buckets)} bucket(s) running "
-              f"{plan_words(header['allreduce_buckets'])}; data {in_words(header['dataset'])}; "
+              f"ranks, {words}; data {in_words(header['dataset'])}; "
               f"{threads.describe()} per rank", file=sys.stderr)
         # a rank killed outright is named by the launcher only by its pid: say whose it is
         print(f"ranks (pid@host): {rank_table(processes)}", file=sys.stderr)
@@ -327,7 +408,7 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
     finally:
         log.close()
         reducer.close()
-    check_replicas_agree(comm, params, "after training")
+    check_replicas_agree(comm, replicas, "after training")
     if rank == 0:
         for line in summary.lines(flops_per_step):
             print(line)
@@ -389,6 +470,15 @@ def ep_words(opts: argparse.Namespace) -> str:
         return ""
     return (f"ep {opts.ep} (all-to-all {opts.moe_alltoall}, {opts.moe_chunks} "
             f"chunk{'s' if opts.moe_chunks > 1 else ''}) x ")
+
+
+def zero_words(memory: dict) -> str:
+    """'per rank 0.42 MB (params 0.1, grads 0.1, optimizer 0.2; formula 0.4 MB)'."""
+    f = memory["formula"]
+    return (f"per rank {memory['total_bytes'] / 1e6:.3g} MB (params "
+            f"{memory['weight_bytes'] / 1e6:.3g}, grads {memory['grad_bytes'] / 1e6:.3g}, "
+            f"optimizer {memory['optimizer_bytes'] / 1e6:.3g}; the paper's formula "
+            f"{f['total'] / 1e6:.3g} MB)")
 
 
 def shard_words(split: dict) -> str:

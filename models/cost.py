@@ -31,6 +31,25 @@ transformer, B samples for the MLP):
   one buffer, Adam/AdamW two). Mixed-precision activations are the float
   elements at 2 bytes (an estimate: this code runs float32).
 - Compute-optimal tokens: 20 per parameter (Hoffmann et al. 2022).
+- Sharded data parallelism (`zero_memory`, `zero_traffic`; `dtlab-cost --zero S --dp N`):
+  the per-rank bytes of ZeRO's stages (Rajbhandari et al. 2020, section 5, Figure 1), with
+  Psi parameters, N ranks, weights w, gradients g and K bytes of optimizer state per
+  parameter (fp32 Adam: w = g = 4, K = 8; mixed precision: w = g = 2 and K = 12, the
+  fp32 master copy counted in K as the paper does):
+
+      stage 0 (plain DP)   (w + g + K) Psi
+      stage 1 (P_os)       (w + g) Psi + K Psi / N
+      stage 2 (P_os+g)     w Psi + (g + K) Psi / N
+      stage 3 (P_os+g+p)   (w + g + K) Psi / N
+
+  The paper's example, 7.5B parameters at N = 64 with K = 12: 120, 31.4, 16.6 and
+  1.9 GB. Bytes each rank sends per step over a ring, (N - 1)/N of: stage 0, the
+  gradient all-reduce's 2 g Psi; stages 1 and 2, a reduce-scatter of the gradients and
+  an all-gather of the updated parameters, g Psi + w Psi (2 Psi-equivalents: the
+  paper's "same communication volume as DP"); stage 3, the parameters all-gathered
+  before forward and again before backward plus the reduce-scatter, 2 w Psi + g Psi (the
+  paper's 1.5x). With k micro-batches per step, stages 2 and 3 reduce-scatter (and stage 3
+  all-gathers) every micro-batch: k times those terms.
 
 The seed exercise (GPT-2-ish d = n = 1024, B = 8, L = 24; 16 heads,
 d_ff = 4d, vocab 50257 where ours needs them):
@@ -78,6 +97,7 @@ TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022
 PRECISIONS = {"fp32": (4, 0, 4, 4), "bf16": (2, 4, 2, 2), "fp16": (2, 4, 2, 2)}
 # optimizer -> fp32 state buffers per parameter
 OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -224,3 +244,77 @@ def estimate(model_name: str, model_cfg, batch_size: int, optimizer: str = "adam
         activation_bytes=FLOAT_BYTES * act_floats + act_other, memory=memory,
         optimal_tokens=TOKENS_PER_PARAM * params, config=as_dict(model_cfg),
     )
+
+
+def zero_memory(params: int, stage: int, dp: int, precision: str = "fp32",
+                optimizer: str = "adamw", itemsize: int = 4) -> dict[str, float]:
+    """Bytes per rank of ZeRO `stage` over `dp` ranks (the module docstring's table):
+    {"weights", "grads", "optimizer", "total"}. fp32 keeps weights, gradients and states in
+    `itemsize` bytes (8: --dtype float64); fp16 and bf16 keep 2-byte weights and
+    gradients, a 4-byte master copy and 4-byte states (the master counted in
+    "optimizer", the paper's K)."""
+    _check_zero(stage, dp, precision, optimizer)
+    states = OPTIMIZER_STATES[optimizer]
+    if precision == "fp32":
+        w = g = itemsize
+        k = states * itemsize
+    else:
+        w, master, g, _ = PRECISIONS[precision]
+        k = master + 4 * states
+    weights = params * w / (dp if stage == 3 else 1)
+    grads = params * g / (dp if stage >= 2 else 1)
+    opt = params * k / (dp if stage >= 1 else 1)
+    return {"weights": weights, "grads": grads, "optimizer": opt,
+            "total": weights + grads + opt}
+
+
+def zero_traffic(params: int, stage: int, dp: int, precision: str = "fp32",
+                 micro_batches: int = 1, reshard: bool = True, itemsize: int = 4) -> float:
+    """Bytes each rank sends per step under ZeRO `stage` over a ring of `dp` ranks (the
+    module docstring): (N - 1)/N times 2 g Psi (stage 0), g Psi + w Psi (stage 1),
+    k g Psi + w Psi (stage 2), k (2 w + g) Psi (stage 3; k (w + g) Psi when the gathered
+    parameters are kept from forward to backward, `reshard=False`)."""
+    _check_zero(stage, dp, precision, "adamw")
+    w = g = itemsize if precision == "fp32" else PRECISIONS[precision][0]
+    k = micro_batches
+    per = {0: 2 * g, 1: g + w, 2: k * g + w, 3: k * ((2 if reshard else 1) * w + g)}[stage]
+    return params * per * (dp - 1) / dp
+
+
+def _check_zero(stage: int, dp: int, precision: str, optimizer: str) -> None:
+    if stage not in ZERO_STAGES:
+        raise ConfigError(f"--zero must be one of {ZERO_STAGES} (got {stage})")
+    if dp < 1:
+        raise ConfigError(f"--dp must be a positive integer (got {dp})")
+    if precision not in PRECISIONS:
+        raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, "
+                          f"got {precision!r}")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ConfigError(
+            f"--optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
+
+
+PAPER_EXAMPLE = (7_500_000_000, 64, "fp16")  # Rajbhandari et al. 2020, Figure 1: Psi, N, K = 12
+
+
+def zero_table(params: int, dp: int, optimizer: str = "adamw", stages=ZERO_STAGES) -> str:
+    """Per-rank memory and bytes sent per step of each stage at each precision (GB, or MB
+    for a model under a GB), then the paper's own example row (7.5B parameters, N = 64,
+    mixed-precision Adam)."""
+    unit, scale = ("GB", 1e9) if params * 16 >= 1e9 else ("MB", 1e6)
+    lines = [f"ZeRO at dp {dp}: bytes per rank ({unit}) and sent per step over the ring "
+             f"({unit}); {params:,} parameters, optimizer {optimizer}",
+             f"{'precision':<10}{'stage':>6}{'weights':>11}{'grads':>11}{'optim':>11}"
+             f"{'total':>11}{'sent':>11}"]
+    for precision in PRECISIONS:
+        for stage in stages:
+            m = zero_memory(params, stage, dp, precision, optimizer)
+            sent = zero_traffic(params, stage, dp, precision)
+            lines.append(f"{precision:<10}{stage:>6}" + "".join(
+                f"{_fmt(v / scale):>11}" for v in (m["weights"], m["grads"], m["optimizer"],
+                                                   m["total"], sent)))
+    psi, n, precision = PAPER_EXAMPLE
+    totals = [zero_memory(psi, s, n, precision, "adam")["total"] / 1e9 for s in ZERO_STAGES]
+    lines += ["", f"the paper's example (7.5B parameters, N = {n}, {precision} Adam, K = 12), "
+              "total GB per rank, stages 0-3: " + ", ".join(f"{t:.3g}" for t in totals)]
+    return "\n".join(lines)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from dtlab.models.config import ConfigError
-from dtlab.models.cost import estimate
+from dtlab.models.cost import estimate, zero_memory, zero_traffic
 from dtlab.models.memory import context_bytes
 from dtlab.models.mlp import MLPConfig
 from dtlab.models.params import FlatParams
@@ -291,3 +291,62 @@ def test_module_parts_are_the_body_modules_and_sum_to_the_whole(name, cfg, B):
                  "act_other_bytes"):
         assert sum(p.count * getattr(p, attr) for g in groups for p in g) == \
             sum(p.count * getattr(p, attr) for p in whole), attr
+
+
+# ---- ZeRO's per-rank bytes and traffic (Rajbhandari et al. 2020) ----
+
+def test_zero_memory_reproduces_the_papers_example():
+    """Figure 1: a 7.5B model on 64 ranks, mixed-precision Adam (K = 12)."""
+    psi, n = 7_500_000_000, 64
+    totals = [zero_memory(psi, s, n, "fp16", "adam")["total"] / 1e9 for s in (0, 1, 2, 3)]
+    assert [round(t, 1) for t in totals] == [120.0, 31.4, 16.6, 1.9]
+    assert zero_memory(psi, 0, n, "bf16", "adam") == zero_memory(psi, 0, 1, "bf16", "adam")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 64])
+def test_zero_memory_per_parameter_in_fp32(n):
+    """fp32 Adam: 4 + 4 + 8 bytes per parameter, each stage dividing one more term by N;
+    float64 doubles each; SGD without momentum keeps no state."""
+    psi = 1000
+    per = {s: zero_memory(psi, s, n)["total"] / psi for s in (0, 1, 2, 3)}
+    assert per == pytest.approx({0: 16, 1: 8 + 8 / n, 2: 4 + 12 / n, 3: 16 / n})
+    assert zero_memory(psi, 2, n, itemsize=8)["total"] == 2 * zero_memory(psi, 2, n)["total"]
+    assert zero_memory(psi, 1, n, optimizer="sgd")["optimizer"] == 0
+    m = zero_memory(psi, 3, n)
+    assert m["weights"] + m["grads"] + m["optimizer"] == m["total"]
+
+
+def test_zero_traffic_is_two_then_three_parameter_volumes():
+    psi = 600
+    for n in (2, 3, 8):
+        base = psi * 4 * (n - 1) / n  # one fp32 parameter volume through a ring
+        assert [zero_traffic(psi, s, n) for s in (0, 1, 2, 3)] == \
+            pytest.approx([2 * base, 2 * base, 2 * base, 3 * base])  # the paper's 1.5x
+        assert zero_traffic(psi, 3, n, reshard=False) == pytest.approx(2 * base)
+        assert zero_traffic(psi, 2, n, micro_batches=3) == pytest.approx(4 * base)
+        assert zero_traffic(psi, 1, n, "bf16") == pytest.approx(base)
+    assert zero_traffic(psi, 3, 1) == 0
+
+
+def test_zero_bad_arguments_name_the_flag():
+    with pytest.raises(ConfigError, match="--zero"):
+        zero_memory(10, 4, 2)
+    with pytest.raises(ConfigError, match="--dp"):
+        zero_traffic(10, 1, 0)
+    with pytest.raises(ConfigError, match="--precision"):
+        zero_memory(10, 1, 2, precision="fp8")
+
+
+def test_cli_zero_prints_the_stages_and_the_papers_example():
+    flags = ["--model", "mlp", "--d-hidden", "32"]
+    r = run_cost(*flags, "--zero", "2", "--dp", "4")
+    assert r.returncode == 0, r.stderr
+    assert "ZeRO at dp 4" in r.stdout
+    assert "stages 0-3: 120, 31.4, 16.6, 1.88" in r.stdout
+    r = run_cost(*flags, "--zero", "3", "--dp", "4", "--json")
+    zero = json.loads(r.stdout)["zero"]
+    n = estimate("mlp", MLPConfig(d_hidden=32), 8).params_total
+    assert zero["per_rank"]["fp32"]["3"]["total"] == pytest.approx(16 * n / 4)
+    assert set(zero["per_rank"]["fp32"]) == {"0", "3"}
+    r = run_cost(*flags, "--dp", "4")
+    assert r.returncode == 2 and "--dp 4 has no effect without --zero" in r.stderr

@@ -1,0 +1,207 @@
+"""ZeRO (collective/zero.py) as the trainer drives it: its replica, model, optimizer and
+reducer, each answering the calls models/run/trainer.py makes of a session's parts.
+
+    session, reducer, zero = shard_session(session, grid.dp_comm, stage=3)
+    Trainer(session, log, reducer, ...).run()
+
+One step: ZeroReplica.compute_grads (forward and backward; the units' reduce-scatters
+on the helper thread), ZeroReducer.wait (the thread done), ZeroReplica.finish_grads
+(mixed precision: the shard unscaled, the overflow check agreed by every rank),
+ShardedModel.clip_grad_norm (the global norm from the shards), ZeroOptimizer.step (each
+unit segment's update, then, stages 1 and 2, its unit all-gathered).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from dtlab.collective.comm import Communicator
+from dtlab.collective.zero import Zero, ZeroParams
+from dtlab.models import backend
+from dtlab.models.cost import zero_memory
+from dtlab.models.model import Replica
+from dtlab.models.optim import make_optimizer
+from dtlab.models.precision import finite
+
+
+class ZeroOptimizer:
+    """The configured optimizer, one instance per unit segment of the shard: every update
+    is elementwise, so the segments step exactly as the whole buffer would. After each
+    segment's step (stages 1 and 2) its unit is all-gathered, overlapping the next."""
+
+    def __init__(self, cfg, zero: Zero, decay_mask):
+        self.zero = zero
+        P, mine = zero.params, zero.layout.mine
+        xp = backend.array_module(P.data)
+        scratch = xp.empty(zero.layout.largest_segment, dtype=P.data.dtype)  # shared by all
+        self.parts = [make_optimizer(cfg, P.data[a:b], decay_mask=decay_mask[lo:hi].copy(),
+                                     scratch=scratch[: b - a])
+                      for (a, b), (lo, hi) in zip(P.data_ranges, mine, strict=True)]
+
+    @property
+    def steps(self) -> int:
+        return self.parts[0].steps if self.parts else 0
+
+    def step(self, param, grad, lr: float | None = None) -> None:
+        """One step of every segment: param and grad are session.params' data and grad."""
+        z = self.zero
+        for u, part in enumerate(self.parts):
+            a, b = z.params.data_ranges[u]
+            c, d = z.params.grad_ranges[u]
+            part.step(param[a:b], grad[c:d], lr)
+            if z.stage < 3:
+                z.publish(u)
+        z.stream.drain()
+        z.timing["allgather_s"] = z.stream.take_seconds()
+
+    def state_dict(self) -> dict:
+        """This shard's state: each buffer's segments back to back (the packed layout)."""
+        xp = backend.array_module(self.zero.params.data)
+        names = self.parts[0].state_names
+        return {"steps": self.steps,
+                **{name: xp.concatenate([getattr(p, name) for p in self.parts])
+                   for name in names}}
+
+
+class ShardedModel:
+    """The model as the trainer asks it under ZeRO: the global gradient norm comes from
+    the shards (Zero.clip); the MoE list and model-parallel groups are the model's."""
+
+    def __init__(self, model, zero: Zero):
+        self.model, self.zero = model, zero
+        self.moe, self.pp, self.ep, self.tp = model.moe, model.pp, model.ep, model.tp
+
+    def clip_grad_norm(self, P: ZeroParams, max_norm: float) -> float:
+        return self.zero.clip(max_norm)
+
+
+class ZeroReplica:
+    """What the trainer drives: compute_grads on the (hooked) model, the reduced shard in
+    finish_grads, under --precision with the loss scale and overflow check of
+    models/precision.py (each rank checks its shard; all agree)."""
+
+    def __init__(self, zero: Zero):
+        self.zero, self.model = zero, zero.model
+        self.inner = Replica(zero.model, zero.P)
+        self.compute_params = zero.P
+        self.timing = zero.timing  # sent_bytes, allgather_s, working_bytes of the last step
+        self.spans: list = []
+        self._scale = 1.0
+
+    def compute_grads(self, micro_batches, grad_ready=None) -> float:
+        z = self.zero
+        z.begin_step()
+        self._scale = z.scaler.scale if z.scaler is not None else 1.0
+        with np.errstate(over="ignore", invalid="ignore"):  # finish_grads sees overflows
+            return self.inner.compute_grads(micro_batches, grad_ready, scale=self._scale)
+
+    def finish_grads(self) -> tuple[bool, dict]:
+        z = self.zero
+        if z.hooks is not None:
+            z.timing.update(working_bytes=z.hooks.nbytes, gather_wait_s=z.hooks.waited)
+        if z.scaler is None:
+            return True, {}
+        g = z.params.grad
+        if z.stage == 1:  # the half gradient's segments, in float32
+            for (lo, hi), (at, end) in zip(z.layout.mine, z.params.grad_ranges, strict=True):
+                g[at:end] = z.work.grad[lo:hi]
+        g *= 1.0 / self._scale
+        ok = z.agreed(finite(g))
+        z.scaler.update(ok)
+        return ok, {"loss_scale": self._scale, "skipped": not ok,
+                    "skipped_steps": z.scaler.skipped}
+
+    def evaluate(self, batches) -> float:
+        total = sum(self.model.forward(self.zero.P, b, training=False)[0] for b in batches)
+        if self.zero.hooks is not None:
+            self.zero.hooks.release_all()
+        return total / len(batches)
+
+
+class ZeroMixedReplica(ZeroReplica):
+    """ZeroReplica under --precision fp16/bf16: the trainer checkpoints the scaler and
+    prints its summary line."""
+
+    @property
+    def scaler(self):
+        return self.zero.scaler
+
+    def summary_line(self) -> str:
+        s, precision = self.zero.scaler, self.zero.precision
+        if not s.dynamic:
+            return f"{precision}: {s.skipped} step(s) skipped (non-finite gradients)"
+        return f"{precision}: {s.skipped} step(s) skipped on overflow, loss scale now {s.scale:g}"
+
+
+class ZeroReducer:
+    """The trainer's reducer: stage 1 reduce-scatters each unit as backward reports it
+    final (`ready`); every stage's wait() lets the helper thread finish."""
+
+    def __init__(self, zero: Zero):
+        self.zero = zero
+        self._next = len(zero.layout.units) - 1  # stage 1: units not yet launched this step
+        self._scalar = np.zeros(1)
+        self.overlap = zero.stream.overlap
+
+    def ready(self, offset: int) -> None:
+        """Every gradient element at index >= offset is final (stage 1)."""
+        z = self.zero
+        while z.stage == 1 and self._next >= 0 and z.layout.units[self._next].lo >= offset:
+            z.reduce_unit(self._next)
+            self._next -= 1
+
+    def wait(self) -> dict:
+        start = time.perf_counter()
+        self.ready(0)
+        self._next = len(self.zero.layout.units) - 1
+        self.zero.stream.drain()
+        return {"comm_s": self.zero.stream.take_seconds(),
+                "wait_s": time.perf_counter() - start}
+
+    def average(self, value: float) -> float:
+        self._scalar[0] = value
+        return float(self.zero.comm.allreduce(self._scalar, average=True, algo="mpi")[0])
+
+    def plan(self) -> list[dict]:
+        """Each unit: its name, elements and this rank's segment."""
+        z = self.zero
+        return [{"unit": u.name, "elements": u.size, "mine": hi - lo}
+                for u, (lo, hi) in zip(z.layout.units, z.layout.mine, strict=True)]
+
+    def close(self) -> None:
+        self.zero.close()
+
+
+def shard_session(session, comm: Communicator, stage: int, reshard: bool = True,
+                  overlap: bool = True):
+    """(session, reducer, zero): `session` with its params, replica, optimizer and model
+    replaced by ZeRO `stage`'s over `comm` (the dp ranks); the old whole buffers freed."""
+    zero = Zero(session, comm, stage, reshard, overlap)
+    optimizer = ZeroOptimizer(session.setup.optim, zero, session.params.decay_mask())
+    replica = (ZeroMixedReplica if zero.half is not None else ZeroReplica)(zero)
+    sharded = dataclasses.replace(session, model=ShardedModel(session.model, zero),
+                                  params=zero.params, replica=replica,
+                                  optimizer=optimizer)
+    return sharded, ZeroReducer(zero), zero
+
+
+def zero_bytes(zero: Zero, optimizer: ZeroOptimizer, kind: str, dense: int) -> dict:
+    """This rank's persistent bytes by kind (the metrics header's zero_bytes), beside the
+    paper's formula (models/cost.py zero_memory) for `dense` parameters and the optimizer
+    `kind` (sgd, sgd-momentum, adam, adamw)."""
+    half = zero.half is not None
+    # stage 3 keeps no whole copy: in full precision its master shard is the weights
+    weights = zero.full.nbytes if zero.stage < 3 else (0 if half else zero.master.nbytes)
+    grads = zero.params.grad.nbytes
+    if zero.stage == 1 and half:
+        grads += zero.work.grad.nbytes
+    states = sum(v.nbytes for k, v in optimizer.state_dict().items() if k != "steps")
+    master = zero.master.nbytes if half else 0
+    return {"stage": zero.stage, "dp": zero.comm.size, "weight_bytes": weights,
+            "grad_bytes": grads, "master_bytes": master, "state_bytes": states,
+            "optimizer_bytes": master + states, "total_bytes": weights + grads + master
+            + states, "formula": zero_memory(dense, zero.stage, zero.comm.size,
+                                             zero.precision, kind, zero.master.itemsize)}

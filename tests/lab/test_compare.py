@@ -389,3 +389,17 @@ def test_emulated_hosts_refuse_a_congestion_control_the_kernel_does_not_allow(tm
 def test_emulated_hosts_need_a_positive_link_rate(tmp_path):
     r = compare(*TINY, "--hosts", "2", "--link-gbit", "0", "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "--link-gbit must be a positive rate" in r.stderr
+
+
+def test_zero_runs_train_what_the_ring_trains_and_report_their_memory(tmp_path):
+    out = tmp_path / "out"
+    r = compare(*TINY, *FAST, "--steps", "12", "--runs", "sync-ring,sync-zero1,sync-zero3",
+                "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    ring = losses(out / "sync-ring.jsonl")
+    for stage in (1, 3):
+        assert losses(out / f"sync-zero{stage}.jsonl") == ring  # dp 2: bit for bit
+    runs = {run["name"]: run for run in json.loads((out / "summary.json").read_text())["runs"]}
+    held = {name: run["what_ran"]["memory"]["per_rank_bytes"] for name, run in runs.items()}
+    assert runs["sync-zero3"]["what_ran"]["zero"] == 3
+    assert held["sync-zero3"] < held["sync-zero1"] < held["sync-ring"]

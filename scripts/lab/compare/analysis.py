@@ -172,6 +172,11 @@ def what_ran(topology: str, headers: list[dict], records: list[list[dict]]) -> d
     if topology == "sync":
         ran["allreduce"] = header.get("allreduce")
         ran["buckets"] = header.get("allreduce_buckets", [])
+        ran["zero"] = header.get("zero", 0)
+        z = header.get("zero_bytes")
+        ran["memory"] = {"per_rank_bytes": z["total_bytes"] if z else
+                         sum(header.get(k, 0) for k in ("param_bytes", "grad_bytes",
+                                                        "optimizer_bytes"))}
     elif topology == "simulated":
         ran["simulated"] = {k: header.get(k) for k in ("simulate_workers", "staleness",
                                                        "staleness_lr", "schedule_steps")}
@@ -182,7 +187,23 @@ def what_ran(topology: str, headers: list[dict], records: list[list[dict]]) -> d
                 if "paths" in r and r["paths"] not in seen:
                     seen.append(r["paths"])
         ran["paths"] = seen
+        ran["memory"] = async_memory(header)
     return ran
+
+
+# optimizer state bytes per float32 parameter (models/optim.py): Adam's two moments,
+# SGD's momentum buffer when it has one
+STATE_BYTES = {"adam": 8, "adamw": 8}
+
+
+def async_memory(header: dict) -> dict:
+    """What a worker and a shard hold, from the run's config (the formula, not a measure):
+    a worker its parameters and gradients, a shard its slice of the parameters with their
+    optimizer state."""
+    optim, n = header["config"]["optim"], header["n_params"]
+    state = STATE_BYTES.get(optim["optimizer"], 4 if optim.get("momentum") else 0)
+    shards = max(1, len(header.get("servers", [])) or 1)
+    return {"per_worker_bytes": 8 * n, "per_shard_bytes": (4 + state) * n / shards}
 
 
 def ran_words(ran: dict) -> str:
@@ -191,6 +212,8 @@ def ran_words(ran: dict) -> str:
         s = ran["simulated"]
         return (f"{s['simulate_workers']} workers in one process, {s['staleness']} stale; "
                 f"{ran['precision']}")
+    if ran.get("zero"):
+        return f"ZeRO stage {ran['zero']}; {ran['precision']}, {ran['wire']} wire"
     if "buckets" in ran:
         names = [b["algorithm"] for b in ran["buckets"]]
         how = ", ".join(f"{n} x{names.count(n)}" if names.count(n) > 1 else n
@@ -198,3 +221,13 @@ def ran_words(ran: dict) -> str:
     else:
         how = " then ".join(" / ".join(dict.fromkeys(p)) for p in ran["paths"]) or "-"
     return f"{how}; {ran['precision']}, {ran['wire']} wire"
+
+
+def memory_words(ran: dict) -> str:
+    """MB a process holds: a sync rank's, or an async worker's and shard's."""
+    m = ran.get("memory") or {}
+    if "per_rank_bytes" in m:
+        return f"{m['per_rank_bytes'] / 1e6:.3g}"
+    if "per_worker_bytes" in m:
+        return f"{m['per_worker_bytes'] / 1e6:.3g} / {m['per_shard_bytes'] / 1e6:.3g}"
+    return "-"

@@ -44,12 +44,12 @@ from dtlab.models.config import ConfigError
 from dtlab.models.run.launcher import mpiexec_path
 from dtlab.models.run.metrics import read_metrics
 
-RUN_NAME = re.compile(r"sync-(?P<allreduce>ring|auto|naive|mpi)"
+RUN_NAME = re.compile(r"sync-(?P<allreduce>ring|auto|naive|mpi)|sync-zero(?P<zero>[123])"
                       r"|async-(?P<consistency>bsp|asp|ssp(?P<bound>\d+))(?P<div>-div)?"
                       r"|sim-asp(?P<sim_div>-div)?")
-KNOWN = ("sync-ring, sync-auto, sync-naive, sync-mpi, async-bsp, async-sspS (S: the bound), "
-         "async-asp, each async one optionally with -div; sim-asp, sim-asp-div (N workers "
-         "simulated in one process)")
+KNOWN = ("sync-ring, sync-auto, sync-naive, sync-mpi, sync-zero1/2/3, async-bsp, "
+         "async-sspS (S: the bound), async-asp, each async one optionally with -div; "
+         "sim-asp, sim-asp-div (N workers simulated in one process)")
 POLL_S = 0.2
 SERVER_START_S = 60.0
 TAIL_LINES = 20
@@ -62,6 +62,7 @@ class RunSpec:
     name: str
     topology: str  # "sync" or "async"
     allreduce: str = ""
+    zero: int = 0  # sync: the ZeRO stage (dtlab-sync --zero)
     consistency: str = ""
     staleness: int = 0  # the SSP bound
     staleness_lr: str = "none"
@@ -73,6 +74,8 @@ class RunSpec:
             raise ConfigError(f"--runs: unknown run {name!r} (known: {KNOWN})")
         if m["allreduce"]:
             return cls(name, "sync", allreduce=m["allreduce"])
+        if m["zero"]:
+            return cls(name, "sync", allreduce="ring", zero=int(m["zero"]))
         if name.startswith("sim-"):
             return cls(name, "simulated", consistency="asp",
                        staleness_lr="divide" if m["sim_div"] else "none")
@@ -81,6 +84,8 @@ class RunSpec:
                    staleness_lr="divide" if m["div"] else "none")
 
     def describe(self) -> str:
+        if self.zero:
+            return f"sync, ZeRO stage {self.zero}"
         if self.topology == "sync":
             return {"ring": "sync, our ring", "auto": "sync, ours chosen by size",
                     "naive": "sync, reduce + broadcast", "mpi": "sync, MPI_Allreduce"}[
@@ -242,7 +247,8 @@ def run_sync(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
     metrics = bench.out / f"{spec.name}.jsonl"
     log = bench.out / f"{spec.name}.log"
     cmd = [bench.mpiexec, *mpiexec_args(bench), "-n", str(bench.processes()),
-           *program("dtlab-sync"), "--config", str(bench.config), "--allreduce", spec.allreduce,
+           *program("dtlab-sync"), "--config", str(bench.config),
+           *(["--zero", str(spec.zero)] if spec.zero else ["--allreduce", spec.allreduce]),
            "--metrics", str(metrics), *bench.grid.flags(sync=True)]
     if bench.trace:
         cmd += ["--trace", str(bench.out / f"{spec.name}.trace.{{rank}}.json")]

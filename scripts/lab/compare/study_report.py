@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from dtlab.lab.compare import study
-from dtlab.lab.compare.analysis import SPLIT, ran_words
+from dtlab.lab.compare.analysis import SPLIT, memory_words, ran_words
 from dtlab.lab.compare.launch import RunSpec
 from dtlab.lab.compare.report import NO_MATPLOTLIB, Result, _f
 
@@ -83,8 +83,8 @@ def leading_table(data: dict) -> list[str]:
     first = data["methods"][0]["name"]
     names = list(data["protocol"]["grid"]) or ["-"]
     rows = [f"| method | what | best {', '.join(names)} | time to target (s) | reached "
-            f"| samples to target | final held-out loss | ms/step | vs {first} |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            f"| samples to target | final held-out loss | ms/step | MB/process | vs {first} |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for m in data["methods"]:
         best = ", ".join(f"{v:g}" for v in m["best"].values()) or "as configured"
         ms = m["s_per_step"]
@@ -94,6 +94,7 @@ def leading_table(data: dict) -> list[str]:
                     f"| {m['reached']}/{len(m['seeds'])} "
                     f"| {_spread(m['samples_to_target'], ',.0f')} "
                     f"| {_spread(m['final_eval_loss'], '.4f')} | {_spread(ms, '.2f')} "
+                    f"| {memory_words(m['what_ran'][0]) if m['what_ran'] else '-'} "
                     f"| {_f(m['vs_first'], '.2f')} |")
     return rows
 
@@ -149,7 +150,10 @@ def write(out: Path, data: dict, results: list[Result], lines: list[str]) -> Non
             "Figures over the evaluation seeds: mean [min-max]. time to target: ms/step x the "
             "first evaluated step whose held-out loss is at or below the target, over the "
             "seeds that reached it (reached: how many did); samples to target: that step x "
-            f"the global batch; final held-out loss: the last evaluation; vs {first}: mean "
+            f"the global batch; final held-out loss: the last evaluation; MB/process: what a "
+            "sync rank holds (parameters, gradients, optimizer state: measured buffers), or an "
+            "async worker / shard (parameters and gradients / its slice with optimizer state: "
+            f"from the config); vs {first}: mean "
             f"time to target / {first}'s. -: no seed reached the target.", ""]
     sens = sensitivity_table(data)
     if sens:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtlab.models.config import ConfigError, choice, described, non_negative, positive
+from dtlab.models.config import ConfigError, build, choice, described, non_negative, positive
+from dtlab.models.outer import OuterConfig
 
 
 @dataclass
@@ -27,6 +28,15 @@ class ServerConfig:
     num_workers: int = described(0, "workers sharing the data: SSP/BSP serve no pull before this "
                                     "many registered; workers without --num-workers split the "
                                     "data this many ways")
+    backup_workers: int = described(0, "BSP: close each round at the first --num-workers "
+                                       "minus this many gradients; the later ones are dropped "
+                                       "as late (Chen et al. 2016)")
+    outer_optimizer: str = choice("none", "none", "sgd", "nesterov",
+                                  help="apply this outer optimizer (models.outer) to the "
+                                       "outer gradients of workers with --local-steps, in "
+                                       "place of --optimizer (local SGD, DiLoCo)")
+    outer_lr: float = described(1.0, "outer learning rate (sgd 1: model averaging; DiLoCo 0.7)")
+    outer_momentum: float = described(0.0, "outer momentum (nesterov needs it; DiLoCo 0.9)")
     schedule_steps: int = described(0, "updates the lr schedule spans (0: constant after warm-up)")
     chunk_bytes: int = described(1 << 20, "bytes per pulled chunk message")
     max_message_bytes: int = described(4 << 20, "largest message accepted or sent")
@@ -79,7 +89,14 @@ class ServerConfig:
         positive(self, "num_shards", "chunk_bytes", "max_message_bytes", "threads",
                  "apply_threads", "log_every")
         non_negative(self, "staleness", "num_workers", "schedule_steps", "grace_s",
-                     "checkpoint_every_s", "keep", "worker_timeout")
+                     "checkpoint_every_s", "keep", "worker_timeout", "backup_workers")
+        if self.backup_workers and self.consistency != "bsp":
+            raise ConfigError("--backup-workers applies to --consistency bsp only")
+        if self.backup_workers and not self.num_workers > self.backup_workers:
+            raise ConfigError(f"--backup-workers {self.backup_workers} needs --num-workers N + "
+                              f"{self.backup_workers} with N >= 1 (got --num-workers "
+                              f"{self.num_workers})")
+        self.outer()
         if not 0 <= self.shard < self.num_shards:
             raise ConfigError(f"--shard must be in [0, --num-shards={self.num_shards}) "
                               f"(got {self.shard})")
@@ -106,6 +123,12 @@ class ServerConfig:
             if getattr(self, name) and not self.checkpoint_dir:
                 raise ConfigError(f"--{name.replace('_', '-')} needs --checkpoint-dir")
         self._validate_replicas()
+
+    def outer(self) -> OuterConfig:
+        """The outer optimizer's config (models.outer); ConfigError where it is wrong."""
+        return build(OuterConfig, {"outer_optimizer": self.outer_optimizer,
+                                   "outer_lr": self.outer_lr,
+                                   "outer_momentum": self.outer_momentum})
 
     def _validate_replicas(self):
         positive(self, "replica_timeout_s")

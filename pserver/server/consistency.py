@@ -14,6 +14,16 @@ than s clocks ago, and BSP reproduces synchronous data-parallel SGD: one
 update per round from the mean of one gradient per worker, which equals the
 gradient of the union of their batches.
 
+BSP with b backup workers (--backup-workers b, --num-workers N + b; Chen et al.
+2016, "Revisiting distributed synchronous SGD"): a round closes as soon as N
+gradients have arrived (or every active worker's, when fewer are active) and
+applies their mean. A gradient read at a version older than the shard's was
+computed for a round that closed: it is late, dropped (counted per worker) and
+answered, so its worker reads the new parameters and goes on; it never joins a
+later round. The read rule is then "nothing of yours waits in the open round":
+a worker whose gradient is in it waits for the round to close, any other reads,
+so the slowest b hold nobody back. With b = 0 everything is as above.
+
 The structures here hold no lock of their own: the shard store calls them
 under its lock (the same lock as the update they describe).
 """
@@ -33,6 +43,7 @@ from dtlab.pserver.common.ranges import merged, packed
 class Consistency:
     mode: str = "asp"
     staleness: int = 0  # SSP's bound s
+    backups: int = 0  # BSP's backup workers b
 
     @property
     def bound(self) -> int | None:
@@ -51,6 +62,7 @@ class WorkerState:
     active: bool = True
     registration: int = 0  # the client process that holds the id (0: none known)
     live: int = 0  # that client's open sessions and calls in progress on this shard
+    late: int = 0  # BSP with backup workers: gradients that came after their round closed
 
 
 class Clocks:
@@ -99,22 +111,31 @@ class Clocks:
     def quorum(self) -> bool:
         return len(self.workers) >= self.expected
 
-    def blocker(self, worker: int) -> str:
+    def blocker(self, worker: int, policy: Consistency) -> str:
         """Why `worker` may not read yet, in words."""
         if not self.quorum():
             return f"{len(self.workers)} of --num-workers {self.expected} workers registered"
+        if policy.backups:
+            return (f"worker {worker}'s gradient waits for the BSP round to close "
+                    f"(--num-workers {self.expected} less --backup-workers {policy.backups})")
         return f"worker {worker} is {self.lead(worker)} clocks ahead of the slowest worker"
 
-    def may_read(self, policy: Consistency, worker: int) -> bool:
+    def may_read(self, policy: Consistency, worker: int, pending=()) -> bool:
+        """Whether `worker` may read; `pending`: the workers whose gradient waits in the
+        open BSP round (the rule with backup workers)."""
+        if policy.backups:
+            return self.quorum() and worker not in pending
         bound = policy.bound
         return bound is None or (self.quorum() and self.lead(worker) <= bound)
 
 
 @dataclass
 class Round:
-    """BSP: the gradients of one clock, summed until every active worker has pushed."""
+    """BSP: the gradients of one clock, summed until every active worker has pushed, or
+    with backup workers until `needed` have (0: every active worker)."""
 
     total: np.ndarray
+    needed: int = 0
     contributors: dict[int, tuple[int, int]] = field(default_factory=dict)  # worker -> (step, read)
     # the union of the round's ranged pushes (pserver.common.ranges), None once a push covered all
     covered: list[tuple[int, int]] | None = None
@@ -151,8 +172,10 @@ class Round:
             self.covered = merged(self.covered + ranges)
 
     def complete(self, clocks: Clocks) -> bool:
-        return bool(self.contributors) and clocks.quorum() and all(
-            w in self.contributors for w in clocks.active())
+        if not self.contributors or not clocks.quorum():
+            return False
+        return (0 < self.needed <= len(self.contributors)
+                or all(w in self.contributors for w in clocks.active()))
 
     def mean(self) -> np.ndarray:
         self.total /= len(self.contributors)

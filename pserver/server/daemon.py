@@ -100,14 +100,23 @@ def store_of(cfg: ServerConfig, model_name: str, flat: FlatParams,
     lo, hi = layout.offset, layout.offset + layout.length
     params = huge_empty(hi - lo, flat.data.dtype)
     params[...] = flat.data[lo:hi]
+    optim_cfg = served_optim(cfg, optim_cfg)
     optimizer = BlockedOptimizer(optim_cfg, params, flat.decay_mask()[lo:hi].copy(),
                                  threads=cfg.apply_threads)
-    policy = Consistency(cfg.consistency, cfg.staleness)
+    policy = Consistency(cfg.consistency, cfg.staleness, cfg.backup_workers)
     return ShardStore(layout, params, optimizer, Schedule(optim_cfg, cfg.schedule_steps), policy,
                       staleness_lr=cfg.staleness_lr, expected_workers=cfg.num_workers,
                       chunk_bytes=cfg.chunk_bytes, log_every=cfg.log_every,
                       worker_timeout=cfg.worker_timeout,
                       experts=ExpertStaleness.of(flat.specs, lo, hi - lo))
+
+
+def served_optim(cfg: ServerConfig, optim_cfg: OptimConfig) -> OptimConfig:
+    """The optimizer the shard runs: with --outer-optimizer the outer one, as the SGD it
+    is (models.outer.OuterConfig.as_optim: the workers push outer gradients), in place
+    of `optim_cfg`; else `optim_cfg`."""
+    outer = cfg.outer()
+    return outer.as_optim() if outer.enabled else optim_cfg
 
 
 def config_record(cfg: ServerConfig, model_name: str, model_cfg, optim_cfg: OptimConfig,
@@ -117,7 +126,7 @@ def config_record(cfg: ServerConfig, model_name: str, model_cfg, optim_cfg: Opti
     return {"server": dataclasses.asdict(cfg), "model_name": model_name,
             "model": dataclasses.asdict(model_cfg),
             "data": dataclasses.asdict(data_cfg or DataConfig()),
-            "optim": dataclasses.asdict(optim_cfg)}
+            "optim": dataclasses.asdict(served_optim(cfg, optim_cfg))}
 
 
 def why_not_listen(host: str, port: int) -> str:
@@ -292,9 +301,15 @@ class Daemon:
             self.replication.start(host_port(self.cfg.bind, self.port), self.health,
                                    self._fail)
         lay = self.store.layout
+        policy = self.store.policy
+        mode = policy.mode + (f" with {policy.backups} backup workers" if policy.backups else "")
+        outer = self.cfg.outer()
+        if outer.enabled:
+            mode += (f", outer {outer.outer_optimizer} lr {outer.outer_lr} momentum "
+                     f"{outer.outer_momentum} (its --optimizer flags unused)")
         log.info("shard %d/%d of %s: elements [%d, %d) of %d, %s, version %d, listening on %s%s",
                  lay.shard, lay.num_shards, lay.model, lay.offset, lay.offset + lay.length,
-                 lay.model_size, self.store.policy.mode, self.store.version,
+                 lay.model_size, mode, self.store.version,
                  host_port(self.cfg.bind, self.port),
                  f", metrics on :{self.metrics.port}" if self.metrics else "")
         if self.cfg.ready_file:
@@ -369,3 +384,7 @@ class Daemon:
         h = self.store.staleness.shard
         log.info("stopped at version %d: %d gradients applied, staleness mean %.2f max %d",
                  self.store.version, h.total, h.sum / max(1, h.total), h.max)
+        stats = self.store.stats()
+        if stats.late:  # --backup-workers
+            log.info("%d late gradients dropped (worker: count) %s", stats.late,
+                     {w: ws.late for w, ws in stats.workers.items() if ws.late})

@@ -22,7 +22,11 @@ may carry only some ranges of the shard (a Mixture-of-Experts worker leaving
 out the experts no token reached, pserver.common.ranges): exactly those are updated
 (a lazy step, models.optim.Optimizer.step_ranges), a BSP round updates the
 union of its pushes' ranges, and the staleness of each expert a push carries
-is recorded too (pserver.server.expert_staleness).
+is recorded too (pserver.server.expert_staleness). With backup workers
+(pserver.server.consistency) a BSP push read before the round's version is late:
+dropped, counted in its worker's `late`, its (worker, step) answered (staleness
+> 0, lr 0: under BSP an accepted push always has staleness 0) and remembered
+like any other, and journaled, so a backup replica drops it too.
 
 Worker ids. A worker registers under its id, or asks shard 0 to assign one:
 one past the highest id the shard has seen, so a new worker never inherits
@@ -114,6 +118,7 @@ class WorkerStats:
     active: bool
     staleness: Histogram
     expired: bool = False  # dropped when its lease ran out (pserver.server.leases), not back yet
+    late: int = 0  # BSP with backup workers: gradients dropped, their round closed before
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,7 @@ class ShardStats:
     receive_seconds: float  # receiving pushes, header to checked data
     check_seconds: float  # of which checking the data (Adler-32, finite values)
     workers_dropped: int = 0  # leases that ran out (pserver.server.leases)
+    late: int = 0  # BSP with backup workers: late gradients dropped, of every worker
     # per MoE expert on this shard: staleness of the pushes that carried it
     expert_staleness: dict[str, Histogram] = dataclasses.field(default_factory=dict)
 
@@ -168,7 +174,12 @@ class ShardStore:
         self.version = 0
         self.clocks = Clocks(expected_workers)
         self.leases = Leases(worker_timeout)
-        self._round = Round(np.zeros_like(params)) if policy.aggregate else None
+        if policy.backups and not (policy.aggregate and expected_workers > policy.backups):
+            raise ValueError(f"{policy.backups} backup workers need BSP and more expected "
+                             f"workers (got {policy.mode}, {expected_workers})")
+        # BSP: the open round; with b backup workers it closes at expected - b gradients
+        self._round = Round(np.zeros_like(params), expected_workers - policy.backups
+                            if policy.backups else 0) if policy.aggregate else None
         self._replies: dict[int, tuple[int, PushResult]] = {}  # worker -> (step, reply)
         self.staleness = StalenessLog()
         # per MoE expert (pserver.server.expert_staleness)
@@ -339,13 +350,14 @@ class ShardStore:
             while True:
                 if self._closed:
                     raise Unavailable("server is shutting down", reason="shutdown")
-                if self.clocks.may_read(self.policy, worker):
+                if self.clocks.may_read(self.policy, worker, self._pending()):
                     break
                 if not alive():
                     raise DeadlineExceeded("pull cancelled while waiting", reason="cancelled")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise DeadlineExceeded(f"gave up waiting: {self.clocks.blocker(worker)}",
+                    raise DeadlineExceeded(f"gave up waiting: "
+                                           f"{self.clocks.blocker(worker, self.policy)}",
                                            reason="wait")
                 self._cond.wait(left)
             self.max_lead = max(self.max_lead, self.clocks.lead(worker))
@@ -430,6 +442,8 @@ class ShardStore:
             if worker in self._before_resume:  # read before the restart: counted as read now
                 version_read = min(version_read, self.version)
             staleness = self.version - version_read
+            if staleness and self.policy.backups:
+                return self._late(worker, step, version_read, grad, ranges)
             if self._round is not None:
                 self._round.add(worker, step, version_read, grad, ranges)
             self.experts.pushed(worker, ranges)
@@ -449,6 +463,28 @@ class ShardStore:
             self._replies[worker] = (step, result)
             self._cond.notify_all()
             return result
+
+    def _pending(self) -> dict:
+        """The workers whose gradient waits in the open BSP round (lock held)."""
+        return self._round.contributors if self._round is not None else {}
+
+    def _late(self, worker: int, step: int, version_read: int,
+              grad: np.ndarray | ChunkedArray, ranges: Ranges | None) -> PushResult:
+        """A gradient of a BSP round that closed without it (backup workers; lock held):
+        dropped and counted; its worker goes on from the next step."""
+        state = self.clocks.workers[worker]
+        state.next_step = step + 1
+        state.late += 1
+        self.counters["late"] += 1
+        self.counters["bytes_received"] += grad.nbytes
+        if self.journal is not None:  # the backup drops it the same way
+            self.journal.push(worker, step, version_read, grad, ranges)
+        result = PushResult(False, self.version - version_read, self.version, False, 0.0)
+        self._replies[worker] = (step, result)
+        log.debug("worker %d step %d: late by %d versions, dropped", worker, step,
+                  result.staleness)
+        self._cond.notify_all()
+        return result
 
     def _apply_round(self) -> None:
         contributions = [(w, step, read) for w, (step, read) in self._round.contributors.items()]
@@ -523,7 +559,7 @@ class ShardStore:
             c = self.counters
             workers = {w: WorkerStats(s.clock, s.next_step, s.active,
                                       self.staleness.worker(w).copy(),
-                                      expired=w in self.leases.expired)
+                                      expired=w in self.leases.expired, late=s.late)
                        for w, s in self.clocks.workers.items()}
             return ShardStats(
                 version=self.version, updates=self.optimizer.steps, pushes=c["pushes"],
@@ -534,6 +570,7 @@ class ShardStore:
                 max_clock_lead=self.max_lead, lr=self.last_lr, apply_seconds=self.apply_seconds,
                 pushes_in_flight=c["in_flight"], receive_seconds=self.receive_seconds,
                 check_seconds=self.check_seconds, workers_dropped=self.leases.dropped,
+                late=c["late"],
                 expert_staleness=self.experts.copy())
 
     def state(self) -> dict:
@@ -542,7 +579,8 @@ class ShardStore:
         an unfinished BSP round (the gradient sum so far and who is in it), so that
         a restarted server finishes the round with the workers still to push."""
         with self._cond:
-            workers = {w: {"clock": s.clock, "next_step": s.next_step, "active": s.active}
+            workers = {w: {"clock": s.clock, "next_step": s.next_step, "active": s.active,
+                           **({"late": s.late} if s.late else {})}  # late: backup workers'
                        for w, s in self.clocks.workers.items()}
             opt = {k: (v.copy() if isinstance(v, np.ndarray) else v)
                    for k, v in self.optimizer.state_dict().items()}
@@ -574,7 +612,8 @@ class ShardStore:
             self.version = int(state["version"])
             for w, s in state["workers"].items():
                 self.clocks.workers[int(w)] = WorkerState(int(s["clock"]), int(s["next_step"]),
-                                                          bool(s["active"]))
+                                                          bool(s["active"]),
+                                                          late=int(s.get("late", 0)))
             self._before_resume = set(self.clocks.workers)
             if staleness is not None:
                 self.staleness = staleness

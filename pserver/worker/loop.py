@@ -21,6 +21,24 @@ One step (Dean et al. 2012, Downpour SGD; Li et al. 2014, ps-lite):
            answers both at once, so a step costs one round trip per shard;
            the last step pushes alone
 
+Local SGD / DiLoCo (--local-steps H; models.outer): the worker takes H inner
+steps with its own optimizer (the optimizer flags, given here, and --clip) and
+lr schedule on its own data, from the parameters it pulled, then pushes its
+outer gradient, parameters pulled - local ones, and pulls the servers' new
+parameters (the next round's start); the servers apply their outer optimizer
+(python -m dtlab.pserver serve --outer-optimizer sgd|nesterov --outer-lr L
+--outer-momentum M) per push, or under BSP to the round's mean (synchronous
+local SGD / DiLoCo). Staleness and versions count outer rounds; steps, losses,
+--steps and --eval-every (a multiple of H) count inner steps; a round's
+record carries its push's staleness, version, outer_round, push_bytes and
+pull_bytes, the other records none. With one worker, H = 1 and outer SGD lr 1
+this is plain training bit for bit (models.outer, Exactness).
+
+    python -m dtlab.pserver serve --model mlp --shard 0 --port 50051 \
+        --outer-optimizer nesterov --outer-lr 0.7 --outer-momentum 0.9
+    python -m dtlab.pserver.worker --servers 127.0.0.1:50051 --model mlp --steps 500 \
+        --local-steps 50 --optimizer adamw --lr 1e-3 --worker-id 0 --num-workers 1
+
 With --tp and/or --pp above 1 the worker is a model-parallel group of MPI
 ranks, one worker to the servers, each rank pulling and pushing only its own
 partition (pserver.worker.group_worker; `mpiexec -n 8 ... --tp 2 --pp 2` makes 2
@@ -36,9 +54,9 @@ servers' --num-workers; with none of them W is 1, and a worker whose id is
 not 0 stops with an error rather than read worker 0's data. The data shard
 is id mod W (an assigned id past W wraps around, and says so).
 
-The worker never runs the optimizer: of the optimizer flags it takes --clip
-only (the servers take --optimizer, --lr, ...; a --config file's optimizer
-section is read by the servers and left alone here). Register checks the
+Without --local-steps the worker never runs the optimizer: of the optimizer
+flags it takes --clip only (the servers take --optimizer, --lr, ...; a
+--config file's optimizer section is read by the servers and left alone here). Register checks the
 worker's model, data, seed and dtype against the servers' (pserver.common.runconfig)
 and answers with the optimizer, schedule and consistency the servers run;
 the metrics header records those (config.optim is the servers' optimizer
@@ -83,6 +101,7 @@ from dtlab.models.config import (
 )
 from dtlab.models.data import ShardedLoader
 from dtlab.models.optim import OptimConfig
+from dtlab.models.outer import outer_gradient, round_ends
 from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.cli import command_name, run_cli
 from dtlab.models.run.launcher import launcher_rank, launcher_size
@@ -112,6 +131,10 @@ class WorkerConfig:
                                    "(-1: the launcher's rank, else one the servers assign)")
     num_workers: int = described(0, "workers sharing the data (0: the launcher's size, else "
                                     "the servers' --num-workers, else 1)")
+    local_steps: int = described(
+        0, "local SGD / DiLoCo: take H inner steps with this worker's own optimizer (the "
+           "optimizer flags, here) between pushes of the outer gradient, parameters pulled - "
+           "local; the servers run --outer-optimizer (0: push every step's gradient)")
     moe_sparse_push: bool = described(
         False, "Mixture-of-Experts models: push no gradient for the experts that received no "
                "token this step; the servers leave them and their optimizer state as they are "
@@ -147,6 +170,33 @@ class WorkerConfig:
     def validate(self):
         if self.worker_id < -1 or self.num_workers < 0:
             raise ConfigError("--worker-id must be >= -1 and --num-workers >= 0")
+        if self.local_steps < 0:
+            raise ConfigError(f"--local-steps must not be negative (got {self.local_steps})")
+        if self.local_steps and self.moe_sparse_push:
+            raise ConfigError("--moe-sparse-push leaves experts out of a step's gradient; "
+                              "--local-steps pushes every parameter's change: leave it out")
+
+
+def local_steps_given(argv: list[str]) -> int:
+    """--local-steps in `argv` (0 when absent): it decides which optimizer flags the
+    worker takes."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--local-steps", type=int, default=0)
+    return pre.parse_known_args(argv)[0].local_steps
+
+
+def check_outer(servers_optim: dict) -> None:
+    """--local-steps pushes outer gradients: the servers must run an outer optimizer,
+    which is SGD with no decay or warm-up at a constant lr (models.outer.OuterConfig
+    .as_optim); a ConfigError naming what they run otherwise."""
+    o = servers_optim
+    if (o.get("optimizer"), o.get("warmup"), o.get("schedule"), o.get("weight_decay")) != \
+            ("sgd", 0, "constant", 0.0):
+        raise ConfigError(
+            f"--local-steps pushes outer gradients (parameters pulled - local ones), but the "
+            f"servers run {o.get('optimizer')} with warm-up {o.get('warmup')}, "
+            f"{o.get('schedule')} lr, decay {o.get('weight_decay')}: start them with "
+            "--outer-optimizer sgd or nesterov")
 
 
 class WorkerName(logging.Filter):
@@ -226,6 +276,7 @@ class Worker:
         self.host = np.empty(params.size, params.dtype) if self.on_device else params.data
         self.pulled = False  # whether the parameters came with the last push
         self.last_compute_s = 0.0
+        self.late = 0  # BSP with backup workers: pushes some shard dropped as late
 
     def loaded(self, changed: int) -> None:
         """The pulled host parameters onto the device, if they changed."""
@@ -272,10 +323,19 @@ class Worker:
         return {"step": step + 1, "loss": loss, "lr": replies[0].lr if replies else None,
                 "grad_norm": grad_norm,
                 "step_s": t3 - t0, "compute_s": t2 - t1, "pull_s": t1 - t0, "push_s": t3 - t2,
-                "staleness": [r.staleness for r in replies],
-                "version": [r.version for r in replies],
+                **self.replied(replies),
                 "push_bytes": self.client.pushed_bytes - sent[0],
                 "pull_bytes": self.client.pulled_bytes - sent[1], **scaling, **pushed}
+
+    def replied(self, replies: list) -> dict:
+        """Each shard's staleness and version of the push; under BSP also `late`, the shards
+        that dropped it as late (backup workers: an accepted BSP push has staleness 0)."""
+        out = {"staleness": [r.staleness for r in replies],
+               "version": [r.version for r in replies]}
+        if self.client.server.consistency == pb.BSP:
+            out["late"] = sum(r.staleness > 0 and not r.duplicate for r in replies)
+            self.late += out["late"]
+        return out
 
     def pushed(self) -> tuple[Ranges | None, dict]:
         """The model's ranges this step pushes (None: all of it) and, with
@@ -330,6 +390,9 @@ class Worker:
         summary.stopped_by, summary.exit_code = stop.name, stop.exit_code
         if hasattr(self.s.replica, "summary_line"):
             summary.extra_lines.append(self.s.replica.summary_line())
+        if self.late:
+            summary.extra_lines.append(f"{self.late} pushes to a shard arrived after their "
+                                       "BSP round closed and were dropped (backup workers)")
         return summary
 
     def trace(self) -> Trace:
@@ -348,12 +411,76 @@ class Worker:
         return loss
 
 
+class LocalWorker(Worker):
+    """--local-steps H: each step an inner step on this worker's parameters; a round's
+    last also pushes the outer gradient and pulls the next round's start. The pulled
+    parameters stay in `host` (never the buffer the inner steps change), so a shard that
+    answers "not modified" leaves the right values there."""
+
+    def __init__(self, session: Session, client: PSClient, wid: int, metrics: MetricsLog,
+                 local_steps: int):
+        super().__init__(session, client, wid, metrics)
+        params = session.params
+        self.H, self.rounds = local_steps, 0
+        if not self.on_device:
+            self.host = np.empty(params.size, params.dtype)  # (n,) the pulled global
+        self.outer_grad = np.empty_like(self.host)  # (n,) pulled - local
+
+    def loaded(self, changed: int) -> None:
+        """The pulled global parameters into the (locally changed) ones, always."""
+        self.s.params.load(self.host)
+
+    def step(self, step: int, last: bool = False, trace: Trace | None = None) -> dict:
+        s = self.s
+        t0 = time.perf_counter()
+        if not self.pulled:  # a round's start that no push brought: the first, a rejoin
+            self.loaded(self.client.pull(self.host))
+            self.pulled = True
+        t1 = time.perf_counter()
+        loss = s.replica.compute_grads(s.loader.next())
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or enable --clip")
+        lr = s.schedule(step)
+        apply, scaling = s.replica.finish_grads()  # mixed precision: unscaled, overflow checked
+        grad_norm = None
+        if apply:
+            grad_norm = s.model.clip_grad_norm(s.params, s.setup.optim.clip)
+            s.optimizer.step(s.params.data, s.params.grad, lr)
+        t2 = time.perf_counter()
+        self.last_compute_s = t2 - t1
+        replies, record = [], {}
+        sent = (self.client.pushed_bytes, self.client.pulled_bytes)
+        if round_ends(step, self.H, s.setup.run.steps):
+            outer_gradient(self.host, backend.to_host(s.params.data), out=self.outer_grad)
+            if last:
+                replies, self.pulled = self.client.push(self.outer_grad, step), False
+            else:
+                replies, changed = self.client.push_pull(self.outer_grad, step, self.host)
+                self.loaded(changed)
+            self.rounds += 1
+            record = {"outer_round": self.rounds, "outer_lr": replies[0].lr}
+        t3 = time.perf_counter()
+        if trace is not None:
+            trace.span("pull", t0, t1, "comm")
+            trace.span("compute", t1, t2, step=step + 1)
+            if replies:
+                trace.span("outer push + next pull" if not last else "outer push", t2, t3,
+                           "comm")
+        return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                "step_s": t3 - t0, "compute_s": t2 - t1, "pull_s": t1 - t0, "push_s": t3 - t2,
+                **self.replied(replies), **record,
+                "push_bytes": self.client.pushed_bytes - sent[0],
+                "pull_bytes": self.client.pulled_bytes - sent[1], **scaling}
+
+
 def parse_args(argv: list[str]):
     """The worker's flags (a group's too) as a Setup; ConfigError where they do not fit."""
+    local = local_steps_given(argv) > 0  # then the inner optimizer's flags are this worker's
     setup = parse(argv, prog=command_name("dtlab.pserver.worker"),
                   description=__doc__.split("\n\n")[0], add_extra=add_worker_flags,
-                  flags={"data": None, "run": None, "optim": ("clip",)},
-                  why="the servers run the optimizer (give it to python -m dtlab.pserver serve)")
+                  flags={"data": None, "run": None, "optim": None if local else ("clip",)},
+                  why="the servers run the optimizer (give it to python -m dtlab.pserver serve; "
+                      "with --local-steps the worker takes its inner optimizer's)")
     if setup.run.checkpoint_every or setup.run.resume:
         raise ConfigError("the servers keep the checkpoints (pserver --checkpoint-dir); the "
                           "worker takes no --checkpoint-every or --resume")
@@ -368,6 +495,13 @@ def main(argv: list[str]) -> int:
     if is_group(setup) and wcfg.moe_sparse_push:
         raise ConfigError("--moe-sparse-push: a model-parallel worker group (--tp/--pp) "
                           "pushes every parameter; leave it out there")
+    if is_group(setup) and wcfg.local_steps:
+        raise ConfigError("--local-steps: a model-parallel worker group (--tp/--pp) takes no "
+                          "inner steps yet; leave it out there")
+    if wcfg.local_steps and setup.run.eval_every % wcfg.local_steps:
+        raise ConfigError(f"--eval-every {setup.run.eval_every} must be a multiple of "
+                          f"--local-steps {wcfg.local_steps}: the held-out loss is of the "
+                          "servers' parameters, which change once per outer round")
     if is_group(setup):  # an MPI program: imports mpi4py only here
         from dtlab.pserver.worker import group_worker
 
@@ -428,15 +562,22 @@ def train(session: Session, client: PSClient, wcfg: WorkerConfig, first: int,
     if first:
         log.info("rejoins at step %d", first)
         skip_to(session, first)
-    setup.optim = build(OptimConfig, {**json.loads(server.optim_config or "{}"),
-                                      "clip": setup.optim.clip})
+    servers_optim = json.loads(server.optim_config or "{}")
+    local = {}
+    if wcfg.local_steps:  # setup.optim is this worker's inner optimizer
+        check_outer(servers_optim)
+        local = {"local_steps": wcfg.local_steps, "outer_optim": servers_optim}
+    else:
+        setup.optim = build(OptimConfig, {**servers_optim, "clip": setup.optim.clip})
     header = run_header(session, "async", worker=wid, servers=client_cfg.addresses(),
                         consistency=pb.Consistency.Name(server.consistency).lower(),
                         staleness_bound=server.staleness_bound,
                         schedule_steps=server.schedule_steps, staleness_lr=server.staleness_lr,
-                        wire=client_cfg.wire, threads=threads.as_dict())
+                        wire=client_cfg.wire, threads=threads.as_dict(), **local)
     metrics = MetricsLog(run.metrics.replace("{worker}", str(wid)), header, append=first > 0)
     try:
+        if wcfg.local_steps:
+            return LocalWorker(session, client, wid, metrics, wcfg.local_steps).run(first)
         return Worker(session, client, wid, metrics, wcfg.moe_sparse_push).run(first)
     finally:
         metrics.close()

@@ -5,10 +5,14 @@
 holds one ShardClient per daemon and sends every call to the one it takes
 for the primary: at connect, the first whose health check says SERVING (a
 backup says NOT_SERVING). A call that fails with UNAVAILABLE (the daemon is
-dead: connection refused or reset; or it is a backup, or a primary that was
-replaced, which answer workers UNAVAILABLE) is sent to the other daemon,
-then back, with exponential backoff after each round of both, up to
---retries rounds. The call is the same call: a push keeps its (worker, step),
+dead: connection refused or reset; or it is a backup, a primary that lost
+its backup, or one that was replaced, which answer workers UNAVAILABLE), or
+with DEADLINE_EXCEEDED where that daemon's health check then says anything
+but SERVING (it is frozen or cut off: its backup takes over), is sent to the
+other daemon, then back, with exponential backoff after each round of both,
+up to --retries rounds; a deadline on a primary whose health says SERVING is
+the call's own (a pull waiting on SSP/BSP) and raised as it is. The call is
+the same call: a push keeps its (worker, step),
 so a push that reached the backup before the primary died is answered as a
 duplicate by the new primary and applied once (Li et al. 2014). The worker's
 registration is the primary's, which the backup holds too (replicated), so
@@ -34,6 +38,7 @@ log = logging.getLogger(__name__)
 
 SEPARATOR = "|"  # between the addresses of one shard's replicas in --servers
 _MAX_BACKOFF_S = 2.0
+_FAIL_OVER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class ReplicatedShard:
@@ -105,8 +110,19 @@ class ReplicatedShard:
         raise TimeoutError(f"no replica of {'|'.join(r.address for r in self.replicas)} "
                            f"serves after {self.cfg.connect_timeout_s:g} s ({found})")
 
+    def _serves(self, replica) -> bool:
+        """Whether `replica`'s health check says SERVING now (bounded)."""
+        try:
+            reply = health_pb2_grpc.HealthStub(replica.channel).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE),
+                timeout=min(2.0, self.cfg.rpc_timeout_s))
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
     def _on_primary(self, call: Callable, what: str):
-        """call(replica) on the primary; on UNAVAILABLE, on the other replica, and so on."""
+        """call(replica) on the primary; on UNAVAILABLE, or a deadline on a replica that
+        does not say SERVING, on the other replica, and so on."""
         n = len(self.replicas)
         rounds, delay = self.cfg.retries + 1, self.cfg.backoff_s
         for i in range(rounds * n):
@@ -114,8 +130,11 @@ class ReplicatedShard:
             try:
                 return call(replica)
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or i == rounds * n - 1:
+                code = e.code()
+                if code not in _FAIL_OVER or i == rounds * n - 1:
                     raise
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._serves(replica):
+                    raise  # a serving primary's deadline: the call's own
                 self.current = (self.current + 1) % n
                 self.failovers += 1
                 log.warning("%s %s: %s; trying %s", replica.address, what, e.details(),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support.faults import Proxy, RoleWatch, status, wait_for
 from support.pserver_util import (
     ONE_BLAS_THREAD,
     ROOT,
@@ -27,6 +29,7 @@ from support.pserver_util import (
     connect,
     initial_params,
     run_workers,
+    serve,
 )
 
 from dtlab.models.config import ConfigError, build
@@ -36,7 +39,7 @@ from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver.common import codec as wire
 from dtlab.pserver.common.config import ClientConfig, ServerConfig
 from dtlab.pserver.server.replication import journal as replication
-from dtlab.pserver.server.replication.journal import REPLICATION
+from dtlab.pserver.server.replication.journal import JOIN, REPLICATION
 
 MODEL = {"d_in": 16, "d_hidden": 16, "n_layers": 1, "n_classes": 3}
 MODEL_FLAGS = ["--model", "mlp", "--d-in", "16", "--d-hidden", "16", "--n-layers", "1",
@@ -49,21 +52,6 @@ N = INIT.size
 def serve_args(*extra: str, run: tuple[str, ...] = (*MODEL_FLAGS, *SGD_FLAGS)) -> list[str]:
     """A replicated daemon's flags: `run` (model and optimizer), then `extra`."""
     return [*run, "--grace-s", "2", "--replicas", "2", "--replica-timeout-s", "1", *extra]
-
-
-def status(address: str) -> pb.ReplicaStatusReply:
-    with grpc.insecure_channel(address) as ch:
-        call = ch.unary_unary(f"/{REPLICATION}/ReplicaStatus",
-                              response_deserializer=pb.ReplicaStatusReply.FromString)
-        return call(b"", timeout=10)
-
-
-def wait_for(what: str, ok, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not ok():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not within {timeout} s: {what}")
-        time.sleep(0.02)
 
 
 def caught_up(backup: str, primary: str) -> bool:
@@ -379,10 +367,11 @@ def test_state_survives_packing():
     assert back["registrations"] == {0: 2**64 - 1}
 
 
-def test_a_push_waits_for_the_backup_and_a_stuck_backup_is_dropped(tmp_path):
-    """SIGSTOP the backup: a push is not acknowledged while the backup lacks it; after
-    --replica-timeout-s the primary drops the backup and acknowledges alone; the
-    resumed backup finds itself dropped by a live primary and exits 1."""
+def test_a_push_waits_for_the_backup_and_a_paused_backup_is_dropped_once_it_answers(tmp_path):
+    """SIGSTOP the backup for 2.5 s (--replica-timeout-s 1): a push is not acknowledged
+    while the backup lacks it, nor while the backup is silent (it might be taking over);
+    SIGCONT: the backup answers that it was dropped and exits 1, and the primary goes on
+    alone in the next term and acknowledges the push."""
     chain = Chain(tmp_path, 1, [])
     client = None
     try:
@@ -392,26 +381,31 @@ def test_a_push_waits_for_the_backup_and_a_stuck_backup_is_dropped(tmp_path):
         client.pull(buf)
         client.push(np.ones(N, np.float32), 0)  # held by both before it is acknowledged:
         assert status(backup.address).version == status(primary.address).version == 1
+        term = status(primary.address).term
         os.kill(backup.proc.pid, signal.SIGSTOP)
         done: list[float] = []
         pusher = threading.Thread(target=lambda: done.append(
             (client.push(np.ones(N, np.float32), 1), time.monotonic())[1]))
         since = time.monotonic()
         pusher.start()
-        time.sleep(0.5)
-        assert not done, "acknowledged while the backup could not hold it"
+        wait_for("the primary loses its lease",
+                 lambda: status(primary.address).role == "isolated", 10)
+        time.sleep(2.5 - (time.monotonic() - since))
+        assert not done, "acknowledged while the backup was silent"
+        os.kill(backup.proc.pid, signal.SIGCONT)
         pusher.join(timeout=30)
         held = done[0] - since
-        assert 1.0 <= held < 10, held  # --replica-timeout-s 1
-        assert status(primary.address).backup == ""
-        os.kill(backup.proc.pid, signal.SIGCONT)
+        assert 2.5 <= held < 10, held
+        after = status(primary.address)
+        assert (after.role, after.backup, after.term) == ("primary", "", term + 1)
         assert backup.proc.wait(timeout=30) == 1
         assert "dropped this backup" in backup.output()
         client.pull(buf)  # the primary goes on alone
         np.testing.assert_array_equal(buf, INIT.data - 1 - 1)
-        print(f"fault: SIGSTOP of the backup | recovery: the push was held {held:.3f} s, then "
-              "acknowledged by the primary alone; the resumed backup exited 1 | lost: "
-              "nothing (2 of 2 acknowledged pushes applied)", flush=True)
+        print(f"fault: SIGSTOP of the backup for 2.5 s | recovery: the push was held {held:.3f} "
+              "s, until the backup answered that it was dropped; then acknowledged by the "
+              f"primary alone (term {term + 1}); the backup exited 1 | lost: nothing (2 of 2 "
+              "acknowledged pushes applied)", flush=True)
     finally:
         if client is not None:
             client.close()
@@ -419,6 +413,168 @@ def test_a_push_waits_for_the_backup_and_a_stuck_backup_is_dropped(tmp_path):
             if d.proc.poll() is None:
                 os.kill(d.proc.pid, signal.SIGCONT)
         chain.close()
+
+
+def test_a_replaced_primary_acknowledges_nothing():
+    """A primary whose backup (a Replicate stream of this test's, which takes the whole
+    snapshot) breaks off, and answers, asked, that it took over (its address is another
+    daemon that is a primary): the primary is replaced and acknowledges nothing from then
+    on, neither a reply held before nor a push its store takes after (one a session it
+    admitted before would hand it)."""
+    with serve(replicas=2, replica_timeout_s=1.0) as (other,), \
+            serve(replicas=2, replica_timeout_s=1.0) as (old,):
+        lay = old.store.layout
+        up: queue.SimpleQueue = queue.SimpleQueue()
+        up.put(wire.wrap(JOIN, pb.ReplicaJoin(
+            shard=lay.shard, num_shards=lay.num_shards, model=lay.model,
+            model_size=lay.model_size, layout_crc32=lay.layout_crc,
+            address=f"127.0.0.1:{other.port}",
+            config=json.dumps(replication.same_run(old.config_record)))))
+        with grpc.insecure_channel(f"127.0.0.1:{old.port}") as ch:
+            call = ch.stream_stream(f"/{REPLICATION}/Replicate")(iter(up.get, None))
+            size, got = pb.ReplicaDown.FromString(next(call)).state.nbytes, 0
+            while got < size:
+                got += len(pb.ReplicaDown.FromString(next(call)).state_part.data)
+            old.store.register(0, lay.model, lay.model_size, lay.layout_crc, 7)  # held
+            call.cancel()
+            up.put(None)
+            wait_for("the primary learns it was replaced",
+                     lambda: old.replication.role == "replaced", 10)
+        assert "took over as primary" in old.failure
+        assert not old.replication.journal.wait_all()  # the registration's reply
+        old.store.push(0, 0, 0, np.ones(lay.length, np.float32))
+        assert old.store.version == 1  # applied here, and never acknowledged:
+        assert not old.replication.journal.wait_all()
+        assert status(f"127.0.0.1:{old.port}").role == "replaced"
+
+
+def test_a_primary_paused_past_the_deadline_is_replaced_and_its_workers_fail_over(tmp_path):
+    """SIGSTOP the primary while 2 workers push with --rpc-timeout-s 1: the backup takes
+    over, and the workers' calls stuck on the paused primary end at their deadline and
+    go to it (the paused primary's health check gives no answer), all while the primary
+    is still paused. SIGCONT: it learns from the backup that it was replaced before it
+    answers anything, and exits 1. Every acknowledged push applied once."""
+    W, K = 2, 30
+    chain = Chain(tmp_path, 1, [])
+    t = None
+    try:
+        primary, backup = chain.pairs[0]
+        t = Training(chain.servers, W, K, pauses=[K // 2], shm=False, rpc_timeout_s=1.0)
+        t.start()
+        t.wait_acked(W * K // 5)
+        before, since = t.count(), time.monotonic()
+        os.kill(primary.proc.pid, signal.SIGSTOP)
+        t.resume(K // 2)
+        wait_for("the backup takes over", lambda: status(backup.address).role == "primary")
+        wait_for("every worker acknowledged again", lambda: t.back(since) or t.errors, 60)
+        assert not t.errors, t.errors
+        assert primary.proc.poll() is None  # still paused: the workers failed over on a deadline
+        line = fault_line("SIGSTOP of the primary past the workers' 1 s deadline", "asp", t,
+                          before, since)
+        os.kill(primary.proc.pid, signal.SIGCONT)
+        assert primary.proc.wait(timeout=30) == 1
+        assert "took over as primary" in primary.output()
+        t.join()
+        print(f"{line} | {check_nothing_lost(t, chain.servers, 'asp')}", flush=True)
+    finally:
+        if t is not None:
+            t.resume()
+            t.close()
+        for d in chain.daemons:
+            if d.proc.poll() is None:
+                os.kill(d.proc.pid, signal.SIGCONT)
+        chain.close()
+
+
+def settle(t: Training, watch: RoleWatch, pair: list[DaemonProcess], servers: str,
+           what: str) -> None:
+    """After a fault on `pair`: one daemon leaves (exit 1), the other serves as primary,
+    training finishes; never two primaries at once, every acknowledged push applied once."""
+    wait_for("one of the two leaves", lambda: any(d.proc.poll() is not None for d in pair))
+    gone, = (d for d in pair if d.proc.poll() is not None)
+    survivor, = (d for d in pair if d is not gone)
+    assert gone.proc.wait(timeout=30) == 1, gone.output()
+    wait_for("the other serves", lambda: status(survivor.address).role == "primary")
+    t.join()
+    episodes = watch.stop()
+    assert watch.answers > 10 and episodes == 0, (watch.answers, episodes)
+    kept = "backup" if survivor is pair[1] else "primary"
+    print(f"fault: {what} | the {kept} serves (term {status(survivor.address).term}), the "
+          f"other exited 1; {watch.answers} role answers, never two primaries | "
+          f"{check_nothing_lost(t, servers, 'asp')}", flush=True)
+
+
+def test_a_backup_paused_twice_never_makes_two_primaries(tmp_path):
+    """The issue's reproduction: SIGSTOP the backup for 2.5 s while workers push (its
+    primary loses its lease and asks it, answering no worker); SIGCONT, and as soon as
+    the backup says it heard nothing from its primary, SIGSTOP it for 1.5 s more, so that
+    its own question to the primary times out; SIGCONT. Either the backup takes over or
+    the primary goes on alone, never both."""
+    chain = Chain(tmp_path, 1, [])
+    t = watch = None
+    try:
+        pair = chain.pairs[0]
+        primary, backup = pair
+        watch = RoleWatch([primary.address, backup.address])
+        t = Training(chain.servers, 2, 40, pauses=[20], shm=False, rpc_timeout_s=3.0)
+        t.start()
+        t.wait_acked(8)
+        os.kill(backup.proc.pid, signal.SIGSTOP)
+        t.resume(20)
+        time.sleep(2.5)
+        os.kill(backup.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 1.0
+        while "no word from the primary" not in backup.output() and \
+                time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.kill(backup.proc.pid, signal.SIGSTOP)
+        time.sleep(1.5)
+        os.kill(backup.proc.pid, signal.SIGCONT)
+        settle(t, watch, pair, chain.servers, "SIGSTOP of the backup 2.5 s, SIGCONT, SIGSTOP "
+               "1.5 s at its \"no word from the primary\"")
+    finally:
+        if watch is not None:
+            watch.stop()
+        if t is not None:
+            t.resume()
+            t.close()
+        for d in chain.daemons:
+            if d.proc.poll() is None:
+                os.kill(d.proc.pid, signal.SIGCONT)
+        chain.close()
+
+
+def test_a_cut_between_the_replicas_never_makes_two_primaries(tmp_path):
+    """The backup reaches its primary through a proxy, which forwards nothing for 3 s
+    while the workers still reach both (and the primary still reaches the backup's own
+    port): the backup hears nothing and asks in vain, the primary loses its lease and
+    asks the backup; one of them goes on as the primary, never both."""
+    primary = DaemonProcess(tmp_path, serve_args("--shard", "0"))
+    proxy = Proxy(primary.address)
+    backup = DaemonProcess(tmp_path, serve_args("--shard", "0", "--replica-of", proxy.address))
+    t = watch = None
+    try:
+        wait_for("the backup joins", lambda: caught_up(backup.address, primary.address))
+        servers = f"{primary.address}|{backup.address}"
+        watch = RoleWatch([primary.address, backup.address])
+        t = Training(servers, 2, 40, pauses=[20], shm=False, rpc_timeout_s=3.0)
+        t.start()
+        t.wait_acked(8)
+        proxy.cut()
+        t.resume(20)
+        time.sleep(3.0)
+        proxy.heal()
+        settle(t, watch, [primary, backup], servers, "the backup's link to its primary cut "
+               "for 3 s (workers reach both)")
+    finally:
+        if watch is not None:
+            watch.stop()
+        if t is not None:
+            t.resume()
+            t.close()
+        proxy.close()
+        primary.close()
+        backup.close()
 
 
 def test_real_workers_finish_bsp_training_through_a_kill(tmp_path):

@@ -41,6 +41,7 @@ class Follower:
         self._stopped = threading.Event()
         self._call = None
         self._heard = time.monotonic()  # when the primary's last message came
+        self._silence = ""  # why the watch cancelled the stream
         self._thread = threading.Thread(target=self._run, name="ps-follower", daemon=True)
         cfg = r.cfg
         token = auth.read_token(cfg.token_file, cfg.token_env)
@@ -71,11 +72,14 @@ class Follower:
         r, cfg = self.r, self.r.cfg
         deadline = time.monotonic() + max(30.0, 10 * cfg.replica_timeout_s)
         while not self._stopped.is_set():
+            if r.role == "dropped":
+                self._leave("its primary dropped it")
+                return
             try:
                 self._follow()
                 why = "its stream ended"
             except grpc.RpcError as e:
-                why = f"{e.code().name}: {e.details()}"
+                why = self._silence or f"{e.code().name}: {e.details()}"
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION and not self.caught_up:
                     r.fail(f"the primary {cfg.replica_of} refuses this backup: {e.details()}")
                     return
@@ -149,7 +153,7 @@ class Follower:
             model_size=lay.model_size, layout_crc32=lay.layout_crc, address=r.address,
             config=json.dumps(same_run(r.config)))))
         self._call = call = self._replicate(iter(up.get, None), metadata=self._metadata)
-        self._heard = time.monotonic()
+        self._heard, self._silence = time.monotonic(), ""
         watch = threading.Thread(target=self._watch, args=(call,), daemon=True,
                                  name="ps-follower-watch")
         watch.start()
@@ -167,7 +171,8 @@ class Follower:
                         raise PSError(f"snapshot part at {value.start} out of order")
                     snapshot += value.data
                     if len(snapshot) == expect.nbytes:
-                        self._load(bytes(snapshot), expect)
+                        if not self._load(bytes(snapshot), expect):
+                            return  # dropped while it joined
                         snapshot = None
                 elif kind == "entry":
                     entry = value
@@ -206,7 +211,8 @@ class Follower:
             up.put(None)
             self._call = None
 
-    def _load(self, data: bytes, expect: pb.ReplicaState) -> None:
+    def _load(self, data: bytes, expect: pb.ReplicaState) -> bool:
+        """The primary's snapshot into the store; False if this backup was dropped first."""
         if wire.adler32(data) != expect.adler32:
             raise PSError(f"the primary's snapshot fails its Adler-32 ({len(data)} bytes)")
         state = unpack(data)
@@ -216,10 +222,12 @@ class Follower:
             for w, registration in state["registrations"].items():
                 store.clocks.workers[w].registration = registration
         self.applied, self.caught_up = expect.seq, True
-        if self.r.joined(expect.term):
-            log.info("shard %d: backup of %s from version %d (entry %d, term %d)",
-                     self.store.layout.shard, self.r.cfg.replica_of, self.store.version,
-                     expect.seq, expect.term)
+        if not self.r.joined(expect.term):
+            return False
+        log.info("shard %d: backup of %s from version %d (entry %d, term %d)",
+                 self.store.layout.shard, self.r.cfg.replica_of, self.store.version,
+                 expect.seq, expect.term)
+        return True
 
     def _done(self, seq: int, up: queue.SimpleQueue) -> None:
         if seq != self.applied + 1:
@@ -232,6 +240,7 @@ class Follower:
         limit = self.r.cfg.replica_timeout_s
         while self._call is call and not self._stopped.is_set():
             if time.monotonic() - self._heard > limit:
+                self._silence = f"no word from the primary for {limit:.1f} s"
                 log.warning("no word from the primary %s for %.1f s", self.r.cfg.replica_of,
                             limit)
                 call.cancel()

@@ -118,7 +118,7 @@ class Journal:
         self.seq = 0  # the last change made
         self.acked = 0  # the last change the backup applied (all of them, with no backup)
         self._entries: collections.deque[Entry] = collections.deque()
-        self.term = 0  # this chain's configuration: a primary starts at 1, a backup joins at its
+        self.term = 0  # the configuration: 1 for a new primary; a backup takes its primary's
         self.backup = ""  # the attached backup's address, "" for none
         self.link = 0  # which attachment the entries and acks belong to
         self.lost = 0  # a link whose backup is lost, being decided on

@@ -261,15 +261,17 @@ class Replication:
         """The backup of `link` is lost: ask it until it answers that it was dropped (go on
         alone) or that it took over (this primary was replaced), or it is gone."""
         j = self.journal
-        backup, term = j.backup, j.term
+        backup, term, asked = j.backup, j.term, 0
         while self.role == "primary" and j.deciding(link):
             if not j.whole:
                 self._alone(link, backup, f"{why}; it never held the whole snapshot")
                 return
             answer = peer.ask(backup, self.metadata, self.ask_timeout, term=term)
+            asked += 1
             if answer == peer.SILENT:
-                log.info("shard %d: backup %s gives no answer: asking again",
-                         self.store.layout.shard, backup)
+                if asked == 1:
+                    log.info("shard %d: backup %s gives no answer: asking until it does, "
+                             "answering no worker", self.store.layout.shard, backup)
                 time.sleep(self.cfg.replica_timeout_s / 4)
                 continue
             if isinstance(answer, pb.ReplicaStatusReply):

@@ -83,6 +83,7 @@ RUN_FLAGS = ("steps", "batch_size", "grad_accum", "seed", "dtype", "log_every", 
 TARGET_GAP = 0.1  # nats above the floor
 DEFAULT_SEEDS = 3
 EVALS = 20  # held-out evaluations a run makes when --eval-every is not given
+EVAL_SAMPLES = 256  # ... on this many examples unless --eval-samples says otherwise
 
 
 def add_compare_flags(p: argparse.ArgumentParser) -> None:
@@ -167,6 +168,8 @@ def parse_args(argv: list[str]) -> tuple[Setup, list[RunSpec]]:
     held_out = source_of(setup.data, setup.model_name, setup.model) in ("teacher", "markov")
     if not setup.run.eval_every and held_out:  # by default: targets are judged on it
         setup.run.eval_every = max(1, setup.run.steps // EVALS)
+        if not any(a.split("=", 1)[0] == "--eval-samples" for a in argv):
+            setup.run.eval_samples = EVAL_SAMPLES
     for flag, value in (("--ranks", opts.ranks), ("--shards", opts.shards),
                         ("--seeds", opts.seeds)):
         if value < 1:

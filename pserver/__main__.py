@@ -19,6 +19,17 @@ SIGINT shuts down cleanly (pserver.server.daemon.Daemon.shutdown) and exits 0.
 for `python -m dtlab.pserver.replay` (pserver.server.applylog). Log
 lines name the shard ("shard 1: ..."); a port already in use is one error
 line (the daemon tries the bind itself before gRPC does).
+
+One launch with the workers (pserver.common.rendezvous):
+
+    mpiexec -n 2 python -m dtlab.pserver serve --config C --rendezvous auto \\
+        : -n 4 python -m dtlab.pserver.worker --config C --servers auto
+    python -m dtlab.pserver serve --config C --rendezvous /shared/rv --num-shards 2 ...
+
+With --rendezvous the shard, --num-shards and --num-workers come from the job
+(auto: the MPI world; DIR: the launcher's environment, flags given winning),
+the address to listen on by rule unless --bind is given, and the server ends
+(its checkpoint written) once its --num-workers workers registered and left.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ import logging
 import signal
 import sys
 
-from dtlab.models.config import add_flags, from_namespace
+from dtlab.models.config import ConfigError, add_flags, from_namespace
 from dtlab.models.data.factory import implied_model
 from dtlab.models.optim import OptimConfig
 from dtlab.models.run.allocator import keep_freed_memory
@@ -36,18 +47,27 @@ from dtlab.models.run.checkpoint import CheckpointError
 from dtlab.models.run.cli import command_name, run_cli
 from dtlab.models.run.session import Setup, parse
 from dtlab.models.run.threads import share_cores
+from dtlab.pserver.common import rendezvous
 from dtlab.pserver.common.config import ServerConfig
-from dtlab.pserver.server.daemon import Daemon, build_store, config_record
+from dtlab.pserver.server.daemon import Daemon, build_store, config_record, host_port
 
 # The workers clip their own gradients: --clip has no effect on a server.
 SERVER_OPTIM_FLAGS = tuple(f.name for f in dataclasses.fields(OptimConfig) if f.name != "clip")
 COMMANDS = {"serve": "run one parameter-server shard (python -m dtlab.pserver serve --help)"}
 
 
-def server_config(setup: Setup) -> ServerConfig:
-    """ServerConfig from the flags, with seed, dtype and schedule from the run config."""
+JOB_FIELDS = ("shard", "num_shards", "num_workers")
+# how often a job-launched server looks whether its workers are done
+JOB_POLL_S = 0.2
+
+
+def server_config(setup: Setup, place: rendezvous.Place | None = None) -> ServerConfig:
+    """ServerConfig from the flags, with seed, dtype and schedule from the run config and,
+    launched with its workers, shard, --num-shards and --num-workers from `place`."""
     ns = setup.extra
     base = {"seed": setup.run.seed, "dtype": setup.run.dtype}
+    if place is not None:
+        base.update(shard=place.index, num_shards=place.servers, num_workers=place.workers)
     cfg = from_namespace(ServerConfig, ns, base)
     if ns.schedule_steps is None and setup.config_file:
         per_step = 1 if cfg.consistency == "bsp" else max(1, cfg.num_workers)
@@ -63,7 +83,11 @@ def serve(argv: list[str]) -> int:
                       "--clip and the run flags (--steps, --batch-size, ...)",
                   add_extra=lambda p: add_flags(p, ServerConfig, "server"))
     setup.model = implied_model(setup.data, setup.model_name, setup.model)
-    cfg = server_config(setup)
+    place, job = join(setup.extra)
+    cfg = server_config(setup, place)
+    if cfg.rendezvous:
+        cfg = dataclasses.replace(cfg, bind=rendezvous.bind_address(
+            setup.extra.bind, cfg.bind_interface, job.other_hosts() if job else None))
     # every line names the shard: several daemons often share one console
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s shard {cfg.shard}: %(name)s: "
@@ -77,9 +101,55 @@ def serve(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.stopping.set())
     daemon.start()
-    daemon.stopping.wait()
+    if cfg.rendezvous:
+        publish(cfg, job, host_port(cfg.bind, daemon.port))
+    if cfg.rendezvous and cfg.num_workers:
+        while not daemon.stopping.wait(JOB_POLL_S) and not workers_done(daemon.store,
+                                                                        cfg.num_workers):
+            pass
+        logging.getLogger(__name__).info("the job's %d workers registered and left: ending",
+                                         cfg.num_workers)
+    else:
+        daemon.stopping.wait()
     daemon.shutdown()
+    if cfg.rendezvous and cfg.rendezvous != "auto":  # no later job may read it as live
+        rendezvous.shard_file(cfg.rendezvous, cfg.shard).unlink(missing_ok=True)
     return 1 if daemon.failure else 0
+
+
+def join(ns) -> tuple[rendezvous.Place | None, rendezvous.MPIJob | None]:
+    """This server's place in the job (--rendezvous), and the MPI job for `auto`."""
+    if not ns.rendezvous:
+        return None, None
+    if ns.rendezvous == "auto":
+        given = [f"--{f.replace('_', '-')}" for f in JOB_FIELDS if getattr(ns, f) is not None]
+        if given:
+            raise ConfigError(f"--rendezvous auto takes {', '.join(given)} from the job: "
+                              "leave it out")
+        job = rendezvous.MPIJob("server")
+        if job.place.role != "server":
+            raise ConfigError("a server rank was placed as a worker")
+        return job.place, job
+    return rendezvous.place_from_env("server", ns.num_shards), None
+
+
+def publish(cfg: ServerConfig, job: rendezvous.MPIJob | None, address: str) -> None:
+    """Tell the job's workers this shard's address: the allgather, or DIR/shard-K.json."""
+    if not cfg.tls_cert and not (cfg.token_file or cfg.token_env) and \
+            cfg.bind in ("0.0.0.0", "::", ""):
+        logging.getLogger(__name__).warning("listening on every network (--bind %s) with "
+                                            "neither a token nor TLS", cfg.bind)
+    if job is not None:
+        job.addresses(address)
+    else:
+        path = rendezvous.write_address(cfg.rendezvous, cfg.shard, cfg.num_shards, address)
+        logging.getLogger(__name__).info("address %s written to %s", address, path)
+
+
+def workers_done(store, workers: int) -> bool:
+    """Whether `workers` workers registered with `store` and none is active now."""
+    known = store.stats().workers
+    return len(known) >= workers and not any(w.active for w in known.values())
 
 
 def usage() -> str:
@@ -99,7 +169,10 @@ def main(argv: list[str]) -> int:
 
 
 def cli() -> int:
-    return run_cli(main, command_name("dtlab.pserver"), user_errors=(CheckpointError,))
+    rc = run_cli(main, command_name("dtlab.pserver"),
+                 user_errors=(CheckpointError, TimeoutError))
+    rendezvous.end_job(rc)  # the workers of a --rendezvous auto job wait on this server
+    return rc
 
 
 if __name__ == "__main__":

@@ -19,7 +19,16 @@ class ServerConfig:
     dtype: str = choice("float32", "float32", "float64", help="parameter dtype")
     shard: int = described(0, "this server's shard index")
     num_shards: int = described(1, "shards the flat parameter vector is split into")
-    bind: str = described("127.0.0.1", "address to listen on")
+    bind: str = described("127.0.0.1", "address to listen on; with --rendezvous, when not "
+                                       "given: by rule (pserver.common.rendezvous), never a "
+                                       "wildcard such as 0.0.0.0, which needs a token or TLS")
+    bind_interface: str = described("", "with --rendezvous: listen on this interface's IPv4 "
+                                        "address (e.g. ib0) rather than the one routing to the "
+                                        "job's other hosts")
+    rendezvous: str = described("", "one launch with the workers: auto (mpiexec MPMD: shard, "
+                                    "--num-shards, --num-workers from the job; addresses by "
+                                    "an allgather) or a shared DIR this server writes "
+                                    "shard-K.json into (srun --multi-prog, by hand)")
     port: int = described(0, "port to listen on; 0 picks a free one (logged, and in --ready-file)")
     consistency: str = choice("asp", "asp", "ssp", "bsp", help="consistency model")
     staleness: int = described(0, "SSP bound s: a worker may lead the slowest by at most s clocks")
@@ -123,6 +132,12 @@ class ServerConfig:
             if getattr(self, name) and not self.checkpoint_dir:
                 raise ConfigError(f"--{name.replace('_', '-')} needs --checkpoint-dir")
         self._validate_replicas()
+        if self.bind_interface and not self.rendezvous:
+            raise ConfigError("--bind-interface picks the address of a job's server: give "
+                              "--rendezvous too, or --bind ADDR")
+        if self.rendezvous and self.replicas > 1:
+            raise ConfigError("--rendezvous starts one daemon per shard: --replicas 2 is "
+                              "launched by hand (--replica-of)")
 
     def outer(self) -> OuterConfig:
         """The outer optimizer's config (models.outer); ConfigError where it is wrong."""
@@ -151,6 +166,11 @@ class ClientConfig:
 
     servers: str = described("", "host:port of every shard, comma-separated, any order; "
                                  "a replicated shard as PRIMARY|BACKUP")
+    rendezvous: str = described("auto", "with --servers auto: auto (every shard's address "
+                                        "from the mpiexec MPMD job) or the shared DIR the "
+                                        "servers' --rendezvous wrote shard-K.json into")
+    rendezvous_timeout_s: float = described(120.0, "with --servers auto --rendezvous DIR: how "
+                                                   "long to wait for every shard's file")
     token_file: str = described("", "file holding the servers' bearer token")
     token_env: str = described("", "environment variable holding the servers' bearer token")
     tls: bool = described(False, "use TLS (implied by --tls-ca / --tls-cert; alone: system roots)")
@@ -173,13 +193,17 @@ class ClientConfig:
                             "the servers keep float32; over gRPC, not shared memory)")
 
     def validate(self):
+        if self.servers == "auto":
+            raise ConfigError("--servers auto: the worker reads the addresses from the job "
+                              "(dtlab-worker resolves it before connecting)")
         if not self.addresses():
             raise ConfigError("--servers needs at least one host:port")
         for a in (r for shard in self.addresses() for r in shard.split("|")):
             host, _, port = a.rpartition(":")
             if not host or not port.isdigit():
                 raise ConfigError(f"--servers: {a!r} is not host:port")
-        positive(self, "rpc_timeout_s", "connect_timeout_s", "backoff_s", "chunk_bytes")
+        positive(self, "rpc_timeout_s", "connect_timeout_s", "backoff_s", "chunk_bytes",
+                 "rendezvous_timeout_s")
         non_negative(self, "retries")
         if self.token_file and self.token_env:
             raise ConfigError("give the token by --token-file or --token-env, not both")

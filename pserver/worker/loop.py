@@ -5,6 +5,12 @@
     mpiexec -n 4 python -m dtlab.pserver.worker --servers ... --model mlp --steps 300 \
         --metrics 'runs/w{worker}.jsonl'
 
+`--servers auto` takes every shard's address, the worker's id and the number of
+workers from the job (pserver.common.rendezvous): an mpiexec MPMD job with the
+servers (`mpiexec -n 2 python -m dtlab.pserver serve ... --rendezvous auto : -n 4
+python -m dtlab.pserver.worker ... --servers auto`), or with `--rendezvous DIR`
+the files the servers wrote there.
+
 One step (Dean et al. 2012, Downpour SGD; Li et al. 2014, ps-lite):
 
     pull   every shard in parallel, into the flat parameter buffer; a shard
@@ -116,7 +122,7 @@ from dtlab.models.run.trainer import Summary
 from dtlab.models.schedule import SCHEDULES
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver.common import codec as wire
-from dtlab.pserver.common import runconfig
+from dtlab.pserver.common import rendezvous, runconfig
 from dtlab.pserver.common.config import ClientConfig
 from dtlab.pserver.common.errors import PSError
 from dtlab.pserver.common.ranges import Ranges
@@ -502,6 +508,9 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--eval-every {setup.run.eval_every} must be a multiple of "
                           f"--local-steps {wcfg.local_steps}: the held-out loss is of the "
                           "servers' parameters, which change once per outer round")
+    if is_group(setup) and setup.extra.servers == "auto":
+        raise ConfigError("--servers auto launches dense workers; a model-parallel group "
+                          "(--tp/--pp) takes --servers HOST:PORT,...")
     if is_group(setup):  # an MPI program: imports mpi4py only here
         from dtlab.pserver.worker import group_worker
 
@@ -515,6 +524,9 @@ def main(argv: list[str]) -> int:
         if value:
             raise ConfigError(f"{flag} {value} has no effect without --pp")
     launched = wcfg.worker_id < 0 and (wcfg.given_world() or 1) > 1
+    if setup.extra.servers == "auto":
+        wcfg, placed = join_servers(setup.extra, wcfg)
+        launched = launched or (placed and (wcfg.given_world() or 1) > 1)
     if launched and "{worker}" not in setup.run.metrics and setup.run.metrics:
         raise ConfigError(f"--metrics {setup.run.metrics}: {wcfg.given_world()} launcher ranks "
                           "would share it; put {worker} in the path")
@@ -545,6 +557,27 @@ def main(argv: list[str]) -> int:
     for line in summary.lines():
         print(f"worker {wid}: {line}")
     return summary.exit_code
+
+
+def join_servers(ns, wcfg: WorkerConfig) -> tuple[WorkerConfig, bool]:
+    """--servers auto: every shard's address from the job (pserver.common.rendezvous: the
+    MPI allgather, or the files of --rendezvous DIR) into `ns.servers`; the worker's id and
+    the number of workers from its place in the job, unless given; and whether the job
+    placed it (False: launched by hand)."""
+    where = ns.rendezvous or ClientConfig.rendezvous
+    timeout_s = ns.rendezvous_timeout_s or ClientConfig.rendezvous_timeout_s
+    if where == "auto":
+        job = rendezvous.MPIJob("worker", timeout_s)
+        addresses, place = job.addresses(None), job.place
+    else:
+        addresses = rendezvous.read_addresses(where, timeout_s)
+        place = rendezvous.place_from_env("worker", len(addresses))
+    ns.servers = ",".join(addresses)
+    if place is None:  # launched by hand: --worker-id / --num-workers, or the servers'
+        return wcfg, False
+    return dataclasses.replace(
+        wcfg, worker_id=place.index if wcfg.worker_id < 0 else wcfg.worker_id,
+        num_workers=wcfg.num_workers or place.workers), True
 
 
 def train(session: Session, client: PSClient, wcfg: WorkerConfig, first: int,
@@ -607,6 +640,7 @@ def cli() -> int:
     group = sys.modules.get("dtlab.pserver.worker.group_worker")  # imported by a group's ranks only
     if rc and group is not None:
         group.end_job(rc)  # the other ranks of the job may wait on this one: end them too
+    rendezvous.end_job(rc)  # likewise the servers and workers of a --servers auto job
     return rc
 
 

@@ -46,7 +46,15 @@ all dp x e ranks, that of one process on the global batch with the same token gr
 With --zero S the dp ranks shard the model instead of replicating it (ZeRO,
 Rajbhandari et al. 2020; collective/zero.py): stage 1 the optimizer state, stage 2 also
 the gradients, stage 3 also the parameters, over our ring reduce-scatter and all-gather
-(dp alone: no --tp, --pp, --ep; the flags it cannot honour are refused by name).
+(dp alone: no --tp, --pp, --ep; the flags it cannot honour are refused by name). Each dp
+rank checkpoints its own shard, and --resume at another dp size cuts the shards again
+(collective/zero_checkpoint.py).
+
+With --local-steps H (local SGD, DiLoCo: collective/local_sgd.py) every rank takes H
+steps of its own optimizer and the ranks all-reduce their parameter change once per
+round; with --compress topk:F|randk:F|sign|powersgd:R (collective/compress_reducer.py)
+each step's gradients travel compressed, with error feedback. Both run on dp alone
+(collective/methods.py names what they refuse) and record sent_bytes and comm_rounds.
 
 Rank 0 writes the metrics (per-step time split into compute, communication
 and waiting) and checkpoints. An exception on any rank aborts the whole job.
@@ -68,7 +76,14 @@ from dtlab.collective.choose import OURS
 from dtlab.collective.comm import Communicator
 from dtlab.collective.failure import FORWARD_S
 from dtlab.collective.grid import GridError, ProcessGrid
+from dtlab.collective.methods import (
+    add_method_flags,
+    agreement,
+    method_configs,
+    method_parts,
+)
 from dtlab.collective.zero import STAGES
+from dtlab.collective.zero_checkpoint import ZeroTrainer
 from dtlab.collective.zero_layout import RingTraffic
 from dtlab.collective.zero_trainer import shard_session, zero_bytes
 from dtlab.models.config import ConfigError
@@ -154,6 +169,7 @@ def add_sync_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--collective-timeout", type=float, default=None,
                        help="seconds before a stalled collective aborts the job "
                             "(default: DTLAB_COLLECTIVE_TIMEOUT or 600; 0 disables)")
+    add_method_flags(parser)
 
 
 class DataParallelReducer:
@@ -257,6 +273,7 @@ def parse_args(argv: list[str]) -> Setup:
         raise ConfigError(f"--stages {opts.stages} has no effect without --pp")
     check_ep_flags(setup)
     check_zero_flags(setup)
+    opts.methods = method_configs(setup)
     return setup
 
 
@@ -277,9 +294,6 @@ def check_zero_flags(setup: Setup) -> None:
     if getattr(setup.model, "moe_experts", 0):
         raise ConfigError(f"--zero {z} with --moe-experts: not supported (the router's "
                           "selection-bias updates and the experts' reduction are not sharded)")
-    if setup.run.checkpoint_dir:
-        raise ConfigError(f"--zero {z} with --checkpoint-dir: sharded checkpoints are not "
-                          "written yet (the trainer saves from dp rank 0 alone)")
     for flag, value, default in (("--wire", opts.wire, "fp32"),
                                  ("--allreduce", opts.allreduce, "ring"),
                                  ("--bucket-mb", opts.bucket_mb, 25.0)):
@@ -367,6 +381,13 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
         words = (f"ZeRO stage {opts.zero} over dp {grid.dp_size}, "
                  f"{zero_words(memory)}; {len(reducer.plan())} units")
         replicas = zero  # its checksum is the whole parameters' (collective)
+    elif opts.methods.enabled:  # --local-steps or --compress (collective/methods.py)
+        session, reducer, fields, method = method_parts(session, comm, opts.methods,
+                                                        setup.run.seed)
+        split = memory_split(session, grid)
+        fields.update(split)
+        words = f"{shard_words(split)}; {method}"
+        replicas = session.params
     else:
         split = memory_split(session, grid)
         # the buffer backward writes: params.grad, or its half copy under --precision fp16/bf16
@@ -388,11 +409,14 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
                            if grid.ep_size > 1 else {}),
                         processes=processes)
     log = MetricsLog(setup.run.metrics if rank == 0 else "", header, append=setup.run.resume)
-    # loads a checkpoint on --resume; dp rank 0 of every (pp, ep, tp) rank saves its shard
-    trainer = Trainer(session, log, reducer, is_main=rank == 0, saves=grid.dp_rank == 0,
-                      agree=lambda counts: grid.world.allreduce(counts, algo="mpi"),
-                      rank=rank, role="sync",
-                      stages=grid.pp_comm.mpi.allgather if grid.pp_size > 1 else None)
+    # loads a checkpoint on --resume; dp rank 0 of every (pp, ep, tp) rank saves its shard,
+    # under --zero every dp rank its own
+    kind = ZeroTrainer if zero else Trainer
+    trainer = kind(session, log, reducer, is_main=rank == 0,
+                   saves=zero is not None or grid.dp_rank == 0,
+                   agree=agreement(session, grid.world),  # collective/methods.py
+                   rank=rank, role="sync",
+                   stages=grid.pp_comm.mpi.allgather if grid.pp_size > 1 else None)
     if zero is None:
         comm.broadcast(session.params.data, root=0)
     check_replicas_agree(comm, replicas, "at the start")

@@ -154,6 +154,26 @@ class Zero:
         self.stream.submit(lambda comm: comm.allgather(buf[a:b], out=buf, counts=counts))
         self.count(self.traffic.allgather(self.layout.bounds[u], buf.itemsize))
 
+    def shard(self):
+        """This rank's master parameters, its segments back to back (the packed layout)."""
+        if self.master.size == self.layout.shard_size:  # a shard of its own (or dp 1)
+            return self.master
+        xp = backend.array_module(self.master)
+        return xp.concatenate([self.master[lo:hi] for lo, hi in self.layout.mine])
+
+    def load(self, shard) -> None:
+        """Put `shard` (packed, as shard() gives it) in place as this rank's master
+        parameters and, stages 1 and 2, all-gather every unit into the whole parameters
+        (collective)."""
+        xp = backend.array_module(self.master)
+        for (a, b), (at, end) in zip(self.params.data_ranges, self.layout.packed, strict=True):
+            self.master[a:b] = xp.asarray(shard[at:end])
+        if self.stage < 3:
+            for u in range(len(self.layout.units)):
+                self.publish(u)
+            self.stream.drain()
+            self.stream.take_seconds()
+
     def clip(self, max_norm: float) -> float:
         """Clip the shards' gradient to the global norm, sqrt(sum over ranks of the shards'
         squares); return the norm before clipping."""

@@ -45,6 +45,10 @@ class ZeroOptimizer:
     def steps(self) -> int:
         return self.parts[0].steps if self.parts else 0
 
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return self.parts[0].state_names if self.parts else ()
+
     def step(self, param, grad, lr: float | None = None) -> None:
         """One step of every segment: param and grad are session.params' data and grad."""
         z = self.zero
@@ -65,14 +69,22 @@ class ZeroOptimizer:
                 **{name: xp.concatenate([getattr(p, name) for p in self.parts])
                    for name in names}}
 
+    def load_state_dict(self, state: dict) -> None:
+        """state_dict's inverse: each packed buffer cut back into the unit segments."""
+        for (at, end), part in zip(self.zero.layout.packed, self.parts, strict=True):
+            part.load_state_dict({"steps": state["steps"],
+                                  **{name: state[name][at:end] for name in part.state_names}})
+
 
 class ShardedModel:
     """The model as the trainer asks it under ZeRO: the global gradient norm comes from
-    the shards (Zero.clip); the MoE list and model-parallel groups are the model's."""
+    the shards (Zero.clip); the MoE list and model-parallel groups are the model's, and
+    `dp` the ranks it is sharded over (so each dp rank checkpoints its own shard)."""
 
     def __init__(self, model, zero: Zero):
         self.model, self.zero = model, zero
         self.moe, self.pp, self.ep, self.tp = model.moe, model.pp, model.ep, model.tp
+        self.dp = zero.comm
 
     def clip_grad_norm(self, P: ZeroParams, max_norm: float) -> float:
         return self.zero.clip(max_norm)

@@ -86,7 +86,8 @@ class Trainer:
     """Runs the steps; `is_main` writes metrics and progress, `saves` this rank's checkpoints
     (default: is_main). A model-parallel model's ranks each hold different bytes, so each
     one's checkpoints go to their own directory, <checkpoint_dir>/<shard>/ with shard
-    "pp<r>of<n>-ep<r>of<n>-tp<r>of<n>" (the dimensions of size 1 left out)."""
+    "pp<r>of<n>-ep<r>of<n>-tp<r>of<n>" (the dimensions of size 1 left out); so do the dp
+    ranks of a model sharded over dp ("dp<r>of<n>", ZeRO: collective/zero_checkpoint.py)."""
 
     def __init__(self, session: Session, log: MetricsLog, reducer: GradReducer | None = None,
                  is_main: bool = True, saves: bool | None = None, agree=None, rank: int = 0,
@@ -297,25 +298,31 @@ class Trainer:
 
 
 def model_parallel_groups(model) -> dict:
-    """{"pp": comm, "ep": comm, "tp": comm} for the model-parallel dimensions a model is
-    split over (ep: its experts, models/moe_ep.py)."""
-    groups = {"pp": model.pp, "ep": getattr(model, "ep", None), "tp": model.tp}
+    """{"dp": comm, "pp": comm, "ep": comm, "tp": comm} for the dimensions a model is split
+    over (dp: its parameters and optimizer state sharded over the dp ranks, ZeRO's
+    collective/zero_trainer.py ShardedModel; ep: its experts, models/moe_ep.py)."""
+    groups = {"dp": getattr(model, "dp", None), "pp": model.pp,
+              "ep": getattr(model, "ep", None), "tp": model.tp}
     return {name: comm for name, comm in groups.items() if comm is not None and comm.size > 1}
 
 
 def grid_words(grid: dict) -> str:
-    """'--pp 2 --tp 2', '--tp 2'; an unsplit grid is '--pp 1 --tp 1'."""
-    return " ".join(f"--{name} {size}" for name, size in grid.items()) or "--pp 1 --tp 1"
+    """'--pp 2 --tp 2', '--tp 2', 'ZeRO --dp 2' (shards over dp); an unsplit grid is
+    '--pp 1 --tp 1'."""
+    return " ".join(("ZeRO " if name == "dp" else "") + f"--{name} {size}"
+                    for name, size in grid.items()) or "--pp 1 --tp 1"
 
 
 def shard_grid(dirname: str) -> str:
     """The grid words of a shard directory's name ('pp1of2-tp0of2' -> '--pp 2 --tp 2',
-    'ep1of2' -> '--ep 2'), '' for any other name."""
-    match = re.fullmatch(r"(pp\d+of(\d+))?-?(ep\d+of(\d+))?-?(tp\d+of(\d+))?", dirname)
+    'ep1of2' -> '--ep 2', 'dp0of3' -> 'ZeRO --dp 3'), '' for any other name."""
+    match = re.fullmatch(r"(dp\d+of(\d+))?-?(pp\d+of(\d+))?-?(ep\d+of(\d+))?-?"
+                         r"(tp\d+of(\d+))?", dirname)
     if not match or not dirname:
         return ""
     return grid_words({name: int(size) for name, size in
-                       (("pp", match[2]), ("ep", match[4]), ("tp", match[6])) if size})
+                       (("dp", match[2]), ("pp", match[4]), ("ep", match[6]),
+                        ("tp", match[8])) if size})
 
 
 # Run fields a resumed run may change: they steer this launch, not the computation.

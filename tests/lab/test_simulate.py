@@ -19,6 +19,7 @@ import pytest
 from dtlab.lab.compare import cluster
 from dtlab.lab.simulate import calibrate, validate
 from dtlab.lab.simulate.calibrated import host_server
+from dtlab.lab.simulate.cli import parse_args as simulate_args
 from dtlab.lab.simulate.emulated import Cluster, ps_step_on, sync_step_on
 from dtlab.lab.simulate.formulas import (
     Network,
@@ -40,6 +41,8 @@ from dtlab.lab.simulate.step import (
     ps_step_together,
     sync_step,
 )
+from dtlab.lab.simulate.table import predictions
+from dtlab.lab.simulate.zero import ZeroSpec, zero_step
 from dtlab.models.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -415,3 +418,60 @@ def test_bad_flags_are_named(args, message):
     done = simulate(*args)
     assert done.returncode == 2, done.stdout + done.stderr
     assert message in done.stderr
+
+
+def test_zero_stages_step_and_memory_by_hand(tmp_path):
+    """dtlab-simulate --zero: units of 1, 2 and 1 MB (Psi = 1e6 float32 parameters) on the
+    test link, compute 10 ms (backward 6.667 ms, forward 3.333 ms), by hand at N = 2 and
+    1024. N = 2: rs = A + n (B + G) / 2, ag = A + n B / 2: rs_0 = 0.635 ms, RS = 2.53 ms,
+    ag_0 = ag_2 = 0.51 ms, AG = 2.03 ms; stages 1, 2 expose rs_0 + AG (the rest of RS hides
+    behind backward), stage 3 ag_0 + ag_2 + rs_0. N = 1024: 1023 A = 10.23 ms of latency a
+    collective, RS = 35.685 ms, AG = 34.686 ms, too long to hide: stages 1, 2 expose
+    RS + AG - backward, stage 3 2 AG + RS - compute."""
+    units, net = (1e6, 2e6, 1e6), Network(LINK, LINK)
+    want = {2: (2.665e-3, 1.655e-3, 4e6), 1024: (0.0637045442708333, 0.0950573046875, 7992187.5)}
+    for n, (low, three, sent) in want.items():
+        for stage in (1, 2, 3):
+            s = zero_step(stage, units, n, net, compute_s=0.01, host=Host(0))
+            assert s.comm_s == pytest.approx(three if stage == 3 else low, rel=1e-12), (n, stage)
+            assert s.parts["sent_bytes"] == pytest.approx(sent * (1.5 if stage == 3 else 1))
+        s = zero_step(1, units, n, net, compute_s=0.01, host=Host(0))
+        # the ring all-reduce's bytes, and 2 (N - 1) alphas more for each unit beyond the first
+        assert s.parts["reduce_scatter_s"] + s.parts["allgather_s"] == pytest.approx(
+            allreduce_s("ring", 4e6, n, LINK) + 2 * 2 * (n - 1) * A, rel=1e-12)
+    # 1024 ranks on 2 cores: nothing hidden, every collective 512 turns: 512 (RS + 2 AG)
+    s = zero_step(3, units, 1024, net, compute_s=0.01, host=Host(2))
+    assert s.comm_s == pytest.approx(512 * (0.0356851171875 + 2 * 0.03468609375), rel=1e-12)
+    # memory per rank, float32 Adam (K = 8 bytes): 16 Psi, 8 Psi + 8 Psi / N, 4 Psi + 12 Psi / N,
+    # 16 Psi / N
+    spec = ZeroSpec((1, 2, 3), units, params=1_000_000)
+    for n, totals in {2: (16e6, 12e6, 10e6, 8e6),
+                      1024: (16e6, 8_007_812.5, 4_011_718.75, 15_625.0)}.items():
+        for stage, total in enumerate(totals):
+            assert spec.memory(stage, n, "adamw")["total"] == pytest.approx(total, rel=1e-12)
+
+    out = tmp_path / "zero.json"
+    done = simulate("--link", "400gbit", "--gpus-per-node", "8", "--tflops", "100",
+                    "--workers", "2,1024", "--zero", "1,3", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "z3 step" in done.stdout and "z2 step" not in done.stdout
+    rows = json.loads(out.read_text())["rows"]
+    psi = json.loads(out.read_text())["params"]
+    for r in rows:
+        assert r["dp_memory"]["total"] == 16 * psi and "zero2" not in r
+        assert r["zero3"]["memory"]["total"] == pytest.approx(16 * psi / r["n"])
+        assert r["zero3"]["step_s"] == pytest.approx(r["compute_s"] + r["zero3"]["comm_s"])
+    plain = [{k: v for k, v in r.items() if not k.startswith(("zero", "dp_memory"))}
+             for r in rows]
+    assert "z1" not in predictions(plain, None) and "z1 mem" in predictions(rows, None)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--zero", "4"], "--zero names ZeRO stages 1, 2 or 3"),
+    (["--zero", "3", "--tp", "2", "--link", "nvlink", "--gpus-per-node", "2"],
+     "data parallelism alone"),
+    (["--zero", "1", "--validate"], "a prediction's flag"),
+])
+def test_zero_flags_that_cannot_act_are_named(args, message):
+    with pytest.raises(ConfigError, match=message):
+        simulate_args(args)

@@ -23,6 +23,14 @@ examples for every run) at the same steps; the held-out curve is its mean
 over processes at each of those steps, and the held-out target is reached at
 the first of them whose held-out loss is at or below the target: a measure
 free of the mini-batch noise and of the topology's sampling.
+
+What a run moves (`traffic`), from its own records, every byte on the wire counted once
+over all processes: sync, N x what rank 0 sent (`sent_bytes`: our ring's schedule; runs
+over other all-reduces record none); async, every worker's tensor bytes pushed and
+pulled. Communication rounds: sync, the collectives a step ran (`comm_rounds`: local SGD
+1 a round, PowerSGD 2 a step; a plain step's bucketed all-reduce counts as 1, its
+buckets overlapping one backward); async, the steps that pushed (a local SGD worker's
+round ends; every step otherwise). Per step: their means over the steps.
 """
 
 from __future__ import annotations
@@ -44,6 +52,8 @@ class Curve:
     samples: np.ndarray  # [K] samples seen after step k, all processes
     eval_steps: np.ndarray  # [E] steps (1-based) with a held-out loss
     eval_loss: np.ndarray  # [E] mean over processes of the held-out loss there
+    bytes: np.ndarray | None = None  # [K] bytes on the wire after step k, all processes
+    rounds: np.ndarray | None = None  # [K] communication rounds after step k
 
 
 def window_for(steps: int) -> int:
@@ -85,6 +95,7 @@ def measure(topology: str, records: list[list[dict]], global_batch: int, workers
     # every async push is one update of every shard, except under BSP: one per round
     updates = steps * (workers if topology != "sync" and consistency != "bsp" else 1)
     held_reached = np.flatnonzero(c.eval_loss <= target)
+    c.bytes, c.rounds = traffic(topology, records, workers)
     return c, {
         "final_eval_loss": float(c.eval_loss[-1]) if c.eval_loss.size else None,
         "eval_steps_to_target": (int(c.eval_steps[held_reached[0]]) if held_reached.size
@@ -103,7 +114,34 @@ def measure(topology: str, records: list[list[dict]], global_batch: int, workers
         "split_ms": split_ms(topology, records),
         "allreduce_ms": (mean_ms(records, "comm_s") if topology == "sync" else None),
         "staleness": staleness(records) if topology != "sync" else None,
+        "traffic": None if c.bytes is None else {
+            "bytes": float(c.bytes[-1]), "rounds": float(c.rounds[-1]),
+            "bytes_per_step": float(c.bytes[-1]) / steps,
+            "rounds_per_step": float(c.rounds[-1]) / steps},
     }
+
+
+def traffic(topology: str, records: list[list[dict]],
+            workers: int) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
+    """Cumulative bytes on the wire and communication rounds after each step [K] (see the
+    module docstring); (None, None) where the records do not say."""
+    k = min(len(r) for r in records)
+    if topology == "sync":
+        mine = records[0][:k]
+        if not all("sent_bytes" in r for r in mine):
+            return None, None
+        moved = np.array([workers * r["sent_bytes"] for r in mine], dtype=float)  # [K]
+        rounds = np.array([r.get("comm_rounds", 1) for r in mine], dtype=float)  # [K]
+    elif topology == "async":
+        if not all("push_bytes" in r[i] for r in records for i in range(k)):
+            return None, None
+        moved = np.array([[r[i]["push_bytes"] + r[i]["pull_bytes"] for i in range(k)]
+                          for r in records], dtype=float).sum(axis=0)  # [K]
+        rounds = np.array([[r[i]["push_bytes"] > 0 for i in range(k)]
+                           for r in records], dtype=float).mean(axis=0)  # [K]
+    else:
+        return None, None
+    return np.cumsum(moved), np.cumsum(rounds)
 
 
 def rounds(pushes: list[dict]) -> list[dict]:
@@ -134,6 +172,11 @@ def mean_ms(records: list[list[dict]], key: str) -> float:
     return 1e3 * float(np.mean([r[key] for rs in records for r in rs]))
 
 
+def mean_ms_or_0(records: list[list[dict]], key: str) -> float:
+    """mean_ms of a field only some runs record (0 where absent)."""
+    return 1e3 * float(np.mean([r.get(key, 0.0) for rs in records for r in rs]))
+
+
 def split_ms(topology: str, records: list[list[dict]]) -> dict:
     """Mean ms per step of compute, comm (sync: the wait on the all-reduce after backward,
     what overlap did not hide; async: the push, with the next step's pull riding on it and
@@ -141,7 +184,11 @@ def split_ms(topology: str, records: list[list[dict]]) -> dict:
     the first step's) and the rest of the step."""
     step, compute = mean_ms(records, "step_s"), mean_ms(records, "compute_s")
     if topology == "sync":
-        comm, pull = mean_ms(records, "wait_s"), 0.0
+        # local SGD's outer all-reduce runs in the optimizer's time, compression's coding
+        # in the wait: each moved to where it belongs
+        outer, coding = mean_ms_or_0(records, "outer_s"), mean_ms_or_0(records, "compress_s")
+        comm, pull = mean_ms(records, "wait_s") - coding + outer, 0.0
+        compute += coding - outer
     elif topology == "simulated":  # one process, no communication
         comm = pull = 0.0
     else:
@@ -152,7 +199,7 @@ def split_ms(topology: str, records: list[list[dict]]) -> dict:
 
 def staleness(records: list[list[dict]]) -> dict:
     """Over every push of every worker to every shard: versions applied since it read."""
-    values = np.array([s for rs in records for r in rs for s in r["staleness"]])
+    values = np.array([s for rs in records for r in rs for s in r.get("staleness", [])])
     return {"mean": float(values.mean()),
             "p50": float(np.percentile(values, 50, method="inverted_cdf")),
             "p95": float(np.percentile(values, 95, method="inverted_cdf")),
@@ -173,6 +220,10 @@ def what_ran(topology: str, headers: list[dict], records: list[list[dict]]) -> d
         ran["allreduce"] = header.get("allreduce")
         ran["buckets"] = header.get("allreduce_buckets", [])
         ran["zero"] = header.get("zero", 0)
+        ran["local_steps"] = header.get("local_steps", 0)  # collective/local_sgd.py
+        ran["outer"] = header.get("outer")
+        ran["compress"] = header.get("compress", "")  # collective/compress_reducer.py
+        ran["error_feedback"] = header.get("error_feedback")
         z = header.get("zero_bytes")
         ran["memory"] = {"per_rank_bytes": z["total_bytes"] if z else
                          sum(header.get(k, 0) for k in ("param_bytes", "grad_bytes",
@@ -214,6 +265,14 @@ def ran_words(ran: dict) -> str:
                 f"{ran['precision']}")
     if ran.get("zero"):
         return f"ZeRO stage {ran['zero']}; {ran['precision']}, {ran['wire']} wire"
+    if ran.get("local_steps"):
+        o = ran["outer"]
+        return (f"local SGD, {ran['local_steps']} steps a round, outer {o['outer_optimizer']} "
+                f"lr {o['outer_lr']:g}; {ran['precision']}, ring all-reduce of the change")
+    if ran.get("compress"):
+        ef = "error feedback" if ran["error_feedback"] else "no error feedback"
+        names = " + ".join(b["algorithm"] for b in ran["buckets"])
+        return f"{ran['compress']} ({ef}) by {names}; {ran['precision']}"
     if "buckets" in ran:
         names = [b["algorithm"] for b in ran["buckets"]]
         how = ", ".join(f"{n} x{names.count(n)}" if names.count(n) > 1 else n

@@ -2,10 +2,26 @@
 
     sync-ring | sync-naive | sync-mpi
         mpiexec -n N dtlab-sync --config CFG --allreduce ALGO --metrics OUT/NAME.jsonl
+    sync-localH | sync-dilocoH                      (collective/local_sgd.py)
+        ... dtlab-sync ... --local-steps H [--outer-optimizer nesterov --outer-lr 0.7
+            --outer-momentum 0.9]    (local SGD: outer SGD lr 1; DiLoCo: Douillard et al.)
+    sync-topkP | sync-randkP | sync-sign | sync-powersgdR, each optionally with -noef
+        ... dtlab-sync ... --compress topk:P/100 | randk:P/100 | sign | powersgd:R
+            [--no-error-feedback]    (P: percent of the elements; R: the rank)
     async-bsp | async-sspS | async-asp, each optionally with -div
         S x dtlab-pserver serve --config CFG --shard k --num-shards S --port 0 --num-workers N
               --consistency C [--staleness S] --staleness-lr none|divide --ready-file ...
         mpiexec -n N dtlab-worker --config CFG --servers ... --metrics OUT/NAME.w{worker}.jsonl
+    async-localH                                    (async local SGD, ASP servers)
+        ... dtlab-pserver serve ... --consistency asp --outer-optimizer sgd --outer-lr 1
+        ... dtlab-worker ... --local-steps H
+    async-bsp-backupB                               (Chen et al. 2016)
+        ... dtlab-pserver serve ... --consistency bsp --num-workers N+B --backup-workers B
+        mpiexec -n N+B dtlab-worker ...   (--ranks is N: a round applies N gradients)
+
+A local SGD run's held-out loss is of the averaged parameters, which exist once per
+round: its --eval-every is the comparison's rounded up to a multiple of H (the last step
+is always evaluated); give a multiple of every H to evaluate all runs at the same steps.
 
 With --trace, every rank adds --trace OUT/NAME.trace.{rank}.json, every shard
 OUT/NAME.trace.sK.json, every worker --trace OUT/NAME.trace.w{worker}.json,
@@ -45,11 +61,19 @@ from dtlab.models.run.launcher import mpiexec_path
 from dtlab.models.run.metrics import read_metrics
 
 RUN_NAME = re.compile(r"sync-(?P<allreduce>ring|auto|naive|mpi)|sync-zero(?P<zero>[123])"
+                      r"|sync-(?P<local>local|diloco)(?P<H>[1-9]\d*)"
+                      r"|sync-(?P<compress>(?P<sparse>topk|randk)(?P<percent>\d+(\.\d+)?)"
+                      r"|sign|powersgd(?P<rank>[1-9]\d*))(?P<noef>-noef)?"
+                      r"|async-local(?P<async_H>[1-9]\d*)|async-bsp-backup(?P<backups>[1-9]\d*)"
                       r"|async-(?P<consistency>bsp|asp|ssp(?P<bound>\d+))(?P<div>-div)?"
                       r"|sim-asp(?P<sim_div>-div)?")
-KNOWN = ("sync-ring, sync-auto, sync-naive, sync-mpi, sync-zero1/2/3, async-bsp, "
-         "async-sspS (S: the bound), async-asp, each async one optionally with -div; "
+KNOWN = ("sync-ring, sync-auto, sync-naive, sync-mpi, sync-zero1/2/3, sync-localH, "
+         "sync-dilocoH (H: inner steps per round), sync-topkP, sync-randkP (P: percent), "
+         "sync-sign, sync-powersgdR (R: rank), each compressed one optionally with -noef; "
+         "async-bsp, async-sspS (S: the bound), async-asp, each optionally with -div; "
+         "async-localH, async-bsp-backupB (B backup workers beside the N); "
          "sim-asp, sim-asp-div (N workers simulated in one process)")
+DILOCO = ("nesterov", 0.7, 0.9)  # Douillard et al. 2023's outer optimizer, lr, momentum
 POLL_S = 0.2
 SERVER_START_S = 60.0
 TAIL_LINES = 20
@@ -66,6 +90,11 @@ class RunSpec:
     consistency: str = ""
     staleness: int = 0  # the SSP bound
     staleness_lr: str = "none"
+    local_steps: int = 0  # local SGD / DiLoCo: inner steps per outer round (0: off)
+    outer: str = "sgd"  # their outer optimizer: sgd (lr 1) or diloco (DILOCO)
+    compress: str = ""  # sync: dtlab-sync --compress (topk:F, randk:F, sign, powersgd:R)
+    error_feedback: bool = True
+    backups: int = 0  # async BSP: backup workers beside the --ranks N
 
     @classmethod
     def parse(cls, name: str) -> RunSpec:
@@ -76,6 +105,21 @@ class RunSpec:
             return cls(name, "sync", allreduce=m["allreduce"])
         if m["zero"]:
             return cls(name, "sync", allreduce="ring", zero=int(m["zero"]))
+        if m["local"]:
+            return cls(name, "sync", allreduce="ring", local_steps=int(m["H"]),
+                       outer="diloco" if m["local"] == "diloco" else "sgd")
+        if m["compress"]:
+            kind = m["sparse"] or ("sign" if m["compress"].startswith("sign") else "powersgd")
+            value = {"sign": "", "powersgd": f":{m['rank']}"}.get(
+                kind, f":{float(m['percent'] or 0) / 100:g}")
+            if m["sparse"] and not 0 < float(m["percent"]) <= 100:
+                raise ConfigError(f"--runs {name}: {kind}P takes a percent P in (0, 100]")
+            return cls(name, "sync", allreduce="ring", compress=kind + value,
+                       error_feedback=not m["noef"])
+        if m["async_H"]:
+            return cls(name, "async", consistency="asp", local_steps=int(m["async_H"]))
+        if m["backups"]:
+            return cls(name, "async", consistency="bsp", backups=int(m["backups"]))
         if name.startswith("sim-"):
             return cls(name, "simulated", consistency="asp",
                        staleness_lr="divide" if m["sim_div"] else "none")
@@ -86,6 +130,16 @@ class RunSpec:
     def describe(self) -> str:
         if self.zero:
             return f"sync, ZeRO stage {self.zero}"
+        if self.local_steps:
+            outer = ("outer Nesterov lr 0.7, momentum 0.9 (DiLoCo)" if self.outer == "diloco"
+                     else "outer SGD lr 1 (model averaging)")
+            where = "sync" if self.topology == "sync" else "async (ASP servers)"
+            return f"{where} local SGD, {self.local_steps} inner steps a round, {outer}"
+        if self.compress:
+            ef = "error feedback" if self.error_feedback else "no error feedback"
+            return f"sync, gradients compressed {self.compress}, {ef}"
+        if self.backups:
+            return f"async, BSP with {self.backups} backup worker(s) beside the N"
         if self.topology == "sync":
             return {"ring": "sync, our ring", "auto": "sync, ours chosen by size",
                     "naive": "sync, reduce + broadcast", "mpi": "sync, MPI_Allreduce"}[
@@ -153,9 +207,15 @@ class Bench:
     trace: bool = False  # every process writes a Chrome trace into `out`
     grid: Grid = field(default_factory=Grid)
 
-    def processes(self) -> int:
-        """MPI processes of one launch: N data ranks (workers), each tp x pp ranks."""
-        return self.ranks * self.grid.tp * self.grid.pp
+    @property
+    def eval_every(self) -> int:
+        """The shared config's --eval-every (0: no held-out loss)."""
+        return json.loads(self.config.read_text())["run"].get("eval_every", 0)
+
+    def processes(self, backups: int = 0) -> int:
+        """MPI processes of one launch: N data ranks (workers) and any backup workers,
+        each tp x pp ranks."""
+        return (self.ranks + backups) * self.grid.tp * self.grid.pp
 
 
 @dataclass
@@ -249,7 +309,8 @@ def run_sync(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
     cmd = [bench.mpiexec, *mpiexec_args(bench), "-n", str(bench.processes()),
            *program("dtlab-sync"), "--config", str(bench.config),
            *(["--zero", str(spec.zero)] if spec.zero else ["--allreduce", spec.allreduce]),
-           "--metrics", str(metrics), *bench.grid.flags(sync=True)]
+           *method_flags(spec, bench), "--metrics", str(metrics),
+           *bench.grid.flags(sync=True)]
     if bench.trace:
         cmd += ["--trace", str(bench.out / f"{spec.name}.trace.{{rank}}.json")]
     outcome = Outcome(spec, [metrics], [cmd])
@@ -261,6 +322,35 @@ def run_sync(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
     if outcome.error:
         outcome.tail = tail(log)
     return outcome
+
+
+def method_flags(spec: RunSpec, bench: Bench) -> list[str]:
+    """A sync run's or an async worker's flags for local SGD (with the held-out loss
+    every multiple of H) or compression."""
+    out = []
+    if spec.local_steps:
+        H = spec.local_steps
+        out += ["--local-steps", str(H), "--eval-every", str(-(-bench.eval_every // H) * H)]
+        if spec.outer == "diloco" and spec.topology == "sync":
+            out += ["--outer-optimizer", DILOCO[0], "--outer-lr", str(DILOCO[1]),
+                    "--outer-momentum", str(DILOCO[2])]
+    if spec.compress:
+        out += ["--compress", spec.compress] + ([] if spec.error_feedback
+                                                else ["--no-error-feedback"])
+    return out
+
+
+def server_flags(spec: RunSpec, bench: Bench) -> list[str]:
+    """An async run's server flags for its workers (backups included) and their method."""
+    workers = bench.ranks + spec.backups
+    out = ["--consistency", spec.consistency, "--num-workers", str(workers)]
+    if spec.backups:
+        out += ["--backup-workers", str(spec.backups)]
+    if spec.local_steps:
+        outer = DILOCO if spec.outer == "diloco" else ("sgd", 1.0, 0.0)
+        out += ["--outer-optimizer", outer[0], "--outer-lr", str(outer[1]),
+                "--outer-momentum", str(outer[2])]
+    return out
 
 
 def run_simulated(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
@@ -284,7 +374,7 @@ def run_simulated(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
 def run_async(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
               deadline: float) -> Outcome:
     name, out = spec.name, bench.out
-    metrics = [out / f"{name}.w{w}.jsonl" for w in range(bench.ranks)]
+    metrics = [out / f"{name}.w{w}.jsonl" for w in range(bench.ranks + spec.backups)]
     outcome = Outcome(spec, metrics)
     servers, logs, ready = [], [], []
     main = None
@@ -294,8 +384,8 @@ def run_async(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
             logs.append(out / f"{name}.shard{k}.log")
             cmd = [*program("dtlab-pserver"), "serve", "--config", str(bench.config),
                    "--shard", str(k), "--num-shards", str(bench.shards), "--port", "0",
-                   "--consistency", spec.consistency, "--num-workers", str(bench.ranks),
-                   "--staleness-lr", spec.staleness_lr, "--ready-file", str(ready[k])]
+                   *server_flags(spec, bench), "--staleness-lr", spec.staleness_lr,
+                   "--ready-file", str(ready[k])]
             if spec.consistency == "ssp":
                 cmd += ["--staleness", str(spec.staleness)]
             if bench.trace:
@@ -313,11 +403,11 @@ def run_async(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
         log = out / f"{name}.log"
         hosts = [bench.cluster.address(k % bench.cluster.hosts) if bench.cluster else "127.0.0.1"
                  for k in range(bench.shards)]
-        cmd = [bench.mpiexec, *mpiexec_args(bench), "-n", str(bench.processes()),
+        cmd = [bench.mpiexec, *mpiexec_args(bench), "-n", str(bench.processes(spec.backups)),
                *program("dtlab-worker"), "--config", str(bench.config),
                "--servers", ",".join(f"{h}:{p}" for h, p in zip(hosts, ports, strict=True)),
                "--metrics", str(out / f"{name}.w{{worker}}.jsonl"),
-               *bench.grid.flags(sync=False)]
+               *method_flags(spec, bench), *bench.grid.flags(sync=False)]
         if bench.cluster:
             cmd.append("--no-shm")
         if bench.trace:  # a worker group's ranks trace apart: by their rank in the launch

@@ -4,6 +4,9 @@ expected outcome stated, and the report says whether this run bore it out.
     dtlab-compare --preset bsp-equals-sync
     dtlab-compare --preset asp-tuned               # the default model, tuned, 3 seeds
     dtlab-compare --preset staleness-lr --steps 300
+    dtlab-compare --preset diloco                  # sync-ring vs DiLoCo H = 10, 50
+    dtlab-compare --preset backup-workers          # BSP, BSP + 1 backup, ASP; delays
+    dtlab-compare --preset error-feedback          # top-1% and sign, with and without EF
 
 Each preset is a set of flags put before the ones given (a flag given wins; a --tune
 given replaces the preset's grid) and a check of the expectation on the summary. What a
@@ -17,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtlab.lab.compare.study import held_time_to_target
 from dtlab.models.config import ConfigError
 from dtlab.models.run.metrics import read_metrics
 
@@ -79,6 +83,67 @@ def _async_momentum(summary: dict, out: Path) -> tuple[bool, str]:
     return ma <= ms, f"best momentum: async-asp {ma:g}, sync-ring {ms:g}"
 
 
+def _final(summary: dict, name: str) -> list[dict]:
+    """The stats of `name`'s final runs: a study's evaluation seeds, or the one run of a
+    comparison without one; ValueError naming it when one failed or none ran."""
+    runs = [r for r in summary["runs"] if r["name"] == name and r.get("phase", "seed") == "seed"]
+    if not runs or any(r["status"] != "ok" for r in runs):
+        raise ValueError(f"{name} did not finish")
+    return [r["stats"] for r in runs]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _held_loss(summary: dict, name: str) -> float:
+    """The mean over its final runs of a method's last held-out loss."""
+    return _mean([s["final_eval_loss"] for s in _final(summary, name)])
+
+
+def _diloco(summary: dict, out: Path) -> tuple[bool, str]:
+    base, h10, h50 = (_held_loss(summary, n) for n in ("sync-ring", "sync-diloco10",
+                                                          "sync-diloco50"))
+    rounds = [_mean([s["traffic"]["rounds_per_step"] for s in _final(summary, n)])
+              for n in ("sync-ring", "sync-diloco50")]
+    fewer, off = rounds[0] / rounds[1], (h50 - base) / base
+    held = abs(off) <= 0.05 and fewer >= 45
+    return held, (f"final held-out loss at equal samples: H = 1 (sync-ring) {base:.4f}, "
+                  f"H = 10 {h10:.4f}, H = 50 {h50:.4f} ({100 * off:+.1f}% against H = 1; "
+                  f"within 5% needed) with {fewer:.0f}x fewer communication rounds")
+
+
+def _backup_workers(summary: dict, out: Path) -> tuple[bool, str]:
+    def to_target(name: str) -> tuple[float | None, float | None]:
+        """Mean held-out time and samples to the target over the runs that reached it."""
+        stats = [s for s in _final(summary, name) if s["eval_steps_to_target"] is not None]
+        if not stats:
+            return None, None
+        return (_mean([held_time_to_target(s) for s in stats]),
+                _mean([s["eval_steps_to_target"] for s in stats]) * summary["global_batch"])
+    (tb, sb), (tk, sk), (ta, sa) = (to_target(n) for n in ("async-bsp", "async-bsp-backup1",
+                                                            "async-asp"))
+    words = ", ".join(f"{n} {'-' if t is None else f'{t:.2f} s, {s:,.0f} samples'}"
+                      for n, t, s in (("BSP", tb, sb), ("BSP + 1 backup", tk, sk),
+                                      ("ASP", ta, sa)))
+    if tk is None or tb is None:
+        return False, f"to the held-out target: {words} (-: not reached)"
+    return tk < tb, f"to the held-out target: {words}"
+
+
+def _error_feedback(summary: dict, out: Path) -> tuple[bool, str]:
+    dense = [s["final_eval_loss"] for s in _final(summary, "sync-ring")]
+    noise = max(max(dense) - min(dense), 0.02 * _mean(dense))
+    base, held, parts = _mean(dense), True, []
+    for c in ("topk1", "sign"):
+        ef, noef = _held_loss(summary, f"sync-{c}") - base, \
+            _held_loss(summary, f"sync-{c}-noef") - base
+        held = held and abs(ef) <= noise < noef
+        parts.append(f"{c}: {ef:+.4f} with error feedback, {noef:+.4f} without")
+    return held, (f"final held-out loss against dense ({base:.4f}): " + "; ".join(parts)
+                  + f" (noise: {noise:.4f}, the dense seeds' range or 2% of its loss)")
+
+
 PRESETS = {
     "bsp-equals-sync": Reproduction(
         ("--runs", "sync-ring,async-bsp", "--clip", "0", "--tune", "none", "--seeds", "1"),
@@ -101,6 +166,30 @@ PRESETS = {
         "Mitliagkas et al. 2016 (asynchrony begets momentum): asynchrony acts as extra "
         "momentum, so with SGD + momentum async is best at a momentum no higher than "
         "sync's", _async_momentum),
+    "diloco": Reproduction(
+        ("--runs", "sync-ring,sync-diloco10,sync-diloco50", "--ranks", "4",
+         "--eval-every", "50"),
+        "Douillard et al. 2023 (DiLoCo: inner AdamW, outer Nesterov lr 0.7, momentum 0.9): "
+        "with 4 workers, H = 50 inner steps a round ends within 5% of H = 1's (every step "
+        "synchronised: sync-ring) final held-out loss at equal samples, with 50x fewer "
+        "communication rounds (the runs need some 20 rounds or more: the outer momentum "
+        "builds over rounds)", _diloco),
+    "backup-workers": Reproduction(
+        ("--runs", "async-bsp,async-bsp-backup1,async-asp", "--ranks", "4",
+         "--delay-ms", "20"),
+        "Chen et al. 2016 (revisiting distributed synchronous SGD): with exponential "
+        "per-step delays (--delay-ms), BSP over 4 workers plus 1 backup (each round "
+        "closed by the first 4 gradients of 5) reaches the held-out target in less time "
+        "than plain BSP over 4, which waits for the slowest every round; ASP beside them",
+        _backup_workers),
+    "error-feedback": Reproduction(
+        ("--runs", "sync-ring,sync-topk1,sync-topk1-noef,sync-sign,sync-sign-noef",
+         "--optimizer", "sgd", "--momentum", "0.9"),
+        "Karimireddy et al. 2019 (error feedback fixes SignSGD and other compressors): "
+        "with SGD + momentum, top-1% and scaled sign without error feedback end with a "
+        "gap to dense's final held-out loss larger than the noise; with error feedback "
+        "within the noise of dense (noise: the dense seeds' range, at least 2% of its "
+        "loss)", _error_feedback),
 }
 
 

@@ -9,6 +9,8 @@
     heldout_vs_samples.png held-out loss against samples seen: mean over the seeds at each
                            method's best point, min-max band
     heldout_vs_time.png    ... against seconds of training
+    heldout_vs_bytes.png   ... against bytes on the wire (all processes, log scale), and
+                           against communication rounds (compare/analysis.py, traffic)
     time_split.png         ms per step (compute, comm, pull, other), mean over the seeds
 
 Each run's own files (metrics, logs, config) are in OUT/tune/POINT/ (tuning, the tuning
@@ -31,6 +33,8 @@ PLOTS = {"sensitivity.png": "final held-out loss against the tuned setting",
          "heldout_vs_samples.png": "held-out loss against samples seen (band: min-max over "
                                    "seeds)",
          "heldout_vs_time.png": "held-out loss against wall time (band: min-max over seeds)",
+         "heldout_vs_bytes.png": "held-out loss against bytes moved and against "
+                                 "communication rounds (mean over seeds)",
          "time_split.png": "where a step's time goes (mean over seeds)"}
 
 
@@ -42,6 +46,9 @@ def summary(data: dict, specs: list[RunSpec], grid: study.Grid, best: dict, seed
         final = [t for t in mine if t.seed in seeds and t.point == best[spec.name]
                  and t.folder.startswith("seed-")]
         agg = study.aggregate(final, data["global_batch"])
+        moved = [t.stats["traffic"] for t in final if t.stats and t.stats.get("traffic")]
+        agg["bytes_per_step"] = study.spread([m["bytes_per_step"] for m in moved])
+        agg["rounds_per_step"] = study.spread([m["rounds_per_step"] for m in moved])
         methods.append({
             "name": spec.name, "what": spec.describe(), "best": best[spec.name],
             "tuning": [{"point": t.point, "folder": t.folder, "status": "ok" if t.stats else
@@ -83,8 +90,9 @@ def leading_table(data: dict) -> list[str]:
     first = data["methods"][0]["name"]
     names = list(data["protocol"]["grid"]) or ["-"]
     rows = [f"| method | what | best {', '.join(names)} | time to target (s) | reached "
-            f"| samples to target | final held-out loss | ms/step | MB/process | vs {first} |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            f"| samples to target | final held-out loss | ms/step | MB/process | MB/step "
+            f"| rounds/step | vs {first} |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in data["methods"]:
         best = ", ".join(f"{v:g}" for v in m["best"].values()) or "as configured"
         ms = m["s_per_step"]
@@ -95,8 +103,17 @@ def leading_table(data: dict) -> list[str]:
                     f"| {_spread(m['samples_to_target'], ',.0f')} "
                     f"| {_spread(m['final_eval_loss'], '.4f')} | {_spread(ms, '.2f')} "
                     f"| {memory_words(m['what_ran'][0]) if m['what_ran'] else '-'} "
+                    f"| {_traffic(m.get('bytes_per_step'), 1e-6)} "
+                    f"| {_traffic(m.get('rounds_per_step'), 1.0)} "
                     f"| {_f(m['vs_first'], '.2f')} |")
     return rows
+
+
+def _traffic(s: dict | None, scale: float) -> str:
+    """A bytes or rounds per step spread in the table, 3 significant digits; - unrecorded."""
+    if s is None:
+        return "-"
+    return _spread({k: v * scale if k != "n" else v for k, v in s.items()}, ".3g")
 
 
 def sensitivity_table(data: dict) -> list[str]:
@@ -153,7 +170,10 @@ def write(out: Path, data: dict, results: list[Result], lines: list[str]) -> Non
             f"the global batch; final held-out loss: the last evaluation; MB/process: what a "
             "sync rank holds (parameters, gradients, optimizer state: measured buffers), or an "
             "async worker / shard (parameters and gradients / its slice with optimizer state: "
-            f"from the config); vs {first}: mean "
+            "from the config); MB/step and rounds/step: bytes on the wire per step, every "
+            "process's counted once (sync: N x rank 0's, our ring's schedule; async: pushed "
+            "and pulled tensors), and collectives (sync) or pushes (async) per step; vs "
+            f"{first}: mean "
             f"time to target / {first}'s. -: no seed reached the target.", ""]
     sens = sensitivity_table(data)
     if sens:
@@ -243,6 +263,8 @@ def plot(out: Path, data: dict, results: list[Result], floor: float | None,
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
         written.append(name)
+    if traffic_plot(out, final, best, floor, target, plt):
+        written.append("heldout_vs_bytes.png")
     shown = [m for m in best if final[m]]
     if shown:
         fig, ax = plt.subplots(figsize=(7, 0.5 * len(shown) + 1.5))
@@ -259,3 +281,34 @@ def plot(out: Path, data: dict, results: list[Result], floor: float | None,
         plt.close(fig)
         written.append("time_split.png")
     return written, ""
+
+
+def traffic_plot(out: Path, final: dict, best: dict, floor: float | None, target: float,
+                 plt) -> bool:
+    """heldout_vs_bytes.png: held-out loss against cumulative bytes on the wire (log x) and
+    against communication rounds, one line per method whose every seed recorded them
+    (mean over the seeds at their common evaluation steps); False when none did."""
+    runs = {m: rs for m, rs in final.items()
+            if rs and all(r.curve.bytes is not None for r in rs)}
+    if not runs:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    for ax, x, label in ((axes[0], "bytes", "bytes on the wire, all processes"),
+                         (axes[1], "rounds", "communication rounds")):
+        for method, rs in runs.items():
+            xs, mean, _, _ = bands([r.curve for r in rs], x)
+            ax.plot(xs, mean, marker="o", markersize=3, linewidth=1.2,
+                    label=f"{method} ({study.label(best[method])})",
+                    linestyle="-" if rs[0].outcome.spec.topology == "sync" else "--")
+        if floor is not None:
+            ax.axhline(floor, color="black", linestyle=":", linewidth=1, label="floor")
+        ax.axhline(target, color="black", linestyle="--", linewidth=1, label="target")
+        ax.set_xscale("log")
+        ax.set(xlabel=label)
+    axes[0].set(ylabel="held-out loss (nats)")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(PLOTS["heldout_vs_bytes.png"])
+    fig.tight_layout()
+    fig.savefig(out / "heldout_vs_bytes.png", dpi=110)
+    plt.close(fig)
+    return True

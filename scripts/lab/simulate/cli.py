@@ -6,6 +6,8 @@ training, predicted by alpha-beta-gamma formulas, calibrated on this host, valid
     dtlab-simulate --link 400gbit --intra-link nvlink --gpus-per-node 8 \\
         --tflops 400 --steps-to-target 5000 --d-model 4096 --n-layers 32 --json pred.json
     dtlab-simulate --link local                  # N ranks on this host
+    dtlab-simulate --link 400gbit --intra-link nvlink --gpus-per-node 8 \
+        --tflops 400 --zero 1,2,3                # ZeRO stages' steps and memory per rank
     dtlab-simulate --link 400gbit --intra-link nvlink --gpus-per-node 8 \\
         --tflops 400 --pp 4 --pp-schedule zb-h1 --microbatches 16 --tp 8 \\
         --moe-experts 64 --moe-top-k 2 --ep 8 --d-model 4096 --n-layers 32
@@ -26,6 +28,14 @@ the same K at every N: how K falls with a larger global batch is not
 modelled, McCandlish et al. 2018). The formulas are in
 simulate/formulas.py, the overlap and core-sharing rules in
 simulate/step.py.
+
+ZeRO: --zero S (a stage or a comma-separated list of them, 1..3) adds each
+stage's exposed reduce-scatter and all-gathers, its step and its memory per
+rank beside plain data parallelism's (simulate/zero.py: the ring's bytes,
+2(N-1)/N Psi for stages 1 and 2, 3(N-1)/N Psi for stage 3; memory by the
+paper's per-parameter bytes, models/cost.py zero_memory, at the config's
+--dtype and run precision and optimizer). Data parallelism alone: not with
+--pp, --tp or --ep.
 
 Model parallelism: --pp P (--pp-schedule gpipe|1f1b|zb-h1, --microbatches M,
 default --grad-accum; --stages as dtlab-sync's), --tp T, --ep E (with
@@ -85,6 +95,7 @@ from dtlab.lab.simulate import (
     table,
     validate,
     validate_parallel,
+    zero,
 )
 from dtlab.lab.simulate.calibrated import (
     host_alltoall,
@@ -187,6 +198,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=600.0,
                    help="--validate: seconds a run may take (default 600)")
     g.add_argument("--json", default="", metavar="PATH", help="write the rows here")
+    g.add_argument("--zero", default="", metavar="S",
+                   help="ZeRO stages to predict beside plain DP, e.g. 3 or 1,2,3: each one's "
+                        "step and memory per rank (simulate/zero.py; default none)")
     m = p.add_argument_group("model parallelism (a dp x pp x ep x tp layout)")
     m.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     m.add_argument("--pp-schedule", choices=sorted(SCHEDULES), default="1f1b",
@@ -277,7 +291,26 @@ def parse_args(argv: list[str]):
                           "--validate")
     o.workers_list = int_list(o.workers, "--workers")
     o.ranks_list = int_list(o.ranks, "--ranks")
+    o.zero_stages = zero_stages(setup, o)
     return setup
+
+
+def zero_stages(setup, o) -> tuple[int, ...]:
+    """The stages --zero names (none without it), or a ConfigError naming the flag."""
+    if not o.zero:
+        return ()
+    stages = tuple(sorted(set(int_list(o.zero, "--zero"))))
+    if not set(stages) <= set(zero.STAGES):
+        raise ConfigError(f"--zero names ZeRO stages 1, 2 or 3 (got {o.zero!r})")
+    if o.parallel:
+        raise ConfigError(f"--zero {o.zero} predicts ZeRO over data parallelism alone (as "
+                          "dtlab-sync runs it): not with --pp, --tp or --ep")
+    if o.calibrate or o.validate or o.validate_parallel:
+        raise ConfigError(f"--zero {o.zero} is a prediction's flag; --calibrate and the "
+                          "validations take none")
+    if getattr(setup.model, "moe_experts", 0):
+        raise ConfigError(f"--zero {o.zero} with --moe-experts: dtlab-sync shards no experts")
+    return stages
 
 
 def write_json(path: str, data: dict) -> None:
@@ -470,7 +503,13 @@ def do_predict(setup, o) -> int:
         ps = preset_server(inter, cal, w.optimizer)
 
     rate_at = rate_of(o, cal, w, local)
-    rows = scale.rows(w, o.workers_list, net, ps, o.shards, rate_at, host, o.bucket_mb * 1e6)
+    itemsize = 8 if setup.run.dtype == "float64" else 4
+    spec = zero.ZeroSpec(o.zero_stages, zero.unit_bytes(w.model, setup.model, w.batch_size,
+                                                        itemsize),
+                         cost.params_total, setup.run.precision, itemsize) \
+        if o.zero_stages else None
+    rows = scale.rows(w, o.workers_list, net, ps, o.shards, rate_at, host, o.bucket_mb * 1e6,
+                      spec)
     where = ("this host (all ranks on it, sharing its cores)" if local else
              f"{net.gpus_per_node} per node; within: {net.intra.describe()}; between: "
              f"{net.inter.describe()}")
@@ -478,13 +517,16 @@ def do_predict(setup, o) -> int:
           f"step of batch {w.batch_size} a rank; gradient {w.grad_bytes / 1e6:.4g} MB in "
           f"{o.bucket_mb:g} MB buckets; {where}; parameter server: {o.shards} shards; compute "
           f"{rows[0]['compute_source']}; steps to target "
-          f"{o.steps_to_target if o.steps_to_target else 'not given'}")
+          f"{o.steps_to_target if o.steps_to_target else 'not given'}"
+          + (f"; ZeRO stages {','.join(map(str, spec.stages))}, memory at {spec.precision} "
+             f"with {w.optimizer}" if spec else ""))
     print(table.predictions(rows, o.steps_to_target))
     write_json(o.json, {"model": w.model, "config": w.config, "params": cost.params_total,
                         "flops_step": w.flops_step, "grad_bytes": w.grad_bytes,
                         "link": o.link, "intra_link": o.intra_link or o.link,
                         "gpus_per_node": o.gpus_per_node, "shards": o.shards,
-                        "steps_to_target": o.steps_to_target, "rows": rows})
+                        "steps_to_target": o.steps_to_target,
+                        "zero_stages": list(o.zero_stages), "rows": rows})
     return 0
 
 

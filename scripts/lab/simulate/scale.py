@@ -1,6 +1,7 @@
 """Predictions from 1 to 1024 ranks or workers: one row per N, every topology (the
-parameter server in lock-step, BSP: its pulls wait for the slowest push), or one
-dp x pp x ep x tp layout (simulate/parallel.py)."""
+parameter server in lock-step, BSP: its pulls wait for the slowest push) and, with
+--zero, the ZeRO stages asked for (simulate/zero.py), or one dp x pp x ep x tp layout
+(simulate/parallel.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ from dataclasses import replace
 from dtlab.lab.simulate.formulas import Network, ServerLink
 from dtlab.lab.simulate.parallel import Layout, Work, parallel_step
 from dtlab.lab.simulate.step import ComputeRate, Host, Workload, ps_step, sync_step
+from dtlab.lab.simulate.zero import ZeroSpec, zero_columns
 
 DEFAULT_WORKERS = tuple(2 ** k for k in range(11))  # 1 .. 1024
 
 
 def rows(w: Workload, workers: list[int], net: Network, ps: ServerLink, shards: int,
-         rate_at, host: Host, bucket_bytes: float) -> list[dict]:
-    """rate_at(threads) -> ComputeRate; one dict per N (steps as dicts)."""
+         rate_at, host: Host, bucket_bytes: float, zero: ZeroSpec | None = None) -> list[dict]:
+    """rate_at(threads) -> ComputeRate; one dict per N (steps as dicts); with `zero`, its
+    stages' steps and every stage's memory per rank (zero.zero_columns)."""
     out = []
     for n in workers:
         rate: ComputeRate = rate_at(host.threads(n))
@@ -32,6 +35,8 @@ def rows(w: Workload, workers: list[int], net: Network, ps: ServerLink, shards: 
             row[name] = {"comm_s": s.comm_s, "step_s": s.step_s, "algo": s.algo, **s.parts}
         # compute / step: weak-scaling efficiency, the step at N = 1 being compute alone
         row["efficiency"] = compute / steps["ring"].step_s
+        if zero is not None:
+            row.update(zero_columns(zero, w.optimizer, n, net, compute, host, late))
         out.append(row)
     return out
 

@@ -13,22 +13,40 @@ def fmt_s(seconds: float | None) -> str:
 
 
 def predictions(rows: list[dict], steps_to_target: int | None) -> str:
+    """The prediction rows; with --zero (rows holding "dp_memory") also plain DP's memory
+    per rank and each ZeRO stage's exposed communication, step and memory."""
+    stages = sorted(int(k[len("zero"):]) for k in (rows[0] if rows else {})
+                    if k.startswith("zero"))
+    zero = bool(rows) and "dp_memory" in rows[0]
+    unit, scale = ("GB", 1e9) if zero and rows[0]["dp_memory"]["total"] >= 1e9 else ("MB", 1e6)
     head = (f"#{'N':>6}{'nodes':>7}{'compute':>10}{'ring':>10}{'algo':>16}{'step':>10}"
             f"{'eff':>6}{'naive':>11}{'step':>10}{'ps':>10}{'step':>10}{'ring TTT':>12}"
             f"{'naive TTT':>12}{'ps TTT':>12}")
-    out = [head, f"#{'':>6}{'':>7}{'(ms)':>10}{'(ms)':>10}{'':>16}{'(ms)':>10}{'':>6}"
-                 f"{'(ms)':>11}{'(ms)':>10}{'(ms)':>10}{'(ms)':>10}{'(s)':>12}{'(s)':>12}"
-                 f"{'(s)':>12}"]
+    units = (f"#{'':>6}{'':>7}{'(ms)':>10}{'(ms)':>10}{'':>16}{'(ms)':>10}{'':>6}"
+             f"{'(ms)':>11}{'(ms)':>10}{'(ms)':>10}{'(ms)':>10}{'(s)':>12}{'(s)':>12}"
+             f"{'(s)':>12}")
+    if zero:
+        head += f"{'dp mem':>10}" + "".join(f"{f'z{z} comm':>10}{f'z{z} step':>10}"
+                                            f"{f'z{z} mem':>10}" for z in stages)
+        units += f"{f'({unit})':>10}" + f"{'(ms)':>10}{'(ms)':>10}{f'({unit})':>10}" * len(stages)
+    out = [head, units]
     for r in rows:
         ring, naive, ps = r["ring"], r["naive"], r["ps"]
         ttt = [None if steps_to_target is None else k["step_s"] * steps_to_target
                for k in (ring, naive, ps)]
-        out.append(f" {r['n']:>6}{r['nodes']:>7}{fmt_ms(r['compute_s']):>10}"
-                   f"{fmt_ms(ring['comm_s']):>10}{ring['algo']:>16}{fmt_ms(ring['step_s']):>10}"
-                   f"{r['efficiency']:>6.2f}{fmt_ms(naive['comm_s']):>11}"
-                   f"{fmt_ms(naive['step_s']):>10}{fmt_ms(ps['comm_s']):>10}"
-                   f"{fmt_ms(ps['step_s']):>10}{fmt_s(ttt[0]):>12}{fmt_s(ttt[1]):>12}"
-                   f"{fmt_s(ttt[2]):>12}")
+        line = (f" {r['n']:>6}{r['nodes']:>7}{fmt_ms(r['compute_s']):>10}"
+                f"{fmt_ms(ring['comm_s']):>10}{ring['algo']:>16}{fmt_ms(ring['step_s']):>10}"
+                f"{r['efficiency']:>6.2f}{fmt_ms(naive['comm_s']):>11}"
+                f"{fmt_ms(naive['step_s']):>10}{fmt_ms(ps['comm_s']):>10}"
+                f"{fmt_ms(ps['step_s']):>10}{fmt_s(ttt[0]):>12}{fmt_s(ttt[1]):>12}"
+                f"{fmt_s(ttt[2]):>12}")
+        if zero:
+            line += f"{r['dp_memory']['total'] / scale:>10.4g}"
+            for z in stages:
+                s = r[f"zero{z}"]
+                line += (f"{fmt_ms(s['comm_s']):>10}{fmt_ms(s['step_s']):>10}"
+                         f"{s['memory']['total'] / scale:>10.4g}")
+        out.append(line)
     out.append("# legend: N ranks (sync) = workers (async); nodes = ceil(N / gpus per node); "
                "compute = forward + backward + update of one rank's batch; ring = exposed "
                "all-reduce of our ring family (algo: the one collective/choose.py picks, "
@@ -37,6 +55,13 @@ def predictions(rows: list[dict], steps_to_target: int | None) -> str:
                "alone); naive = reduce to rank 0 + broadcast; ps = pull + push with the "
                "parameter-server shards; "
                "TTT = step x steps to target (-: no --steps-to-target)")
+    if zero:
+        out.append("# ZeRO (simulate/zero.py): dp mem = plain data parallelism's bytes per "
+                   "rank (weights, gradients, optimizer state); zS comm = stage S's exposed "
+                   "reduce-scatter and all-gather(s) over a flat ring (stages 1, 2: 2(N-1)/N "
+                   "Psi, stage 3: 3(N-1)/N Psi); zS step = compute + zS comm; zS mem = its "
+                   "bytes per rank (models/cost.py zero_memory, the paper's per-parameter "
+                   "bytes)")
     return "\n".join(out)
 
 

@@ -1,0 +1,150 @@
+"""Sync local SGD and DiLoCo: H inner steps on every rank, then one all-reduce.
+
+    mpiexec -n 4 python -m dtlab.collective.train --model mlp --steps 400 --local-steps 10
+    mpiexec -n 4 python -m dtlab.collective.train --model mlp --steps 400 --local-steps 50 \
+        --optimizer adamw --outer-optimizer nesterov --outer-lr 0.7 --outer-momentum 0.9
+
+Every dp rank takes H inner steps with its own optimizer (the optimizer flags, its
+state never averaged) and lr schedule on its own data (models.data.ShardedLoader rank r
+of W, as plain data parallelism reads it); the gradients are not reduced. At the end
+of each round of H steps (and at the last step: a shorter last round) the ranks
+all-reduce their outer gradient Delta_r = theta - theta_r (our ring, average) and
+apply the outer optimizer to theta (models.outer: Stich 2019 / Lin et al. 2020 local
+SGD with outer SGD lr 1, the default; Douillard et al. 2023 DiLoCo with inner AdamW
+and outer Nesterov lr 0.7, momentum 0.9), so every rank starts the next round from
+the same theta. A round costs one all-reduce of the parameters instead of H of the
+gradients: each step's record carries `comm_rounds` (1 at a round's end, else 0),
+`sent_bytes` (what this rank sent in it, from our ring's schedule) and `outer_s`.
+
+Exactness (models.outer's docstring): one rank, H = 1, inner SGD and outer SGD lr 1
+is plain training bit for bit; with W ranks the mean of the outer gradients is the
+step of the mean gradient only up to an ulp per element (tests/collective/
+test_local_sgd.py states the tolerance); at H > 1 a single process running the W
+replicas one after another is the same bits at W = 2, where the ring's sum is a + b
+(at W = 3 the ring adds in another order than the twin: 8e-18 relative, float64).
+
+The trainer (models/run/trainer.py) drives this as it drives plain data parallelism:
+`LocalReducer` stands in for the gradient reducer (nothing to reduce), `LocalOptimizer`
+for the optimizer (the inner step, then at a round's end the outer one). The ranks meet
+only at round ends: the stop agreement too (collective/methods.py, agreement), and the
+logged training loss is rank 0's own.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from dtlab.collective.comm import Communicator
+from dtlab.collective.zero_layout import RingTraffic
+from dtlab.models.config import ConfigError, described
+from dtlab.models.outer import LocalSGD, OuterConfig, make_outer, round_ends
+
+
+@dataclass
+class LocalConfig:
+    local_steps: int = described(0, "local SGD / DiLoCo: inner steps per outer round; each "
+                                    "rank steps its own optimizer on its own data, then the "
+                                    "ranks all-reduce their parameter change once, for the "
+                                    "outer optimizer (without --outer-optimizer: SGD lr 1, "
+                                    "model averaging); 0: off, plain data parallelism")
+
+    def validate(self):
+        if self.local_steps < 0:
+            raise ConfigError(f"--local-steps must not be negative (got {self.local_steps})")
+
+
+def outer_config(local: LocalConfig, outer: OuterConfig) -> OuterConfig:
+    """The outer optimizer a run with `local` uses: as given, or outer SGD lr 1 (model
+    averaging) when --local-steps comes without --outer-optimizer; a ConfigError naming
+    the outer flags without --local-steps."""
+    if not local.local_steps:
+        if outer.enabled:
+            raise ConfigError(f"--outer-optimizer {outer.outer_optimizer} has no effect "
+                              "without --local-steps")
+        return outer
+    return outer if outer.enabled else OuterConfig(outer_optimizer="sgd")
+
+
+class LocalOptimizer:
+    """session.optimizer under --local-steps: `inner` (the configured optimizer) steps the
+    rank's own parameters; at a round's end the outer gradient is averaged over `comm`
+    and the outer step applied (models.outer.LocalSGD). `timing` (the replica's: merged
+    into each step's record) gets comm_rounds, sent_bytes and outer_s."""
+
+    def __init__(self, inner, comm: Communicator, outer: OuterConfig, params, local_steps: int,
+                 total_steps: int, timing: dict):
+        self.inner, self.comm = inner, comm
+        self.H, self.total = local_steps, total_steps
+        self.local = LocalSGD(params, make_outer(outer, params))
+        self.timing = timing
+        self.sent = RingTraffic(comm).allreduce(params.size, params.dtype.itemsize)
+
+    @property
+    def steps(self) -> int:
+        return self.inner.steps
+
+    def step(self, param, grad, lr: float | None = None) -> None:
+        self.inner.step(param, grad, lr)
+        if not round_ends(self.inner.steps - 1, self.H, self.total):
+            self.timing.update(comm_rounds=0, sent_bytes=0, outer_s=0.0)
+            return
+        t = time.perf_counter()
+        delta = self.local.outer_gradient(param)  # (n,) theta - theta_r
+        self.comm.allreduce(delta, average=True)  # (n,) their mean, the same on every rank
+        self.local.step(param)
+        self.timing.update(comm_rounds=1, sent_bytes=self.sent, outer_s=time.perf_counter() - t)
+
+    def at_round_ends(self, agree):
+        """`agree` (a collective sum of a small count array) called at a round's end only,
+        zeros in between: after this step's inner step, is it a round's end?"""
+        def agreed(counts):
+            if round_ends(self.inner.steps - 1, self.H, self.total):
+                return agree(counts)
+            return np.zeros_like(counts)
+        return agreed
+
+    def state_dict(self) -> dict:
+        """The inner optimizer's state, the outer one's and the anchor (what a rank holds)."""
+        outer = {f"outer_{k}": v for k, v in self.local.state_dict().items() if k != "steps"}
+        return {**self.inner.state_dict(), **outer}
+
+
+class LocalReducer:
+    """The trainer's gradient reducer under --local-steps: every rank keeps its own
+    gradient, and its own loss: the metrics' training loss is rank 0's (averaging it would
+    meet the ranks every step, which local SGD exists to avoid); the held-out loss, at
+    round ends, is of the averaged parameters."""
+
+    overlap = False
+
+    def __init__(self, ring: Communicator):
+        self.ring = ring  # the outer all-reduce's, freed in close
+
+    def ready(self, offset: int) -> None:
+        """Nothing to start: the gradient stays on this rank."""
+
+    def wait(self) -> dict:
+        return {"comm_s": 0.0, "wait_s": 0.0, "wire_bytes": 0}
+
+    def average(self, value: float) -> float:
+        return value
+
+    def plan(self) -> list[dict]:
+        return []
+
+    def close(self) -> None:
+        self.ring.free()
+
+
+def local_session(session, comm: Communicator, local: LocalConfig, outer: OuterConfig):
+    """The session with its optimizer wrapped (LocalOptimizer) and the reducer to go with
+    it; `comm` is the dp communicator (a ring-only duplicate is made of it)."""
+    ring = comm.dup("local-sgd", ours="ring")
+    params = session.params.data
+    session.optimizer = LocalOptimizer(session.optimizer, ring, outer, params,
+                                       local.local_steps, session.setup.run.steps,
+                                       session.replica.timing)
+    return session, LocalReducer(ring)

@@ -1,0 +1,112 @@
+"""The sync trainer's methods between sync and async: their flags, what they refuse, and
+the reducer (and optimizer) each gives the trainer.
+
+    mpiexec -n 4 python -m dtlab.collective.train --model mlp --local-steps 10 \
+        [--outer-optimizer sgd|nesterov --outer-lr L --outer-momentum M]
+    mpiexec -n 4 python -m dtlab.collective.train --model mlp --compress topk:0.01 \
+        [--no-error-feedback]
+
+--local-steps H (collective/local_sgd.py: local SGD, DiLoCo) and --compress
+(collective/compress_reducer.py: top-k, random-k, sign, PowerSGD with error feedback)
+replace the bucketed gradient all-reduce on a plain data-parallel grid, one at a time;
+the flags they cannot honour are refused by name (ConfigError: exit 2, one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from dtlab.collective.comm import Communicator
+from dtlab.collective.compress_reducer import CompressReducer, describe
+from dtlab.collective.local_sgd import LocalConfig, LocalOptimizer, local_session, outer_config
+from dtlab.models.compress import CompressConfig
+from dtlab.models.config import ConfigError, add_flags, from_namespace
+from dtlab.models.outer import OuterConfig
+
+
+@dataclass(frozen=True)
+class Methods:
+    local: LocalConfig
+    outer: OuterConfig  # the one local SGD runs (outer SGD lr 1 unless given)
+    compress: CompressConfig
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.local.local_steps or self.compress.compress)
+
+    def name(self) -> str:
+        """'--local-steps 10' or '--compress topk:0.01', for the refusals."""
+        if self.local.local_steps:
+            return f"--local-steps {self.local.local_steps}"
+        return f"--compress {self.compress.compress}"
+
+
+def add_method_flags(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, LocalConfig, "local SGD / DiLoCo (collective/local_sgd.py)")
+    add_flags(parser, OuterConfig, "the outer optimizer of --local-steps (models/outer.py)")
+    add_flags(parser, CompressConfig, "gradient compression (collective/compress_reducer.py)")
+
+
+def method_configs(setup) -> Methods:
+    """The methods the flags ask for; a ConfigError naming a flag they cannot go with."""
+    ns = setup.extra
+    local = from_namespace(LocalConfig, ns)
+    methods = Methods(local, outer_config(local, from_namespace(OuterConfig, ns)),
+                      from_namespace(CompressConfig, ns))
+    if local.local_steps and methods.compress.compress:
+        raise ConfigError(f"--local-steps {local.local_steps} with --compress "
+                          f"{methods.compress.compress}: one of them at a time")
+    if not methods.enabled:
+        return methods
+    opts, run = setup.extra, setup.run
+    for flag, value, default in (
+            ("--zero", opts.zero, 0), ("--tp", opts.tp, 1), ("--pp", opts.pp, 1),
+            ("--ep", opts.ep, 1), ("--moe-experts", getattr(setup.model, "moe_experts", 0), 0),
+            ("--precision", run.precision, "fp32"), ("--wire", opts.wire, "fp32"),
+            ("--allreduce", opts.allreduce, "ring"), ("--bucket-mb", opts.bucket_mb, 25.0),
+            ("--checkpoint-dir", run.checkpoint_dir, "")):
+        if value != default:
+            raise ConfigError(f"{methods.name()} with {flag} {value}: not supported (plain "
+                              "data parallelism of a whole float32 replica; the exchange "
+                              "runs our ring; no checkpoints, each rank's state differs)")
+    H = local.local_steps
+    if H and run.eval_every % H:
+        raise ConfigError(f"--eval-every {run.eval_every} must be a multiple of --local-steps "
+                          f"{H}: the held-out loss is of the averaged parameters, which exist "
+                          "once per outer round")
+    return methods
+
+
+def method_parts(session, comm: Communicator, methods: Methods, seed: int):
+    """(session, reducer, header fields, words) of the method: the session's optimizer
+    wrapped under --local-steps; `comm` the dp communicator."""
+    if methods.local.local_steps:
+        session, reducer = local_session(session, comm, methods.local, methods.outer)
+        o = methods.outer
+        fields = {"local_steps": methods.local.local_steps, "outer": dataclasses.asdict(o)}
+        words = (f"local SGD: {methods.local.local_steps} inner steps per round, outer "
+                 f"{o.outer_optimizer} lr {o.outer_lr:g} momentum {o.outer_momentum:g}, one "
+                 "ring all-reduce of the parameter change per round")
+    else:
+        grad = session.replica.compute_params.grad
+        reducer = CompressReducer(comm, grad, methods.compress, session.params, seed)
+        fields = {"compress": methods.compress.compress,
+                  "error_feedback": methods.compress.error_feedback}
+        words = (f"{describe(methods.compress)}: "
+                 + ", ".join(f"{p['algorithm']} of {p['bytes']:,} bytes" for p in reducer.plan())
+                 + " per step")
+    fields.update(allreduce="ring", allreduce_buckets=reducer.plan(), wire="fp32")
+    return session, reducer, fields, words
+
+
+def agreement(session, world: Communicator):
+    """The trainer's stop agreement (models/run/stop.py: the ranks sum their caught
+    signals): every step, or under --local-steps at round ends only, so that the ranks
+    meet once a round and a signal stops all of them after the same round."""
+    def every_step(counts):
+        return world.allreduce(counts, algo="mpi")
+    optimizer = session.optimizer
+    return optimizer.at_round_ends(every_step) if isinstance(optimizer, LocalOptimizer) \
+        else every_step

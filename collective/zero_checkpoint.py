@@ -1,0 +1,280 @@
+"""ZeRO's checkpoints: sharded (each dp rank saves its own slice) and universal (a resume
+at another dp size cuts the saved slices again), as DeepSpeed's universal checkpoints do
+(Rajbhandari et al. 2020, "ZeRO"; the DeepSpeed universal checkpoint format, 2023).
+
+    mpiexec -n 2 python -m dtlab.collective.train --zero 3 --checkpoint-dir ck --steps 50
+    mpiexec -n 3 python -m dtlab.collective.train --zero 3 --checkpoint-dir ck --steps 100 \
+        --resume            # dp 2 -> dp 3: the shards re-cut for three ranks
+
+Every dp rank writes its own directory (models/run/checkpoint.py, atomic, verified):
+
+    ck/dp<r>of<n>/step-NNNNNNNN/
+        params.npy       this rank's master parameters: its segment of every unit, back to
+                         back (collective/zero_layout.py's packed layout); float32 under
+                         --precision fp16/bf16, whose half copy is their cast
+        opt.<name>.npy   each optimizer state buffer's shard, in the same layout
+        meta.json        step, config, optimizer steps, data position (epoch, position:
+                         the data order's only random state is seeded by (seed, epoch)),
+                         loss scaler, and "zero": stage, dp, rank, the units and this
+                         rank's ranges; rank 0's also "every_rank": every rank's ranges
+                         (the manifest)
+
+A resume finds the newest step that verifies on every shard of a saved dp size (newest
+first over the sizes present, this run's on a tie) and cuts it for this run's layout
+(`recut`): each unit's new segment is copied from the saved segments it overlaps, so at
+the same dp size each rank reads its own file and goes on bit for bit, at another it
+reads the one or two files its segments overlap and holds exactly the saved values.
+A plain data-parallel checkpoint (ck/step-NNNNNNNN/, the whole buffers) is one shard
+holding every unit whole, and is cut the same way. What cannot be cut is refused by name
+before anything changes: a dp size with a shard directory missing, a grid of another
+kind (pp, ep, tp shards), another config, a shard lacking a state buffer this optimizer
+needs, or one whose ranges disagree with the manifest. All stages save the same state,
+so a checkpoint of one stage resumes into another.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from dtlab.models.run import checkpoint
+from dtlab.models.run.checkpoint import CheckpointError
+from dtlab.models.run.trainer import Trainer, config_differences, shard_grid
+
+DP_DIR = re.compile(r"dp(\d+)of(\d+)")
+
+
+def manifest(zero) -> dict:
+    """The "zero" entry of a shard's meta.json: stage, dp, rank, the units (name, lo, hi)
+    and this rank's [lo, hi) of each; rank 0's adds every rank's."""
+    layout = zero.layout
+    out = {"stage": zero.stage, "dp": layout.n, "rank": layout.rank,
+           "units": [[u.name, u.lo, u.hi] for u in layout.units],
+           "ranges": [list(r) for r in layout.mine]}
+    if layout.rank == 0:
+        out["every_rank"] = [[[u.lo + b[q], u.lo + b[q + 1]]
+                              for u, b in zip(layout.units, layout.bounds, strict=True)]
+                             for q in range(layout.n)]
+    return out
+
+
+@dataclass
+class Saved:
+    """The checkpoints of one saved dp size: shard q's under roots[q] (a plain
+    data-parallel checkpoint: one shard, the directory itself)."""
+
+    roots: list[str]
+    step: int = -1  # the newest step that verifies in every root, once agreed
+
+    @property
+    def shards(self) -> int:
+        return len(self.roots)
+
+    def path(self, q: int) -> str:
+        return os.path.join(self.roots[q], checkpoint.step_dir(self.step))
+
+
+def saved_in(directory: str, mine: str) -> list[Saved]:
+    """Every saved dp size in `directory`, or a CheckpointError naming what cannot be
+    re-sliced: a shard grid of another kind, a dp size with shards missing. `mine`: this
+    run's grid in words."""
+    if not os.path.isdir(directory):
+        return []
+    found: dict[int, set[int]] = {}
+    for name in sorted(os.listdir(directory)):
+        match = DP_DIR.fullmatch(name)
+        if match:
+            found.setdefault(int(match[2]), set()).add(int(match[1]))
+        elif shard_grid(name):
+            raise CheckpointError(f"{directory} holds checkpoints of a run with "
+                                  f"{shard_grid(name)}; this run has {mine}: only ZeRO shards "
+                                  "and plain data-parallel checkpoints can be re-sliced")
+    out = []
+    for n, ranks in sorted(found.items()):
+        missing = [f"dp{q}of{n}" for q in range(n) if q not in ranks]
+        if missing:
+            raise CheckpointError(f"{directory} holds ZeRO shards of --dp {n} without "
+                                  f"{', '.join(missing)}: they cannot be re-sliced (each "
+                                  "shard holds its own slice of the parameters and optimizer "
+                                  "state)")
+        out.append(Saved([os.path.join(directory, f"dp{q}of{n}") for q in range(n)]))
+    if checkpoint.latest(directory) is not None:
+        out.append(Saved([directory]))
+    return out
+
+
+def newest_common(comm, roots: list[str]) -> tuple[int, list]:
+    """(step, skipped): the newest step whose checkpoint verifies under every one of
+    `roots` (-1: none), rank r of `comm` verifying roots[r::n] (collective); skipped:
+    (path, why) for the damaged newer ones this rank passed over."""
+    mine, at_most, skipped = roots[comm.rank::comm.size], None, {}
+    none = 1 << 62  # a rank with no roots to verify bounds nothing
+    while True:
+        steps = []
+        for root in mine:
+            path, passed = checkpoint.latest_valid(root, at_most)
+            skipped.update(passed)
+            steps.append(checkpoint.step_of(path) if path else -1)
+        bounds = comm.mpi.allgather((min(steps, default=none), max(steps, default=-1)))
+        low, high = min(b[0] for b in bounds), max(b[1] for b in bounds)
+        if low < 0 or low == high:
+            return low, list(skipped.items())
+        at_most = low  # the roots above it look again at or below it
+
+
+def saved_ranges(meta: dict, layout, path: str) -> list[list[tuple[int, int]]]:
+    """ranges[q][u]: shard q's [lo, hi) of unit u, from the manifest (rank 0's meta.json
+    at `path`; a plain checkpoint's one shard holds every unit whole), checked against
+    this run's units and to tile each of them in rank order."""
+    units = [(u.name, u.lo, u.hi) for u in layout.units]
+    zero = meta.get("zero")
+    if zero is None:
+        return [[(lo, hi) for _, lo, hi in units]]
+    if "every_rank" not in zero:
+        raise CheckpointError(f"{path}: its meta.json holds no manifest (\"every_rank\"), "
+                              "so its shards cannot be placed")
+    if [tuple(u) for u in zero["units"]] != units:
+        raise CheckpointError(f"{path}: its units {zero['units']} are not this model's "
+                              f"{[list(u) for u in units]}")
+    ranges = [[tuple(r) for r in rank] for rank in zero["every_rank"]]
+    for u, (name, lo, hi) in enumerate(units):
+        cuts = [rank[u] if len(rank) == len(units) else (hi, lo) for rank in ranges]
+        if len(ranges) != zero["dp"] or cuts[0][0] != lo or cuts[-1][1] != hi or \
+                any(a > b for a, b in cuts) or \
+                any(cuts[q][1] != cuts[q + 1][0] for q in range(len(cuts) - 1)):
+            raise CheckpointError(f"{path}: the manifest's ranges do not tile unit {name} "
+                                  f"[{lo}, {hi}) over its {zero['dp']} ranks")
+    return ranges
+
+
+def recut(ranges: list[list[tuple[int, int]]], mine: list[tuple[int, int]], names: list[str],
+          read, dtype) -> dict:
+    """name -> this rank's packed shard of each saved buffer (of `dtype`): unit u's segment
+    mine[u] = [lo, hi) copied from the saved shards q whose ranges[q][u] overlap it
+    (`read(q)`: shard q's arrays, each packed as its ranges say; read once, when needed)."""
+    size = sum(hi - lo for lo, hi in mine)
+    out = {name: np.empty(size, dtype=dtype) for name in names}  # (shard,) each
+    held: dict[int, dict] = {}
+    at = 0
+    for u, (lo, hi) in enumerate(mine):
+        for q, rank in enumerate(ranges):
+            qlo, qhi = rank[u]
+            a, b = max(lo, qlo), min(hi, qhi)
+            if a >= b:
+                continue
+            if q not in held:
+                held[q] = read(q)
+            qat = sum(end - start for start, end in rank[:u])  # unit u's place in shard q
+            for name in names:
+                out[name][at + a - lo : at + b - lo] = held[q][name][qat + a - qlo : qat + b - qlo]
+        at += hi - lo
+    return out
+
+
+class ZeroTrainer(Trainer):
+    """The trainer under --zero: every dp rank saves its shard (module docstring) and
+    `--resume` cuts the newest saved one for this run's dp size."""
+
+    def save(self, next_step: int) -> str:
+        s, zero = self.s, self.s.model.zero
+        arrays = {"params": zero.shard()}
+        arrays.update({f"opt.{k}": v for k, v in s.optimizer.state_dict().items() if k != "steps"})
+        meta = {"config": s.setup.as_dict(), "n_params": s.params.size, "dp": s.world,
+                "optimizer_steps": s.optimizer.steps, "loader": s.loader.state_dict(),
+                "global_batch": self.samples_per_step, "zero": manifest(zero)}
+        if zero.scaler is not None:
+            meta["loss_scaler"] = zero.scaler.state_dict()
+        return checkpoint.save(self.root, next_step, arrays, meta, keep=s.setup.run.keep or None)
+
+    def _resume(self) -> int:
+        s, zero = self.s, self.s.model.zero
+        directory, n = s.setup.run.checkpoint_dir, zero.comm.size
+        saved = self._newest(directory, n)
+        if saved is None:
+            self._say(f"no checkpoint in {directory} yet: starting at step 0")
+            return 0
+        first = saved.path(0)
+        with open(os.path.join(first, checkpoint.MANIFEST)) as f:
+            meta = json.load(f)
+        differ = config_differences(meta["config"], s.setup.as_dict())
+        if differ or meta.get("n_params") != s.params.size:
+            raise CheckpointError(f"{first} was written by a run with another config: "
+                                  + "; ".join(differ or ["a different parameter count"]))
+        ranges = saved_ranges(meta, zero.layout, first)
+        names = ["params", *(f"opt.{k}" for k in s.optimizer.state_names)]
+        dtype = zero.master.dtype
+        arrays = recut(ranges, zero.layout.mine, names,
+                       lambda q: self._shard(saved, q, ranges[q], names, dtype), dtype)
+        zero.load(arrays.pop("params"))
+        s.optimizer.load_state_dict({**{k[len("opt."):]: v for k, v in arrays.items()},
+                                     "steps": meta["optimizer_steps"]})
+        s.loader.load_state_dict(meta["loader"])
+        if zero.scaler is not None and "loss_scaler" in meta:
+            zero.scaler.load_state_dict(meta["loss_scaler"])
+        self._resumed(int(meta["step"]), meta, saved, n)
+        return int(meta["step"])
+
+    def _newest(self, directory: str, n: int) -> Saved | None:
+        """The saved dp size with the newest step that verifies on all its shards (this
+        run's dp size on a tie), or None when nothing is saved yet (collective)."""
+        best, skipped = None, []
+        found = saved_in(directory, f"ZeRO --dp {n}")
+        for saved in sorted(found, key=lambda x: x.shards != n):
+            saved.step, passed = newest_common(self.s.model.zero.comm, saved.roots)
+            skipped += passed
+            if saved.step >= 0 and (best is None or saved.step > best.step):
+                best = saved
+        for bad, why in skipped:
+            print(f"skipping checkpoint {bad}: {why}", file=sys.stderr)
+        if best is None and skipped:
+            raise CheckpointError(f"no checkpoint in {directory} verifies: "
+                                  + "; ".join(f"{p}: {w}" for p, w in skipped))
+        return best
+
+    @staticmethod
+    def _shard(saved: Saved, q: int, ranges, names: list[str], dtype) -> dict:
+        """Saved shard q's arrays, checked against the manifest's ranges for it, the
+        buffers this run needs and the master dtype."""
+        path = saved.path(q)
+        arrays, meta = checkpoint.load(path)
+        own = meta.get("zero")
+        if own is not None and (own["rank"] != q or [tuple(r) for r in own["ranges"]] != ranges):
+            raise CheckpointError(f"{path}: its ranges {own['ranges']} (rank {own['rank']}) "
+                                  "disagree with the manifest's for this shard")
+        lacking = [f"{name}.npy" for name in names if name not in arrays]
+        if lacking:
+            raise CheckpointError(f"{path} lacks {', '.join(lacking)}, which this run's "
+                                  "optimizer needs: it cannot be re-sliced into it")
+        size = sum(hi - lo for lo, hi in ranges)
+        for name in names:
+            if arrays[name].shape != (size,) or arrays[name].dtype != dtype:
+                raise CheckpointError(f"{path}: {name}.npy holds {arrays[name].shape} "
+                                      f"{arrays[name].dtype}, the manifest's ranges {size} "
+                                      f"elements of this run's {np.dtype(dtype)}")
+        return arrays
+
+    def _resumed(self, step: int, meta: dict, saved: Saved, n: int) -> None:
+        """What the resume did, on rank 0's stderr."""
+        s, run = self.s, self.s.setup.run
+        how = ""
+        if "zero" not in meta:
+            how = f" (a plain data-parallel checkpoint, cut into {n} shard(s))"
+        elif saved.shards != n:
+            how = f" (its ZeRO shards over dp {saved.shards} cut again for dp {n})"
+        self._say(f"resumed from step {step} of {run.checkpoint_dir}{how}")
+        saved_steps = meta["config"]["run"]["steps"]
+        if saved_steps != run.steps:
+            self._say(f"--steps is {run.steps}, the checkpointed run had {saved_steps}: the lr "
+                      f"schedule now spans {run.steps} steps")
+        if step >= run.steps:
+            self._say(f"the run already reached step {step} of --steps {run.steps}: nothing to do")
+        if meta.get("dp", s.world) != s.world:
+            self._say(f"resumed with dp {s.world}; the checkpoint was written with dp "
+                      f"{meta['dp']}: the global batch is now {self.samples_per_step} (was "
+                      f"{meta['global_batch']}), the data goes on from example "
+                      f"{s.loader.position} of epoch {s.loader.epoch}")

@@ -1,0 +1,137 @@
+"""ZeRO at scale (dtlab-simulate --zero S): each stage's step time and per-rank memory.
+
+    dtlab-simulate --link 400gbit --intra-link nvlink --gpus-per-node 8 --tflops 400 \
+        --zero 1,2,3
+
+Communication (Rajbhandari et al. 2020, "ZeRO", section 7). collective/zero*.py cuts the
+parameters into units (each body module holding parameters: the embedding, a block, the
+head; models/parts.py's modules) and runs each unit's collectives on our flat ring over
+the N dp ranks: a reduce-scatter of a unit's n_u bytes and an all-gather of them cost
+(alpha, beta, gamma as in simulate/formulas.py)
+
+    rs(n_u) = (N-1) alpha + (N-1)/N n_u (beta + gamma)
+    ag(n_u) = (N-1) alpha + (N-1)/N n_u beta
+
+so RS = sum rs(n_u) and AG = sum ag(n_u) move the ring all-reduce's bytes (with one unit
+they are exactly formulas.terms("ring")): stages 1 and 2 send what plain data
+parallelism sends, 2(N-1)/N Psi; stage 3 gathers the parameters twice (before forward
+and again before backward), 3(N-1)/N Psi, the paper's 1.5x. The gathered parameters are
+taken at the gradient's bytes. On one node the ring goes at the intra-node link, across
+nodes at the inter-node one (the slowest hop paces every step of a flat ring); on a
+calibrated host at its ring fit.
+
+Overlap, where the ranks have somewhere to communicate (step.py's rule: a GPU, or a core
+of its own), with backward 2/3 of the compute (BACKWARD_SHARE) and forward the rest;
+unit 0 is the first in forward, unit L-1 the last:
+
+    stages 1, 2  exposed = rs_0 + max(0, RS - rs_0 - backward) + AG
+                 (each unit's reduce-scatter as backward finishes it, unit 0's after
+                 backward ends; the all-gathers after the optimizer step)
+    stage 3      exposed = ag_0 + max(0, AG - ag_0 - forward)
+                         + ag_(L-1) + rs_0 + max(0, AG - ag_(L-1) + RS - rs_0 - backward)
+                 (each unit's gather prefetched behind the unit before it, in forward
+                 and in backward, but the first of each pass; the reduce-scatters behind
+                 backward but the last)
+
+and all of it where they have not. On a shared host every collective takes N / cores
+turns, as the all-reduce does (step.sync_step).
+
+Memory per rank: the paper's per-parameter bytes, models/cost.py zero_memory (mixed
+precision with Adam, K = 12: plain DP (2 + 2 + K) Psi, stage 1 4 Psi + K Psi / N, stage 2
+2 Psi + (2 + K) Psi / N, stage 3 (2 + 2 + K) Psi / N; in full precision 4 + 4 + 8 bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dtlab.lab.simulate.formulas import Network
+from dtlab.lab.simulate.links import Link
+from dtlab.lab.simulate.step import BACKWARD_SHARE, Host, Step
+from dtlab.models.cost import zero_memory
+from dtlab.models.zoo import MODELS
+
+STAGES = (1, 2, 3)
+
+
+@dataclass(frozen=True)
+class ZeroSpec:
+    """What the ZeRO columns need beyond the workload: the stages, the units' bytes (in
+    forward order), the parameter count, the precision and bytes per element of the
+    memory formula."""
+
+    stages: tuple[int, ...]
+    units: tuple[float, ...]
+    params: int
+    precision: str = "fp32"
+    itemsize: int = 4  # --dtype's (8: float64) in full precision
+
+    def memory(self, stage: int, n: int, optimizer: str) -> dict[str, float]:
+        """Bytes per rank of `stage` (0: plain data parallelism) over n ranks."""
+        return zero_memory(self.params, stage, n, self.precision, optimizer, self.itemsize)
+
+
+def reduce_scatter_s(nbytes: float, n: int, link: Link) -> float:
+    if n == 1:
+        return 0.0
+    return (n - 1) * link.alpha_s + (n - 1) / n * nbytes * (link.beta_s_per_byte
+                                                             + link.gamma_s_per_byte)
+
+
+def allgather_s(nbytes: float, n: int, link: Link) -> float:
+    if n == 1:
+        return 0.0
+    return (n - 1) * link.alpha_s + (n - 1) / n * nbytes * link.beta_s_per_byte
+
+
+def unit_bytes(model_name: str, config, batch: int, itemsize: int) -> tuple[float, ...]:
+    """Bytes of each unit, in forward order: the body modules holding parameters."""
+    sizes = (sum(p.count * p.params for p in parts)
+             for parts in MODELS[model_name].cost.modules(config, batch))
+    return tuple(float(size * itemsize) for size in sizes if size)
+
+
+def ring_link(net: Network, n: int) -> Link:
+    """The link a flat ring over n ranks goes at: intra-node on one node, else inter."""
+    base = net.intra if n <= net.gpus_per_node else net.inter
+    return net.link("ring", base)
+
+
+def zero_step(stage: int, units: tuple[float, ...], n: int, net: Network, compute_s: float,
+              host: Host, straggler_s: float = 0.0) -> Step:
+    """One step of ZeRO `stage` over n ranks with units of these bytes (module docstring);
+    straggler_s: how much later than the median the slowest rank ends backward (every
+    rank waits for it)."""
+    if stage not in STAGES:
+        raise ValueError(f"ZeRO stage must be one of {STAGES}, not {stage}")
+    link, share = ring_link(net, n), host.share(n)
+    rs = [reduce_scatter_s(b, n, link) * share for b in units]  # (L,) per unit
+    ag = [allgather_s(b, n, link) * share for b in units]  # (L,)
+    RS, AG = sum(rs), sum(ag)
+    gathers = 2 if stage == 3 else 1
+    ranks_here = min(n, net.gpus_per_node) if not host.cores else n
+    overlap = host.overlap(ranks_here)
+    backward = BACKWARD_SHARE * compute_s
+    if not overlap:
+        exposed = RS + gathers * AG
+    elif stage == 3:
+        exposed = (ag[0] + max(0.0, AG - ag[0] - (compute_s - backward))
+                   + ag[-1] + rs[0] + max(0.0, AG - ag[-1] + RS - rs[0] - backward))
+    else:
+        exposed = rs[0] + max(0.0, RS - rs[0] - backward) + AG
+    sent = (1 + gathers) * (n - 1) / n * sum(units)
+    return Step(f"zero{stage}", n, compute_s, straggler_s + exposed, "ring",
+                {"reduce_scatter_s": RS, "allgather_s": gathers * AG, "sent_bytes": sent,
+                 "straggler_s": straggler_s, "overlap": overlap})
+
+
+def zero_columns(spec: ZeroSpec, optimizer: str, n: int, net: Network, compute_s: float,
+                 host: Host, straggler_s: float) -> dict:
+    """A prediction row's ZeRO entries: "dp_memory" (plain data parallelism's bytes per
+    rank) and "zero<S>" for each stage: comm_s, step_s, its collectives, memory."""
+    out = {"dp_memory": spec.memory(0, n, optimizer)}
+    for stage in spec.stages:
+        s = zero_step(stage, spec.units, n, net, compute_s, host, straggler_s)
+        out[f"zero{stage}"] = {"comm_s": s.comm_s, "step_s": s.step_s, **s.parts,
+                               "memory": spec.memory(stage, n, optimizer)}
+    return out

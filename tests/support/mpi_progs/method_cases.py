@@ -1,0 +1,71 @@
+"""Train several dtlab-sync configurations in one launch, and local SGD's one-process twin.
+
+    mpiexec -n 2 python -m mpi4py tests/support/mpi_progs/method_cases.py CASES.json OUT.npz
+
+CASES.json is a list of {"name": ..., "argv": [...]} run by `dtlab.collective.train`'s
+train() on these ranks (plain data parallelism, --local-steps, --compress), and of
+{"name": ..., "argv": [...], "twin": W}: local SGD run by world rank 0 alone as W
+replicas one after another (their own sessions: models.data.ShardedLoader rank r of W,
+own optimizer), written out from the definition, without collective/local_sgd.py:
+
+    every step: each replica r takes its inner step on its own batch
+    a round's end (every H steps and the last): Delta = ((theta - theta_0) + (theta -
+    theta_1) + ...) / W, summed in rank order (at W = 2 the ring's sum, a + b = b + a),
+    theta <- the outer optimizer's step with Delta; every replica <- theta
+
+World rank 0 saves every case's final parameters (rank 0's: after the last round every
+rank holds the same) under its name in OUT.npz.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from dtlab.collective.train import parse_args, train
+from dtlab.models import backend
+from dtlab.models.outer import make_outer, round_ends
+from dtlab.models.run.session import build_session
+
+
+def sync(argv: list[str]) -> np.ndarray:
+    session, _, _ = train(parse_args(argv))
+    return backend.to_host(session.params.data)
+
+
+def twin(argv: list[str], world: int) -> np.ndarray:
+    setup = parse_args(argv)
+    methods, run = setup.extra.methods, setup.run
+    replicas = [build_session(setup, rank=r, world=world) for r in range(world)]
+    theta = replicas[0].params.data.copy()  # (n,) the global parameters
+    outer = make_outer(methods.outer, theta)
+    for step in range(run.steps):
+        for s in replicas:
+            s.replica.compute_grads(s.loader.next())
+            s.model.clip_grad_norm(s.params, setup.optim.clip)
+            s.optimizer.step(s.params.data, s.params.grad, s.schedule(step))
+        if round_ends(step, methods.local.local_steps, run.steps):
+            total = theta - replicas[0].params.data  # (n,)
+            for s in replicas[1:]:
+                total += theta - s.params.data
+            outer.step(theta, total / world)
+            for s in replicas:
+                s.params.data[...] = theta
+    return theta
+
+
+cases_path, out = sys.argv[1], sys.argv[2]
+with open(cases_path) as f:
+    cases = json.load(f)
+rank = MPI.COMM_WORLD.rank
+results = {}
+for case in cases:
+    if "twin" not in case:
+        results[case["name"]] = sync(case["argv"])
+    elif rank == 0:
+        results[case["name"]] = twin(case["argv"], case["twin"])
+if rank == 0:
+    np.savez(out, **results)

@@ -33,8 +33,13 @@ def commands(doc: str) -> list[list[str]]:
                         words = shlex.split(cmd, comments=True)
                     except ValueError:
                         continue
+                    words = [w.rstrip("&") for w in words if w != "&"]
+                    while ":" in words:  # an MPMD launch: one command per program
+                        cut = words.index(":")
+                        out.append(words[:cut])
+                        words = ["mpiexec", *words[cut + 1:]]
                     if words:
-                        out.append([w.rstrip("&") for w in words if w != "&"])
+                        out.append(words)
             fence, block = line.strip() == "```bash" and not fence, []
         elif fence:
             block.append(line)

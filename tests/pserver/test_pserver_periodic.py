@@ -72,8 +72,9 @@ def test_killed_daemon_resumes_its_newest_periodic_save_and_workers_go_on(tmp_pa
                    for w in range(2)}
         wait_for("a periodic save after 30 updates", lambda: any(
             run_checkpoint.step_of(str(shard_dir / s)) >= 30 for s in saves(shard_dir)))
+        # the save's directory is renamed in before its log line is written: wait for both
+        wait_for("the save's log line", lambda: "checkpoint " in first.output())
         killed = kill9(first.proc)
-        assert "checkpoint " in first.output()
         last_seen = max(r["version"][0] for w in range(2)
                         for r in read_metrics(str(tmp_path / f"w{w}.jsonl"))[1])
         newest, skipped = run_checkpoint.latest_valid(str(shard_dir))

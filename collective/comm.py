@@ -22,7 +22,10 @@ Semantics, for every method:
     `allreduce(algo="mpi")` is MPI's own Allreduce, kept as the baseline;
   * before a collective, ranks check once per distinct buffer signature that
     they agree on it (collective/agree.py), and every blocking wait is under
-    the stall watchdog (collective/failure.py).
+    the stall watchdog (collective/failure.py);
+  * every collective call is recorded in the flight recorder (its sequence
+    number on this communicator, size, dtype, algorithm, state), dumped when
+    the job stalls or aborts (collective/flight.py).
 
 allreduce algorithms (`algo`, default "ring"):
   ring   ours: by buffer size, world size and node (collective/choose.py),
@@ -49,6 +52,7 @@ from dtlab.collective.alltoall import pairwise_alltoallv
 from dtlab.collective.choose import OURS, allreduce_algorithm
 from dtlab.collective.doubling import bind_doubling
 from dtlab.collective.failure import install_abort_handler, resolve_timeout
+from dtlab.collective.flight import Recorder
 from dtlab.collective.halving import bind_halving
 from dtlab.collective.link import TAG_ALLTOALL, Link, byte_view, mpi_sum
 from dtlab.collective.naive import naive_allreduce
@@ -127,13 +131,15 @@ class AlltoallvRequest:
     """An all-to-all(v) in flight (Communicator.ialltoallv): holds its buffers; wait()
     completes it under the stall watchdog, once, and returns (out, recv_counts)."""
 
-    def __init__(self, link: Link, reqs: list, send, buf, device, out, recv_counts: list[int]):
+    def __init__(self, link: Link, reqs: list, send, buf, device, out, recv_counts: list[int],
+                 entry):
         self._link, self._reqs, self._held = link, reqs, (send, buf, device)
-        self.out, self.recv_counts = out, recv_counts
+        self.out, self.recv_counts, self._entry = out, recv_counts, entry
 
     def wait(self):
         if self._reqs is not None:
             self._link.waitall(self._reqs, "ialltoallv", None)
+            Recorder.done(self._entry)
             gpu.unplace(self._held[1], self._held[2])
             self._reqs = self._held = None
         return self.out, self.recv_counts
@@ -192,6 +198,7 @@ class Communicator:
         self._arena: SharedArena | bool | None = None  # False: ranks on several nodes
         self._agree = Agreement(self._link, self.check)
         self.rank, self.size = self._link.rank, self._link.size
+        self._flight = Recorder(name, self.rank, self._link.world_ranks)
 
     def __repr__(self) -> str:
         return f"Communicator({self.name!r}, rank {self.rank} of {self.size}, algo={self.algo!r})"
@@ -204,7 +211,9 @@ class Communicator:
                 self._link.cache.evictions)
         last = self._last
         if last is not None and last[0] is x and last[1] == call:
+            e = self._flight.start("allreduce", x.nbytes, x.dtype, last[3])
             last[2]()  # the same call on the same array, its binding still cached
+            Recorder.done(e)
             return x
         algo = algo or self.algo
         code = _ALGO_CODE.get(algo)
@@ -213,38 +222,43 @@ class Communicator:
         flat = _flat(x)
         if average and not _floating(flat.dtype):
             raise TypeError(f"average=True needs a floating-point buffer, not {flat.dtype}")
+        e = self._flight.start("allreduce", flat.nbytes, flat.dtype, algo)
         self._agree.check("allreduce", flat.size, flat.dtype, code + 8 * average)
         if self.size == 1 or flat.size == 0:
+            Recorder.done(e)
             return x
         buf, xp, sync, device = self._place(flat, "stage")
-        run = self._allreduce_runner(buf, xp, sync, self.size if average else None, algo)
+        run, e.algo = self._allreduce_runner(buf, xp, sync, self.size if average else None, algo)
         run()
         if device is not None:
             gpu.unplace(buf, device)
         elif self.check != "always":
-            self._last = (x, call[:-1] + (self._link.cache.evictions,), run)
+            self._last = (x, call[:-1] + (self._link.cache.evictions,), run, e.algo)
+        Recorder.done(e)
         return x
 
     def _allreduce_runner(self, buf, xp, sync, divide: int | None, algo: str):
-        """A call that all-reduces `buf` in place with `algo`, repeatable."""
+        """(a call that all-reduces `buf` in place with `algo`, repeatable; the name of
+        the algorithm it runs)."""
         link = self._link
         if algo == "mpi":
             msg, op = mpi_sum(buf)
-            return functools.partial(self._mpi_allreduce, buf, msg, op, xp, sync, divide)
+            return functools.partial(self._mpi_allreduce, buf, msg, op, xp, sync, divide), algo
         if algo == "naive":
-            return functools.partial(naive_allreduce, link, buf, xp=xp, sync=sync, divide=divide)
+            return functools.partial(naive_allreduce, link, buf, xp=xp, sync=sync,
+                                     divide=divide), algo
         host = isinstance(buf, np.ndarray)
         ours = self.ours or allreduce_algorithm(buf.nbytes, self.size,
                                                 lambda: host and self._shared())
         if ours == "ring":
             return functools.partial(ring_allreduce, link, buf, xp=xp, sync=sync, divide=divide,
-                                     chunk_bytes=self.chunk_bytes)
+                                     chunk_bytes=self.chunk_bytes), ours
         if ours in _SHM:
             if not host or not self._shared():
                 raise ValueError(f"allreduce {ours!r} needs host arrays and all ranks of "
                                  f"{self.name!r} on one node")
-            return functools.partial(_SHM[ours], self._arena, buf, divide=divide)
-        return functools.partial(_BIND[ours](link, buf, xp).run, xp, sync, divide)
+            return functools.partial(_SHM[ours], self._arena, buf, divide=divide), ours
+        return functools.partial(_BIND[ours](link, buf, xp).run, xp, sync, divide), ours
 
     def ours_for(self, nbytes: int) -> str:
         """Which of our algorithms allreduce(algo="ring") runs on a host buffer of
@@ -282,10 +296,12 @@ class Communicator:
         flat = _flat(x)
         if average and not _floating(flat.dtype):
             raise TypeError(f"average=True needs a floating-point buffer, not {flat.dtype}")
+        e = self._flight.start("reduce_scatter", flat.nbytes, flat.dtype, "ring")
         self._agree.check("reduce_scatter", flat.size, flat.dtype, int(average))
         rows = segment_bounds(x.shape[0], self.size)
         mine = x[rows[self.rank] : rows[self.rank + 1]]
         if self.size == 1 or flat.size == 0:
+            Recorder.done(e)
             return mine
         row = _row_elems(x)
         bounds = [b * row for b in rows]
@@ -293,6 +309,7 @@ class Communicator:
         ring_reduce_scatter(self._link, buf, bounds, xp=xp, sync=sync,
                             chunk_bytes=self.chunk_bytes, divide=self.size if average else None)
         gpu.unplace(buf, device, bounds[self.rank], bounds[self.rank + 1])
+        Recorder.done(e)
         return mine
 
     def allgather(self, x, out=None, counts: list[int] | None = None):
@@ -312,18 +329,21 @@ class Communicator:
         row = _row_elems(x)
         total = sum(counts)
         out = _output(x, out, total, "allgather")
+        e = self._flight.start("allgather", out.nbytes, x.dtype, "ring")
         self._agree.check("allgather", total * row, x.dtype, row)
         bounds = [b * row for b in np.cumsum([0, *counts]).tolist()]
         flat = _flat(out, "out")
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         flat[lo:hi] = _flat(x)
         if self.size == 1 or flat.size == 0:
+            Recorder.done(e)
             return out
         buf, xp, sync, device = self._place(flat, "stage", copy_in=False)
         if device is not None:
             buf[lo:hi] = self._place(_flat(x), "stage_in")[0]
         ring_allgather(self._link, buf, bounds, xp=xp, sync=sync, chunk_bytes=self.chunk_bytes)
         gpu.unplace(buf, device)
+        Recorder.done(e)
         return out
 
     def alltoallv(self, x, send_counts, out=None, recv_counts=None):
@@ -335,6 +355,7 @@ class Communicator:
         *rest). Without recv_counts they are exchanged first (one small
         pairwise all-to-all of counts).
         """
+        e = self._flight.start("alltoallv", x.nbytes, x.dtype, "pairwise")
         send_counts, recv_counts, row = self._alltoallv_counts(x, send_counts, recv_counts,
                                                                "alltoallv")
         out = _output(x, out, sum(recv_counts), "alltoallv")
@@ -343,6 +364,7 @@ class Communicator:
         buf, xp, sync, device = self._place(_flat(out, "out"), "stage", copy_in=False)
         pairwise_alltoallv(self._link, send, sb, buf, rb, xp=xp, sync=sync)
         gpu.unplace(buf, device)
+        Recorder.done(e)
         return out, recv_counts
 
     def _alltoallv_counts(self, x, send_counts, recv_counts, operation: str):
@@ -371,6 +393,7 @@ class Communicator:
         Every receive and send is posted at once, in pairwise-exchange order (from r - k,
         to r + k), and one wait completes them: no step waits for the one before, which
         matters when ranks outnumber cores. x and out must not be touched before wait()."""
+        e = self._flight.start("ialltoallv", x.nbytes, x.dtype, "pairwise")
         send_counts, recv_counts, row = self._alltoallv_counts(x, send_counts, recv_counts,
                                                                "ialltoallv")
         out = _output(x, out, sum(recv_counts), "ialltoallv")
@@ -385,11 +408,12 @@ class Communicator:
                 for s in ((r - k) % n for k in range(1, n))]
         reqs += [self.mpi.Isend(byte_view(send[sb[d]:sb[d + 1]]), d, TAG_ALLTOALL)
                  for d in ((r + k) % n for k in range(1, n))]
-        return AlltoallvRequest(self._link, reqs, send, buf, device, out, recv_counts)
+        return AlltoallvRequest(self._link, reqs, send, buf, device, out, recv_counts, e)
 
     def mpi_alltoallv(self, x, send_counts, out=None, recv_counts=None):
         """alltoallv by MPI's own Alltoallv (the baseline ours is measured against, and
         `--moe-alltoall mpi`); the same arguments and result. Moves raw bytes."""
+        e = self._flight.start("mpi_alltoallv", x.nbytes, x.dtype, "mpi")
         send_counts, recv_counts, row = self._alltoallv_counts(x, send_counts, recv_counts,
                                                                "mpi_alltoallv")
         out = _output(x, out, sum(recv_counts), "mpi_alltoallv")
@@ -405,6 +429,7 @@ class Communicator:
         req = self.mpi.Ialltoallv([send, (sc, sd), MPI.BYTE], [buf, (rc, rd), MPI.BYTE])
         self._link.wait(req, "alltoallv(mpi)", None)
         gpu.unplace(buf, device)
+        Recorder.done(e)
         return out, recv_counts
 
     def broadcast(self, x, root: int = 0):
@@ -414,18 +439,23 @@ class Communicator:
                 f"broadcast root {root} is not a rank of {self.name!r} (size {self.size})"
             )
         flat = _flat(x)
+        e = self._flight.start("broadcast", flat.nbytes, flat.dtype, "tree", root)
         self._agree.check("broadcast", flat.size, flat.dtype, root)
         if self.size == 1 or flat.size == 0:
+            Recorder.done(e)
             return x
         buf, _, sync, device = self._place(flat, "stage", copy_in=self.rank == root)
         tree_broadcast(self._link, buf, root, sync=sync)
         gpu.unplace(buf, device)
+        Recorder.done(e)
         return x
 
     def barrier(self) -> None:
+        e = self._flight.start("barrier", 0, "-", "mpi")
         self._link.watch.waiting("barrier", None)
         self.mpi.Barrier()
         self._link.watch.idle()
+        Recorder.done(e)
 
     # ---- point to point ----------------------------------------------------
 

@@ -24,6 +24,14 @@ explained end of the job:
   (blocking in C with the GIL released), so the hot path pays one
   `time.monotonic()` and one tuple per step, not a polling loop.
 
+Before aborting, the rank runs the steps registered with `before_abort`
+(collective/shm.py unlinks the node's MPICH shared-memory file, which only
+MPI_Finalize would remove), writes its flight recorder
+(collective/flight.py), signals the other ranks to write theirs, and waits
+for them a few seconds at most; the message names the directory and the
+command that explains the hang. Each watchdog also writes its rank's
+recorder when another rank signals.
+
 The timeout is the `timeout` argument of the communicator, else the
 environment variable DTLAB_COLLECTIVE_TIMEOUT (seconds), else 600 s; 0
 disables the watch. It bounds the time without progress in one wait, not the
@@ -33,6 +41,7 @@ alone between two collectives (a checkpoint, an evaluation).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -43,12 +52,46 @@ import weakref
 
 from mpi4py import MPI
 
+from dtlab.collective import flight
+
+log = logging.getLogger(__name__)
+
 DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "DTLAB_COLLECTIVE_TIMEOUT"
 FORWARD_S = 0.2  # for mpiexec's proxy to pass our last words on before Abort kills it
+DUMP_GRACE_S = 3.0  # at most this long for the other ranks' flight recorders
+_BEFORE_ABORT: list = []  # callables returning a dict of what they did (for the dump)
+
+
+def before_abort(step) -> None:
+    """Run `step()` (returning a dict, recorded in the dump) before this rank aborts."""
+    _BEFORE_ABORT.append(step)
+
+
+def _last_steps() -> dict:
+    done: dict = {}
+    for step in _BEFORE_ABORT:
+        try:
+            done.update(step())
+        except OSError as e:  # an abort goes on whatever cleaning fails
+            done[getattr(step, "__name__", "step")] = f"failed: {e}"
+    return done
+
+
+def _flight_words(reason: str) -> str:
+    """Dump this rank's flight recorder, have the others dump theirs; say where."""
+    try:
+        path = flight.dump(reason, _last_steps())
+        flight.signal_abort()
+    except OSError as e:
+        return f"dtlab: flight recorder not written: {e}\n"
+    got = flight.wait_for_dumps(DUMP_GRACE_S)
+    return (f"dtlab: flight recorder: {path} ({got} of {MPI.COMM_WORLD.Get_size()} ranks "
+            f"dumped); explain: python -m dtlab.collective.flight {path.parent}\n")
 
 
 def _abort(message: str) -> None:
+    message += _flight_words(message)
     sys.stderr.write(message)
     sys.stderr.flush()
     sys.stdout.flush()
@@ -155,6 +198,11 @@ class _Watchdog:
     def _run(self) -> None:
         while True:
             time.sleep(self.period)
+            if flight.abort_signalled():
+                try:
+                    flight.dump("another rank is aborting the job", _last_steps())
+                except OSError as e:
+                    log.warning("flight recorder not written: %s", e)
             now = time.monotonic()
             with self.lock:
                 watches = list(self.watches)

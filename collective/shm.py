@@ -39,17 +39,46 @@ collective/choose.py sends it mid-size buffers only. Freeing a window is
 collective, so it is never left to the garbage collector (which runs at
 different moments on different ranks): Communicator.free() frees it, else
 MPI_Finalize does.
+
+A job that aborts cannot free a window (that is collective). MPICH unlinks
+a window's file as soon as every rank has mapped it; what an aborted job
+leaves in /dev/shm is MPICH's own node segment (mpich_shm_*, about 2 MB),
+removed only by MPI_Finalize. So the abort path (collective/failure.py)
+unlinks the segments this process maps (`unlink_node_segments`): every rank
+of the node has mapped it since MPI_Init, so the mappings live on until the
+processes end, and nothing is left behind.
 """
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from mpi4py import MPI
 
+from dtlab.collective.failure import before_abort
 from dtlab.collective.link import Link
 from dtlab.collective.ring import segment_bounds
 
 _OP = "allreduce(shared memory)"
+_SEGMENTS = "/dev/shm/mpich_shm_"
+
+
+def unlink_node_segments() -> dict:
+    """Unlink the MPICH node segments this process maps (their mappings stay valid)."""
+    gone = []
+    with open("/proc/self/maps") as maps:
+        paths = {line.split(None, 5)[-1].strip() for line in maps if _SEGMENTS in line}
+    for path in sorted(p for p in paths if not p.endswith("(deleted)")):
+        try:
+            os.unlink(path)
+            gone.append(path)
+        except FileNotFoundError:  # a peer of this node unlinked it first
+            pass
+    return {"shm_unlinked": gone}
+
+
+before_abort(unlink_node_segments)
 
 
 class SharedArena:

@@ -31,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,8 @@ def mpirun(
     full_env = dict(os.environ)
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env.update(env or {})
+    # a job that aborts dumps its flight recorder here, not into the checkout
+    full_env.setdefault("DTLAB_FLIGHT_DIR", tempfile.mkdtemp(prefix="dtlab-flight-"))
     before = _mpich_segments()
     start = time.monotonic()
     proc = subprocess.Popen(

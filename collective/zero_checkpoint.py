@@ -267,12 +267,7 @@ class ZeroTrainer(Trainer):
         elif saved.shards != n:
             how = f" (its ZeRO shards over dp {saved.shards} cut again for dp {n})"
         self._say(f"resumed from step {step} of {run.checkpoint_dir}{how}")
-        saved_steps = meta["config"]["run"]["steps"]
-        if saved_steps != run.steps:
-            self._say(f"--steps is {run.steps}, the checkpointed run had {saved_steps}: the lr "
-                      f"schedule now spans {run.steps} steps")
-        if step >= run.steps:
-            self._say(f"the run already reached step {step} of --steps {run.steps}: nothing to do")
+        self._say_steps(step, meta["config"]["run"]["steps"])
         if meta.get("dp", s.world) != s.world:
             self._say(f"resumed with dp {s.world}; the checkpoint was written with dp "
                       f"{meta['dp']}: the global batch is now {self.samples_per_step} (was "

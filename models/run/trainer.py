@@ -209,6 +209,15 @@ class Trainer:
             meta["loss_scaler"] = s.replica.scaler.state_dict()
         return checkpoint.save(self.root, next_step, arrays, meta, keep=s.setup.run.keep or None)
 
+    def _say_steps(self, step: int, saved_steps: int) -> None:
+        """What a resume says of --steps against the checkpointed run's."""
+        run = self.s.setup.run
+        if saved_steps != run.steps:
+            self._say(f"--steps is {run.steps}, the checkpointed run had {saved_steps}: the lr "
+                      f"schedule now spans {run.steps} steps")
+        if step >= run.steps:
+            self._say(f"the run already reached step {step} of --steps {run.steps}: nothing to do")
+
     def _resume(self) -> int:
         s = self.s
         run = s.setup.run
@@ -236,11 +245,7 @@ class Trainer:
             s.replica.scaler.load_state_dict(meta["loss_scaler"])
         step, saved_steps = int(meta["step"]), saved["run"]["steps"]
         self._say(f"resumed from step {step} of {run.checkpoint_dir}")
-        if saved_steps != run.steps:
-            self._say(f"--steps is {run.steps}, the checkpointed run had {saved_steps}: the lr "
-                      f"schedule now spans {run.steps} steps")
-        if step >= run.steps:
-            self._say(f"the run already reached step {step} of --steps {run.steps}: nothing to do")
+        self._say_steps(step, saved_steps)
         if meta.get("dp", s.world) != s.world:
             self._say(f"resumed with dp {s.world}; the checkpoint was written with dp "
                       f"{meta['dp']}: the global batch is now {self.samples_per_step} (was "

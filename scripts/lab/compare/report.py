@@ -172,6 +172,17 @@ def link_lines(results: list[Result]) -> list[str]:
             "shaped link (MPI over TCP, gRPC), not shared memory.", ""]
 
 
+def failed_lines(results: list[Result], title) -> list[str]:
+    """The report's section on failed runs: each under `title(run)`, its error and log tail."""
+    failed = [r for r in results if not r.ok]
+    if not failed:
+        return []
+    text = ["## Failed runs", ""]
+    for r in failed:
+        text += [f"### {title(r)}", "", r.outcome.error, "", "```", r.outcome.tail, "```", ""]
+    return text
+
+
 def write_report(out: Path, data: dict, results: list[Result], lines: list[str]) -> None:
     """report.md: `lines` (the setup in words), then the tables, failures and plots."""
     base = results[0].name
@@ -196,11 +207,7 @@ def write_report(out: Path, data: dict, results: list[Result], lines: list[str])
             "riding on it, and the time servers hold that pull under SSP/BSP), pull (async: "
             "a pull on its own, the first step's), the rest; staleness: over every push to "
             "every shard, versions applied between its read and its apply (sync: none).", ""]
-    failed = [r for r in results if not r.ok]
-    if failed:
-        text += ["## Failed runs", ""]
-        for r in failed:
-            text += [f"### {r.name}", "", r.outcome.error, "", "```", r.outcome.tail, "```", ""]
+    text += failed_lines(results, lambda r: r.name)
     text += trace_lines(results)
     text += ["## Plots", ""]
     text += ([f"![{PLOTS[p]}]({p})" for p in data["plots"]] if data["plots"]

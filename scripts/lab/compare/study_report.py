@@ -27,7 +27,7 @@ import numpy as np
 from dtlab.lab.compare import study
 from dtlab.lab.compare.analysis import SPLIT, memory_words, ran_words
 from dtlab.lab.compare.launch import RunSpec
-from dtlab.lab.compare.report import NO_MATPLOTLIB, Result, _f
+from dtlab.lab.compare.report import NO_MATPLOTLIB, Result, _f, failed_lines
 
 PLOTS = {"sensitivity.png": "final held-out loss against the tuned setting",
          "heldout_vs_samples.png": "held-out loss against samples seen (band: min-max over "
@@ -184,12 +184,7 @@ def write(out: Path, data: dict, results: list[Result], lines: list[str]) -> Non
              "From each run's own metrics: the all-reduce each gradient bucket ran (sync), "
              "how each shard's tensors travelled (async; every path a worker recorded), "
              "compute precision and the wire dtype.", ""]
-    failed = [r for r in results if not r.ok]
-    if failed:
-        text += ["## Failed runs", ""]
-        for r in failed:
-            text += [f"### {r.name} ({r.folder})", "", r.outcome.error, "", "```",
-                     r.outcome.tail, "```", ""]
+    text += failed_lines(results, lambda r: f"{r.name} ({r.folder})")
     text += ["## Plots", ""]
     text += ([f"![{PLOTS[q]}]({q})" for q in data["plots"]] if data["plots"]
              else [data["plots_note"]])

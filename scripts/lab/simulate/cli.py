@@ -37,6 +37,12 @@ paper's per-parameter bytes, models/cost.py zero_memory, at the config's
 --dtype and run precision and optimizer). Data parallelism alone: not with
 --pp, --tp or --ep.
 
+Between sync and async: --methods local:H,diloco:H,topk:F,randk:F,sign,powersgd:R
+adds each method's exposed communication and step beside plain data parallelism's
+(simulate/methods.py: local SGD and DiLoCo one all-reduce per H steps, compression its
+payload's all-gather or all-reduce plus the compressors' compute, measured here with
+--link local, from memory passes at --mem-gbs at a preset).
+
 Model parallelism: --pp P (--pp-schedule gpipe|1f1b|zb-h1, --microbatches M,
 default --grad-accum; --stages as dtlab-sync's), --tp T, --ep E (with
 --moe-experts N --moe-top-k k) predict a dp x pp x ep x tp layout instead:
@@ -89,6 +95,7 @@ from dtlab.lab.compare import cluster
 from dtlab.lab.simulate import (
     calibrate,
     links,
+    methods,
     parallel,
     pipeline,
     scale,
@@ -201,6 +208,14 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zero", default="", metavar="S",
                    help="ZeRO stages to predict beside plain DP, e.g. 3 or 1,2,3: each one's "
                         "step and memory per rank (simulate/zero.py; default none)")
+    g.add_argument("--methods", default="", metavar="LIST",
+                   help="methods between sync and async to predict beside plain DP, e.g. "
+                        "local:8,diloco:50,topk:0.01,randk:0.01,sign,powersgd:4: each one's "
+                        "exposed communication and step (simulate/methods.py; default none)")
+    g.add_argument("--mem-gbs", type=float, default=2000.0,
+                   help="--methods at a preset link: a rank's memory bandwidth in GB/s, "
+                        "which the compressors' passes over the gradient go at (default "
+                        "2000, an H100-class GPU's HBM at about 60%%)")
     m = p.add_argument_group("model parallelism (a dp x pp x ep x tp layout)")
     m.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     m.add_argument("--pp-schedule", choices=sorted(SCHEDULES), default="1f1b",
@@ -292,7 +307,20 @@ def parse_args(argv: list[str]):
     o.workers_list = int_list(o.workers, "--workers")
     o.ranks_list = int_list(o.ranks, "--ranks")
     o.zero_stages = zero_stages(setup, o)
+    o.method_list = method_list(o)
     return setup
+
+
+def method_list(o) -> tuple[methods.Method, ...]:
+    """The methods --methods names (none without it), or a ConfigError naming the flag."""
+    if not o.methods:
+        return ()
+    if o.parallel or o.calibrate or o.validate or o.validate_parallel:
+        raise ConfigError(f"--methods {o.methods} predicts data parallelism's relatives: "
+                          "not with --pp, --tp, --ep, --calibrate or the validations")
+    if o.mem_gbs <= 0:
+        raise ConfigError(f"--mem-gbs must be positive (got {o.mem_gbs:g})")
+    return methods.parse(o.methods)
 
 
 def zero_stages(setup, o) -> tuple[int, ...]:
@@ -508,8 +536,18 @@ def do_predict(setup, o) -> int:
                                                         itemsize),
                          cost.params_total, setup.run.precision, itemsize) \
         if o.zero_stages else None
+    extra = None
+    if o.method_list:
+        grad = methods.gradient_of(w.model, setup.model, itemsize)
+        cc = (methods.measured_compute(o.method_list, grad) if local else
+              methods.preset_compute(o.method_list, grad, o.mem_gbs,
+                                     rate_at(1).flops_per_s))
+
+        def extra(n, compute, late):
+            return methods.method_columns(o.method_list, grad, n, net, compute, host, late,
+                                          cc)
     rows = scale.rows(w, o.workers_list, net, ps, o.shards, rate_at, host, o.bucket_mb * 1e6,
-                      spec)
+                      spec, extra)
     where = ("this host (all ranks on it, sharing its cores)" if local else
              f"{net.gpus_per_node} per node; within: {net.intra.describe()}; between: "
              f"{net.inter.describe()}")
@@ -519,14 +557,16 @@ def do_predict(setup, o) -> int:
           f"{rows[0]['compute_source']}; steps to target "
           f"{o.steps_to_target if o.steps_to_target else 'not given'}"
           + (f"; ZeRO stages {','.join(map(str, spec.stages))}, memory at {spec.precision} "
-             f"with {w.optimizer}" if spec else ""))
+             f"with {w.optimizer}" if spec else "")
+          + (f"; methods {o.methods}, compression compute {cc.source}" if extra else ""))
     print(table.predictions(rows, o.steps_to_target))
     write_json(o.json, {"model": w.model, "config": w.config, "params": cost.params_total,
                         "flops_step": w.flops_step, "grad_bytes": w.grad_bytes,
                         "link": o.link, "intra_link": o.intra_link or o.link,
                         "gpus_per_node": o.gpus_per_node, "shards": o.shards,
                         "steps_to_target": o.steps_to_target,
-                        "zero_stages": list(o.zero_stages), "rows": rows})
+                        "zero_stages": list(o.zero_stages),
+                        "methods": [m.label for m in o.method_list], "rows": rows})
     return 0
 
 

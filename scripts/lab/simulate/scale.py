@@ -1,6 +1,7 @@
 """Predictions from 1 to 1024 ranks or workers: one row per N, every topology (the
 parameter server in lock-step, BSP: its pulls wait for the slowest push) and, with
---zero, the ZeRO stages asked for (simulate/zero.py), or one dp x pp x ep x tp layout
+--zero, the ZeRO stages asked for (simulate/zero.py), with --methods local SGD, DiLoCo and
+compression (simulate/methods.py), or one dp x pp x ep x tp layout
 (simulate/parallel.py)."""
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ DEFAULT_WORKERS = tuple(2 ** k for k in range(11))  # 1 .. 1024
 
 
 def rows(w: Workload, workers: list[int], net: Network, ps: ServerLink, shards: int,
-         rate_at, host: Host, bucket_bytes: float, zero: ZeroSpec | None = None) -> list[dict]:
+         rate_at, host: Host, bucket_bytes: float, zero: ZeroSpec | None = None,
+         extra=None) -> list[dict]:
     """rate_at(threads) -> ComputeRate; one dict per N (steps as dicts); with `zero`, its
-    stages' steps and every stage's memory per rank (zero.zero_columns)."""
+    stages' steps and every stage's memory per rank (zero.zero_columns); with `extra`,
+    extra(N, compute_s, straggler_s) -> more entries (methods.method_columns)."""
     out = []
     for n in workers:
         rate: ComputeRate = rate_at(host.threads(n))
@@ -37,6 +40,8 @@ def rows(w: Workload, workers: list[int], net: Network, ps: ServerLink, shards: 
         row["efficiency"] = compute / steps["ring"].step_s
         if zero is not None:
             row.update(zero_columns(zero, w.optimizer, n, net, compute, host, late))
+        if extra is not None:
+            row.update(extra(n, compute, late))
         out.append(row)
     return out
 

@@ -18,6 +18,7 @@ def predictions(rows: list[dict], steps_to_target: int | None) -> str:
     stages = sorted(int(k[len("zero"):]) for k in (rows[0] if rows else {})
                     if k.startswith("zero"))
     zero = bool(rows) and "dp_memory" in rows[0]
+    labels = [k[len("method:"):] for k in (rows[0] if rows else {}) if k.startswith("method:")]
     unit, scale = ("GB", 1e9) if zero and rows[0]["dp_memory"]["total"] >= 1e9 else ("MB", 1e6)
     head = (f"#{'N':>6}{'nodes':>7}{'compute':>10}{'ring':>10}{'algo':>16}{'step':>10}"
             f"{'eff':>6}{'naive':>11}{'step':>10}{'ps':>10}{'step':>10}{'ring TTT':>12}"
@@ -29,6 +30,9 @@ def predictions(rows: list[dict], steps_to_target: int | None) -> str:
         head += f"{'dp mem':>10}" + "".join(f"{f'z{z} comm':>10}{f'z{z} step':>10}"
                                             f"{f'z{z} mem':>10}" for z in stages)
         units += f"{f'({unit})':>10}" + f"{'(ms)':>10}{'(ms)':>10}{f'({unit})':>10}" * len(stages)
+    for label in labels:
+        head += f"{label[:9] + ' comm':>15}{'step':>10}"
+        units += f"{'(ms)':>15}{'(ms)':>10}"
     out = [head, units]
     for r in rows:
         ring, naive, ps = r["ring"], r["naive"], r["ps"]
@@ -46,6 +50,9 @@ def predictions(rows: list[dict], steps_to_target: int | None) -> str:
                 s = r[f"zero{z}"]
                 line += (f"{fmt_ms(s['comm_s']):>10}{fmt_ms(s['step_s']):>10}"
                          f"{s['memory']['total'] / scale:>10.4g}")
+        for label in labels:
+            s = r[f"method:{label}"]
+            line += f"{fmt_ms(s['comm_s']):>15}{fmt_ms(s['step_s']):>10}"
         out.append(line)
     out.append("# legend: N ranks (sync) = workers (async); nodes = ceil(N / gpus per node); "
                "compute = forward + backward + update of one rank's batch; ring = exposed "
@@ -62,6 +69,12 @@ def predictions(rows: list[dict], steps_to_target: int | None) -> str:
                    "Psi, stage 3: 3(N-1)/N Psi); zS step = compute + zS comm; zS mem = its "
                    "bytes per rank (models/cost.py zero_memory, the paper's per-parameter "
                    "bytes)")
+    if labels:
+        out.append("# methods (simulate/methods.py): localH / dilocoH comm = one H-th of the "
+                   "outer gradient's all-reduce and of the H steps' straggler wait; a "
+                   "compressor's comm = its payload's exchange (top-k, sign: an all-gather, "
+                   "random-k, PowerSGD: all-reduces) plus its compute, none behind backward; "
+                   "step = compute + comm")
     return "\n".join(out)
 
 

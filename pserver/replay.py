@@ -39,7 +39,7 @@ A damaged or mismatched log (a missing shard, a shard count or layout that
 disagrees, a truncated or changed line) is an error naming the file and the
 line. Not replayed: --precision fp16/bf16 (a worker's loss scale is its own
 state), --wire fp16/bf16 (rounded transfers), worker groups (--tp/--pp), a
-resumed server.
+resumed server, local SGD (--local-steps: a push is H steps' outer gradient).
 """
 
 from __future__ import annotations
@@ -348,6 +348,12 @@ def check_run(session: Session, header: dict, given: dict, config: str) -> None:
     if given.get("wire", "fp32") != "fp32":
         raise ConfigError(f"the workers ran --wire {given['wire']} (rounded transfers); replay "
                           "runs --wire fp32 runs")
+    outer = header["server"].get("outer_optimizer", "none")
+    if given.get("local_steps") or outer != "none":
+        raise ConfigError("the workers ran --local-steps "
+                          f"{given.get('local_steps', '?')} (the servers' --outer-optimizer "
+                          f"{outer}): a push is an outer gradient of H inner steps, not one "
+                          "step's gradient; replay runs one-step pushes only")
 
 
 def final_params(root: str, shard: Shard) -> tuple[str, np.ndarray]:

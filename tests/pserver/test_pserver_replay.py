@@ -175,6 +175,15 @@ def test_a_damaged_log_is_an_error_naming_file_and_line(asp_run, tmp_path, capsy
     assert rc == 1 and f"{log1}: No such file or directory" in out, out
 
 
+def test_a_local_sgd_run_is_refused_naming_its_local_steps(tmp_path, capsys):
+    """A push of --local-steps H is an outer gradient of H inner steps: replaying it as one
+    step's gradient would report a difference that is not a bug."""
+    metrics = async_run(tmp_path, 2, 4, "float64", {"optimizer": "sgd", "lr": 0.1},
+                        ["--local-steps", "2"], consistency="bsp", outer_optimizer="sgd")
+    rc, out = replayed(tmp_path, metrics, capsys)
+    assert rc != 0 and "--local-steps 2" in out and "--outer-optimizer sgd" in out, out
+
+
 def test_apply_log_refuses_a_run_that_starts_midway():
     with pytest.raises(ConfigError, match="--apply-log .* does not go with --resume"):
         build(ServerConfig, {"apply_log": "a.jsonl", "resume": True, "checkpoint_dir": "c"})

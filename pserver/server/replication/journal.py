@@ -41,7 +41,8 @@ def same_run(config: dict) -> dict:
     """What a primary and its backup must run alike, from the daemon's config record."""
     server = config.get("server", {})
     keep = ("shard", "num_shards", "dtype", "seed", "consistency", "staleness", "staleness_lr",
-            "num_workers", "schedule_steps", "replicas")
+            "num_workers", "backup_workers", "schedule_steps", "replicas", "outer_optimizer",
+            "outer_lr", "outer_momentum")
     return {"model_name": config.get("model_name"), "model": config.get("model"),
             "optim": config.get("optim"), "server": {k: server.get(k) for k in keep}}
 

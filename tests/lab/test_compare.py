@@ -117,6 +117,11 @@ def test_tiny_comparison_writes_everything_and_bsp_equals_sync(tmp_path):
     for name in ("sync-ring", "async-bsp"):
         assert len(rows(report, name)) == 2  # one row in each table
         assert rows(report, name)[0].endswith("| ok |")
+    for run in summary["runs"]:  # MB/step and rounds/step: the run's own traffic
+        cells = [c.strip() for c in rows(report, run["name"])[1].split("|")]
+        moved = run["stats"]["traffic"]
+        assert cells[12:14] == [f"{moved['bytes_per_step'] / 1e6:.3g}",
+                                f"{moved['rounds_per_step']:.3g}"], cells
     if importlib.util.find_spec("matplotlib"):
         assert summary["plots"] == ["loss_vs_time.png", "loss_vs_samples.png", "time_split.png"]
         for png in summary["plots"]:

@@ -70,6 +70,10 @@ def _f(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _mb(nbytes: float | None) -> float | None:
+    return None if nbytes is None else nbytes / 1e6
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
@@ -143,19 +147,22 @@ def trace_lines(results: list[Result]) -> list[str]:
 
 def detail_table(results: list[Result]) -> list[str]:
     rows = ["| run | final loss | gap | held-out loss | held-out steps to target | samples/s "
-            "| updates/s | compute ms | comm ms | pull ms | other ms | staleness mean | p50 "
-            "| p95 | max |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| updates/s | compute ms | comm ms | pull ms | other ms | MB/step | rounds/step "
+            "| staleness mean | p50 | p95 | max |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r.stats is None:
-            rows.append(f"| {r.name} |" + " - |" * 14)
+            rows.append(f"| {r.name} |" + " - |" * 16)
             continue
         s, split, st = r.stats, r.stats["split_ms"], r.stats["staleness"] or {}
+        moved = s.get("traffic") or {}
         rows.append(f"| {r.name} | {s['final_loss']:.4f} | {_f(s['gap'], '+.4f')} "
                     f"| {_f(s.get('final_eval_loss'), '.4f')} "
                     f"| {_f(s.get('eval_steps_to_target'), 'd')} "
                     f"| {s['samples_per_s']:,.0f} | {s['updates_per_s']:.1f} "
                     + "".join(f"| {split[k]:.2f} " for k in SPLIT)
+                    + f"| {_f(_mb(moved.get('bytes_per_step')), '.3g')} "
+                    f"| {_f(moved.get('rounds_per_step'), '.3g')} "
                     + f"| {_f(st.get('mean'), '.2f')} | {_f(st.get('p50'), '.0f')} "
                     f"| {_f(st.get('p95'), '.0f')} | {_f(st.get('max'), 'd')} |")
     return rows
@@ -205,7 +212,9 @@ def write_report(out: Path, data: dict, results: list[Result], lines: list[str])
             "forward + backward (+ optimizer on sync), communication left exposed (sync: the "
             "wait on the all-reduce after backward; async: the push with the next step's pull "
             "riding on it, and the time servers hold that pull under SSP/BSP), pull (async: "
-            "a pull on its own, the first step's), the rest; staleness: over every push to "
+            "a pull on its own, the first step's), the rest; MB/step and rounds/step: bytes on "
+            "the wire a step, every process together, and collectives or pushes a step "
+            "(local SGD: one per H steps); staleness: over every push to "
             "every shard, versions applied between its read and its apply (sync: none).", ""]
     text += failed_lines(results, lambda r: r.name)
     text += trace_lines(results)

@@ -46,9 +46,10 @@ all dp x e ranks, that of one process on the global batch with the same token gr
 With --zero S the dp ranks shard the model instead of replicating it (ZeRO,
 Rajbhandari et al. 2020; collective/zero.py): stage 1 the optimizer state, stage 2 also
 the gradients, stage 3 also the parameters, over our ring reduce-scatter and all-gather
-(dp alone: no --tp, --pp, --ep; the flags it cannot honour are refused by name). Each dp
-rank checkpoints its own shard, and --resume at another dp size cuts the shards again
-(collective/zero_checkpoint.py).
+within each (pp, tp) shard's dp communicator (Megatron-LM's distributed optimizer with
+--tp and --pp; stage 3 with --tp, not --pp; no --ep: the flags it cannot honour are
+refused by name). Each dp rank checkpoints its own slice, and --resume at another dp
+size cuts the slices again (collective/zero_checkpoint.py).
 
 With --local-steps H (local SGD, DiLoCo: collective/local_sgd.py) every rank takes H
 steps of its own optimizer and the ranks all-reduce their parameter change once per
@@ -151,8 +152,9 @@ def add_sync_flags(parser: argparse.ArgumentParser) -> None:
                             "naive (reduce + broadcast) or mpi (MPI's own Allreduce); the "
                             "metrics header's allreduce_buckets says what each bucket ran")
     group.add_argument("--wire", choices=sorted(WIRE_DTYPES), default="fp32",
-                       help="dtype the gradient all-reduce moves: fp16 and bf16 halve the bytes "
-                            "(each bucket cast, averaged as floats, cast back)")
+                       help="dtype the gradient all-reduce moves (--zero: each unit's "
+                            "reduce-scatter): fp16 and bf16 halve the bytes (each bucket cast, "
+                            "averaged as floats, cast back)")
     group.add_argument("--bucket-mb", type=float, default=25.0,
                        help="gradient bucket size in MB (1e6 bytes)")
     group.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
@@ -286,20 +288,25 @@ def check_zero_flags(setup: Setup) -> None:
         raise ConfigError(f"{flag} has no effect without --zero 3")
     if not z:
         return
-    for flag, value in (("--tp", opts.tp), ("--pp", opts.pp), ("--ep", opts.ep)):
-        if value > 1:
-            raise ConfigError(f"--zero {z} with {flag} {value}: ZeRO shards over the dp ranks "
-                              "of an unsplit model only (not over tensor-split, pipelined or "
-                              "expert-parallel shards)")
-    if getattr(setup.model, "moe_experts", 0):
-        raise ConfigError(f"--zero {z} with --moe-experts: not supported (the router's "
-                          "selection-bias updates and the experts' reduction are not sharded)")
-    for flag, value, default in (("--wire", opts.wire, "fp32"),
-                                 ("--allreduce", opts.allreduce, "ring"),
+    if opts.ep > 1:
+        raise ConfigError(f"--zero {z} with --ep {opts.ep}: ZeRO shards over the dp ranks of "
+                          "each (pp, tp) shard, not over expert-parallel groups (their "
+                          "experts' and dense gradients reduce over different communicators)")
+    if z == 3 and opts.pp > 1:
+        raise ConfigError(f"--zero 3 with --pp {opts.pp}: stage 3 gathers a unit's parameters "
+                          "around each forward and backward, which a pipeline schedule "
+                          "interleaves over micro-batches (ZB-H1 defers weight gradients "
+                          "past them); --zero 1 or 2 shard a pipeline stage")
+    if getattr(setup.model, "moe_bias_rate", 0):
+        raise ConfigError(f"--zero {z} with --moe-bias-rate {setup.model.moe_bias_rate}: the "
+                          "router's selection-bias steps change parameters outside the "
+                          "optimizer, on every rank's whole copy, which ZeRO holds in slices")
+    for flag, value, default in (("--allreduce", opts.allreduce, "ring"),
                                  ("--bucket-mb", opts.bucket_mb, 25.0)):
         if value != default:
             raise ConfigError(f"{flag} {value} has no effect with --zero {z}: each unit's "
-                              "gradient is reduce-scattered by our ring in the compute dtype")
+                              "gradient is reduce-scattered by our ring (in the compute dtype, "
+                              "or --wire's)")
 
 
 def optimizer_kind(setup: Setup) -> str:
@@ -373,13 +380,16 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
     if opts.zero:
         session, reducer, zero = shard_session(session, comm, opts.zero,
                                                opts.zero_reshard_after_forward is not False,
-                                               opts.overlap)
+                                               opts.overlap, opts.wire)
         memory = zero_bytes(zero, session.optimizer, optimizer_kind(setup),
-                            dense_param_count(setup))
-        fields = {"zero_units": reducer.plan(), "zero_bytes": memory,
+                            zero.params.size)  # this (pp, tp) shard's, sharded over dp
+        fields = {"zero_units": reducer.plan(), "zero_bytes": memory, "wire": opts.wire,
                   "zero_reshard_after_forward": zero.reshard if opts.zero == 3 else None}
-        words = (f"ZeRO stage {opts.zero} over dp {grid.dp_size}, "
-                 f"{zero_words(memory)}; {len(reducer.plan())} units")
+        words = (f"ZeRO stage {opts.zero} over dp {grid.dp_size}"
+                 + (" (as stage 1: a pipeline stage's gradient is whole until the step's "
+                    "last backward)" if zero.runs_as != zero.stage else "")
+                 + f", {opts.wire} on the wire, {zero_words(memory)}; "
+                 f"{len(reducer.plan())} units")
         replicas = zero  # its checksum is the whole parameters' (collective)
     elif opts.methods.enabled:  # --local-steps or --compress (collective/methods.py)
         session, reducer, fields, method = method_parts(session, comm, opts.methods,

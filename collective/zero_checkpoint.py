@@ -15,9 +15,14 @@ Every dp rank writes its own directory (models/run/checkpoint.py, atomic, verifi
         opt.<name>.npy   each optimizer state buffer's shard, in the same layout
         meta.json        step, config, optimizer steps, data position (epoch, position:
                          the data order's only random state is seeded by (seed, epoch)),
-                         loss scaler, and "zero": stage, dp, rank, the units and this
-                         rank's ranges; rank 0's also "every_rank": every rank's ranges
-                         (the manifest)
+                         loss scaler, MoE routers' noise steps, and "zero": stage, dp,
+                         rank, the units and this rank's ranges; rank 0's also
+                         "every_rank": every rank's ranges (the manifest)
+
+With --tp or --pp each (pp, tp) shard is sliced over its own dp ranks (Megatron-LM's
+distributed optimizer) and every slice has its directory, ck/dp<r>of<n>-pp<r>of<n>-tp<r>of<n>/
+(the dimensions of size 1 left out); a shard's resume reads only its own slices, agrees
+on the step with every other shard, and re-cuts them for another dp size as below.
 
 A resume finds the newest step that verifies on every shard of a saved dp size (newest
 first over the sizes present, this run's on a tie) and cuts it for this run's layout
@@ -25,11 +30,12 @@ first over the sizes present, this run's on a tie) and cuts it for this run's la
 the same dp size each rank reads its own file and goes on bit for bit, at another it
 reads the one or two files its segments overlap and holds exactly the saved values.
 A plain data-parallel checkpoint (ck/step-NNNNNNNN/, the whole buffers) is one shard
-holding every unit whole, and is cut the same way. What cannot be cut is refused by name
-before anything changes: a dp size with a shard directory missing, a grid of another
-kind (pp, ep, tp shards), another config, a shard lacking a state buffer this optimizer
-needs, or one whose ranges disagree with the manifest. All stages save the same state,
-so a checkpoint of one stage resumes into another.
+holding every unit whole, and is cut the same way (a tensor-split or pipelined plain run's:
+ck/pp<r>of<n>-tp<r>of<n>/). What cannot be cut is refused by name before anything changes:
+a dp size with a shard directory missing, a grid of another --pp, --ep or --tp, another
+config, a shard lacking a state buffer this optimizer needs, or one whose ranges disagree
+with the manifest. All stages save the same state, so a checkpoint of one stage resumes
+into another.
 """
 
 from __future__ import annotations
@@ -44,9 +50,9 @@ import numpy as np
 
 from dtlab.models.run import checkpoint
 from dtlab.models.run.checkpoint import CheckpointError
-from dtlab.models.run.trainer import Trainer, config_differences, shard_grid
+from dtlab.models.run.trainer import Trainer, config_differences, grid_words, shard_grid
 
-DP_DIR = re.compile(r"dp(\d+)of(\d+)")
+DP_DIR = re.compile(r"dp(\d+)of(\d+)(?:-(.+))?")  # dp<q>of<n>[-<model-parallel shard>]
 
 
 def manifest(zero) -> dict:
@@ -79,39 +85,49 @@ class Saved:
         return os.path.join(self.roots[q], checkpoint.step_dir(self.step))
 
 
-def saved_in(directory: str, mine: str) -> list[Saved]:
-    """Every saved dp size in `directory`, or a CheckpointError naming what cannot be
-    re-sliced: a shard grid of another kind, a dp size with shards missing. `mine`: this
-    run's grid in words."""
+def saved_in(directory: str, mine: str, part: str = "") -> list[Saved]:
+    """Every saved dp size of model-parallel shard `part` ("pp0of2-tp1of2"; "" for an
+    unsplit model) in `directory`, or a CheckpointError naming what cannot be re-sliced:
+    a shard grid of another kind, a dp size with shards missing. `mine`: this run's grid
+    in words. ZeRO slices are dp<q>of<n>[-part], a plain run's checkpoints are under
+    part/ (or `directory` itself); the other (pp, tp) shards' are not this rank's."""
     if not os.path.isdir(directory):
         return []
     found: dict[int, set[int]] = {}
     for name in sorted(os.listdir(directory)):
+        if not shard_grid(name):
+            continue
         match = DP_DIR.fullmatch(name)
-        if match:
-            found.setdefault(int(match[2]), set()).add(int(match[1]))
-        elif shard_grid(name):
+        own = (match[3] or "") if match else name  # the name's model-parallel shard
+        if (shard_grid(own) if own else "") != (shard_grid(part) if part else ""):
             raise CheckpointError(f"{directory} holds checkpoints of a run with "
-                                  f"{shard_grid(name)}; this run has {mine}: only ZeRO shards "
-                                  "and plain data-parallel checkpoints can be re-sliced")
+                                  f"{shard_grid(name)}; this run has {mine}: only ZeRO slices "
+                                  "and plain checkpoints of the same --pp and --tp can be "
+                                  "re-sliced")
+        if match and own == part:
+            found.setdefault(int(match[2]), set()).add(int(match[1]))
+    suffix = f"-{part}" if part else ""
     out = []
     for n, ranks in sorted(found.items()):
-        missing = [f"dp{q}of{n}" for q in range(n) if q not in ranks]
+        missing = [f"dp{q}of{n}{suffix}" for q in range(n) if q not in ranks]
         if missing:
             raise CheckpointError(f"{directory} holds ZeRO shards of --dp {n} without "
                                   f"{', '.join(missing)}: they cannot be re-sliced (each "
                                   "shard holds its own slice of the parameters and optimizer "
                                   "state)")
-        out.append(Saved([os.path.join(directory, f"dp{q}of{n}") for q in range(n)]))
-    if checkpoint.latest(directory) is not None:
-        out.append(Saved([directory]))
+        out.append(Saved([os.path.join(directory, f"dp{q}of{n}{suffix}") for q in range(n)]))
+    plain = os.path.join(directory, part) if part else directory
+    if checkpoint.latest(plain) is not None:
+        out.append(Saved([plain]))
     return out
 
 
-def newest_common(comm, roots: list[str]) -> tuple[int, list]:
+def newest_common(comm, roots: list[str], others=()) -> tuple[int, list]:
     """(step, skipped): the newest step whose checkpoint verifies under every one of
-    `roots` (-1: none), rank r of `comm` verifying roots[r::n] (collective); skipped:
-    (path, why) for the damaged newer ones this rank passed over."""
+    `roots` (-1: none), rank r of `comm` verifying roots[r::n], and under every rank's of
+    the communicators `others` (the model-parallel groups, whose ranks verify their own
+    roots) (collective); skipped: (path, why) for the damaged newer ones this rank passed
+    over."""
     mine, at_most, skipped = roots[comm.rank::comm.size], None, {}
     none = 1 << 62  # a rank with no roots to verify bounds nothing
     while True:
@@ -120,8 +136,11 @@ def newest_common(comm, roots: list[str]) -> tuple[int, list]:
             path, passed = checkpoint.latest_valid(root, at_most)
             skipped.update(passed)
             steps.append(checkpoint.step_of(path) if path else -1)
-        bounds = comm.mpi.allgather((min(steps, default=none), max(steps, default=-1)))
-        low, high = min(b[0] for b in bounds), max(b[1] for b in bounds)
+        bound = (min(steps, default=none), max(steps, default=-1))
+        for group in (comm, *others):
+            bounds = group.mpi.allgather(bound)
+            bound = (min(b[0] for b in bounds), max(b[1] for b in bounds))
+        low, high = bound
         if low < 0 or low == high:
             return low, list(skipped.items())
         at_most = low  # the roots above it look again at or below it
@@ -186,7 +205,8 @@ class ZeroTrainer(Trainer):
         arrays.update({f"opt.{k}": v for k, v in s.optimizer.state_dict().items() if k != "steps"})
         meta = {"config": s.setup.as_dict(), "n_params": s.params.size, "dp": s.world,
                 "optimizer_steps": s.optimizer.steps, "loader": s.loader.state_dict(),
-                "global_batch": self.samples_per_step, "zero": manifest(zero)}
+                "global_batch": self.samples_per_step, "zero": manifest(zero),
+                "moe_noise_steps": [m.noise_step for m in s.model.moe]}
         if zero.scaler is not None:
             meta["loss_scaler"] = zero.scaler.state_dict()
         return checkpoint.save(self.root, next_step, arrays, meta, keep=s.setup.run.keep or None)
@@ -214,18 +234,24 @@ class ZeroTrainer(Trainer):
         s.optimizer.load_state_dict({**{k[len("opt."):]: v for k, v in arrays.items()},
                                      "steps": meta["optimizer_steps"]})
         s.loader.load_state_dict(meta["loader"])
+        for m, noise_step in zip(s.model.moe, meta.get("moe_noise_steps", []), strict=False):
+            m.noise_step = noise_step  # the router noise goes on where it stopped
         if zero.scaler is not None and "loss_scaler" in meta:
             zero.scaler.load_state_dict(meta["loss_scaler"])
         self._resumed(int(meta["step"]), meta, saved, n)
         return int(meta["step"])
 
     def _newest(self, directory: str, n: int) -> Saved | None:
-        """The saved dp size with the newest step that verifies on all its shards (this
-        run's dp size on a tie), or None when nothing is saved yet (collective)."""
+        """The saved dp size with the newest step that verifies on all its shards and on
+        every (pp, tp) shard's (this run's dp size on a tie), or None when nothing is
+        saved yet (collective)."""
         best, skipped = None, []
-        found = saved_in(directory, f"ZeRO --dp {n}")
+        others = {name: comm for name, comm in self.groups.items() if name != "dp"}
+        part = "-".join(f"{name}{comm.rank}of{comm.size}" for name, comm in others.items())
+        found = saved_in(directory, grid_words({"dp": n, **self.grid}), part)
         for saved in sorted(found, key=lambda x: x.shards != n):
-            saved.step, passed = newest_common(self.s.model.zero.comm, saved.roots)
+            saved.step, passed = newest_common(self.s.model.zero.comm, saved.roots,
+                                               list(others.values()))
             skipped += passed
             if saved.step >= 0 and (best is None or saved.step > best.step):
                 best = saved

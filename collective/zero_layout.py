@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from dtlab.collective.order import ring_order
 from dtlab.collective.ring import segment_bounds, sent_segment
+from dtlab.models.optim import complement
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,21 @@ class Layout:
         """This rank's segment of unit u, relative to the unit's start."""
         b = self.bounds[u]
         return b[self.rank], b[self.rank + 1]
+
+
+def split_in_shard(mine: list[tuple[int, int]], placed: list[tuple[int, int]],
+                   split: list[tuple[int, int]]) -> tuple[list, list]:
+    """(inside, outside): the ranges of a shard whose segment u covers the flat range
+    mine[u] and lies at placed[u] (its buffer's own coordinates) that hold elements of the
+    flat ranges `split` (a tensor-split model's shards, models/tensor_parallel.py), and
+    the ranges that do not (its replicated tensors), both in the shard's coordinates."""
+    inside, outside = [], []
+    for (lo, hi), (at, _) in zip(mine, placed, strict=True):
+        cut = sorted((max(a, lo) - lo, min(b, hi) - lo) for a, b in split
+                     if max(a, lo) < min(b, hi))  # relative to the segment's start
+        inside += [(at + a, at + b) for a, b in cut]
+        outside += [(at + a, at + b) for a, b in complement(cut, hi - lo)]
+    return inside, outside
 
 
 def ring_sent(bounds: list[int], order: list[int], position: int, first: int,

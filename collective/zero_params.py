@@ -44,8 +44,8 @@ from dtlab.models.layers import Module
 class UnitParams:
     """FlatParams' interface as the layers use it, over per-unit buffers (see above)."""
 
-    deferred = None  # no zero-bubble weight-gradient queue (no pipeline under ZeRO 2/3)
-    master = None  # no router nudges (no MoE under ZeRO 2/3)
+    deferred = None  # no zero-bubble weight-gradient queue (a pipeline runs ZeRO 2 as 1)
+    master = None  # no router nudges (--moe-bias-rate is refused under ZeRO)
 
     def __init__(self, specs, offsets: dict[str, tuple[int, int]], dtype, xp, cast=None):
         self.specs, self.offsets, self.xp, self.cast = list(specs), offsets, xp, cast
@@ -139,15 +139,18 @@ class UnitHooks:
     master[master_ranges[u]]: this rank's segment of unit u's parameters (the gather's
     source, cast to the compute dtype); grad[layout.packed[u]]: its reduced gradient
     (the shard, in the master's dtype); full: the whole parameters (stage 2). `count`
-    is told the bytes each collective sends."""
+    is told the bytes each collective sends. `wire`: the dtype the reduce-scatters move
+    (--wire; None: the compute dtype), each unit's gradient cast into a buffer of it."""
 
     def __init__(self, P: UnitParams, layout, stream, traffic, *, stage: int, reshard: bool,
-                 master, master_ranges, grad, full=None, count=lambda nbytes: None):
+                 master, master_ranges, grad, full=None, count=lambda nbytes: None,
+                 wire=None):
         self.P, self.layout, self.stream, self.traffic = P, layout, stream, traffic
         self.stage, self.reshard, self.count = stage, reshard, count
         self.master, self.master_ranges, self.grad = master, master_ranges, grad
         self.grad_pool = SlotPool(layout.largest, P.dtype, P.xp)
         self.param_pool = SlotPool(layout.largest, P.dtype, P.xp) if stage == 3 else None
+        self.wire_pool = SlotPool(layout.largest, wire, P.xp) if wire is not None else None
         self.gathered: dict[int, tuple] = {}  # unit -> (slot, unit's buffer, gather job)
         self.written: set[int] = set()  # units whose shard segment holds this step's sum
         self.waited = 0.0  # seconds this step's compute was blocked on a unit's all-gather
@@ -159,7 +162,8 @@ class UnitHooks:
     @property
     def nbytes(self) -> int:
         """Bytes the pools hold: the largest units in use at once."""
-        return self.grad_pool.nbytes + (self.param_pool.nbytes if self.param_pool else 0)
+        return sum(pool.nbytes for pool in (self.grad_pool, self.param_pool, self.wire_pool)
+                   if pool is not None)
 
     def begin_step(self) -> None:
         self.written.clear()
@@ -228,17 +232,24 @@ class UnitHooks:
         first = u not in self.written
         self.written.add(u)
         at, end = self.layout.packed[u]
-        grad, pool, xp = self.grad, self.grad_pool, self.P.xp
+        grad, pool, wires, xp = self.grad, self.grad_pool, self.wire_pool, self.P.xp
 
         def reduce(comm) -> None:
-            mine = comm.reduce_scatter(buf, average=True)  # (segment,) the ranks' mean
+            held = wires.take() if wires is not None else None
+            wire = buf if held is None else held[: unit.size]  # (unit,)
+            if held is not None:
+                wire[...] = buf  # rounded to the wire dtype
+            mine = comm.reduce_scatter(wire, average=True)  # (segment,) the ranks' mean
             if first:
                 grad[at:end] = mine
-            else:
-                xp.add(grad[at:end], mine, out=grad[at:end])
+            else:  # (a wire dtype's segment cast up first)
+                xp.add(grad[at:end], mine.astype(grad.dtype, copy=False), out=grad[at:end])
             pool.give(slot)
+            if held is not None:
+                wires.give(held)
 
         self.stream.submit(reduce)
-        self.count(self.traffic.reduce_scatter(self.layout.bounds[u], buf.itemsize))
+        itemsize = buf.itemsize if wires is None else wires.dtype.itemsize
+        self.count(self.traffic.reduce_scatter(self.layout.bounds[u], itemsize))
         if self.stage == 3:
             self.release(u)

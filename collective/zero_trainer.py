@@ -24,6 +24,7 @@ from dtlab.models import backend
 from dtlab.models.cost import zero_memory
 from dtlab.models.model import Replica
 from dtlab.models.optim import make_optimizer
+from dtlab.models.pipeline import PipelineReplica
 from dtlab.models.precision import finite
 
 
@@ -78,12 +79,14 @@ class ZeroOptimizer:
 
 class ShardedModel:
     """The model as the trainer asks it under ZeRO: the global gradient norm comes from
-    the shards (Zero.clip); the MoE list and model-parallel groups are the model's, and
-    `dp` the ranks it is sharded over (so each dp rank checkpoints its own shard)."""
+    the shards (Zero.clip); the MoE list, model-parallel groups and a pipeline stage's
+    module bounds are the model's, and `dp` the ranks it is sharded over (so each dp
+    rank checkpoints its own shard)."""
 
     def __init__(self, model, zero: Zero):
         self.model, self.zero = model, zero
         self.moe, self.pp, self.ep, self.tp = model.moe, model.pp, model.ep, model.tp
+        self.bounds = getattr(model, "bounds", None)
         self.dp = zero.comm
 
     def clip_grad_norm(self, P: ZeroParams, max_norm: float) -> float:
@@ -91,17 +94,26 @@ class ShardedModel:
 
 
 class ZeroReplica:
-    """What the trainer drives: compute_grads on the (hooked) model, the reduced shard in
-    finish_grads, under --precision with the loss scale and overflow check of
-    models/precision.py (each rank checks its shard; all agree)."""
+    """What the trainer drives: compute_grads on the (hooked) model, or on a pipeline
+    stage by its `schedule` (models/pipeline.py), the reduced shard in finish_grads, under
+    --precision with the loss scale and overflow check of models/precision.py (each rank
+    checks its shard; all agree)."""
 
-    def __init__(self, zero: Zero):
+    def __init__(self, zero: Zero, schedule: str | None = None):
         self.zero, self.model = zero, zero.model
-        self.inner = Replica(zero.model, zero.P)
+        self.inner = Replica(zero.model, zero.P) if schedule is None else \
+            PipelineReplica(zero.model, zero.P, schedule)
         self.compute_params = zero.P
-        self.timing = zero.timing  # sent_bytes, allgather_s, working_bytes of the last step
-        self.spans: list = []
         self._scale = 1.0
+
+    @property
+    def timing(self) -> dict:
+        """The last step's sent_bytes, allgather_s, working_bytes (and a pipeline's)."""
+        return {**self.inner.timing, **self.zero.timing}
+
+    @property
+    def spans(self) -> list:
+        return self.inner.spans
 
     def compute_grads(self, micro_batches, grad_ready=None) -> float:
         z = self.zero
@@ -117,7 +129,7 @@ class ZeroReplica:
         if z.scaler is None:
             return True, {}
         g = z.params.grad
-        if z.stage == 1:  # the half gradient's segments, in float32
+        if z.runs_as == 1:  # the half gradient's segments, in float32
             for (lo, hi), (at, end) in zip(z.layout.mine, z.params.grad_ranges, strict=True):
                 g[at:end] = z.work.grad[lo:hi]
         g *= 1.0 / self._scale
@@ -127,10 +139,10 @@ class ZeroReplica:
                     "skipped_steps": z.scaler.skipped}
 
     def evaluate(self, batches) -> float:
-        total = sum(self.model.forward(self.zero.P, b, training=False)[0] for b in batches)
+        loss = self.inner.evaluate(batches)
         if self.zero.hooks is not None:
             self.zero.hooks.release_all()
-        return total / len(batches)
+        return loss
 
 
 class ZeroMixedReplica(ZeroReplica):
@@ -161,7 +173,7 @@ class ZeroReducer:
     def ready(self, offset: int) -> None:
         """Every gradient element at index >= offset is final (stage 1)."""
         z = self.zero
-        while z.stage == 1 and self._next >= 0 and z.layout.units[self._next].lo >= offset:
+        while z.runs_as == 1 and self._next >= 0 and z.layout.units[self._next].lo >= offset:
             z.reduce_unit(self._next)
             self._next -= 1
 
@@ -188,12 +200,16 @@ class ZeroReducer:
 
 
 def shard_session(session, comm: Communicator, stage: int, reshard: bool = True,
-                  overlap: bool = True):
+                  overlap: bool = True, wire: str = "fp32"):
     """(session, reducer, zero): `session` with its params, replica, optimizer and model
-    replaced by ZeRO `stage`'s over `comm` (the dp ranks); the old whole buffers freed."""
-    zero = Zero(session, comm, stage, reshard, overlap)
+    replaced by ZeRO `stage`'s over `comm` (the dp ranks of this (pp, tp) shard); the old
+    whole buffers freed. A pipeline stage runs the schedule its session's replica ran;
+    `wire` (--wire) is the dtype the gradient reduce-scatters move."""
+    zero = Zero(session, comm, stage, reshard, overlap, wire)
     optimizer = ZeroOptimizer(session.setup.optim, zero, session.params.decay_mask())
-    replica = (ZeroMixedReplica if zero.half is not None else ZeroReplica)(zero)
+    runs = getattr(session.replica, "inner", session.replica)  # MixedReplica's own runner
+    replica = (ZeroMixedReplica if zero.half is not None else ZeroReplica)(
+        zero, getattr(runs, "schedule", None))
     sharded = dataclasses.replace(session, model=ShardedModel(session.model, zero),
                                   params=zero.params, replica=replica,
                                   optimizer=optimizer)
@@ -208,12 +224,12 @@ def zero_bytes(zero: Zero, optimizer: ZeroOptimizer, kind: str, dense: int) -> d
     # stage 3 keeps no whole copy: in full precision its master shard is the weights
     weights = zero.full.nbytes if zero.stage < 3 else (0 if half else zero.master.nbytes)
     grads = zero.params.grad.nbytes
-    if zero.stage == 1 and half:
+    if zero.runs_as == 1 and half:
         grads += zero.work.grad.nbytes
     states = sum(v.nbytes for k, v in optimizer.state_dict().items() if k != "steps")
     master = zero.master.nbytes if half else 0
     return {"stage": zero.stage, "dp": zero.comm.size, "weight_bytes": weights,
             "grad_bytes": grads, "master_bytes": master, "state_bytes": states,
             "optimizer_bytes": master + states, "total_bytes": weights + grads + master
-            + states, "formula": zero_memory(dense, zero.stage, zero.comm.size,
+            + states, "formula": zero_memory(dense, zero.runs_as, zero.comm.size,
                                              zero.precision, kind, zero.master.itemsize)}

@@ -224,10 +224,9 @@ def test_stage3_holds_only_what_a_unit_needs(reshard):
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--zero", "3", "--tp", "2"], "--zero 3 with --tp 2"),
-    (["--zero", "1", "--pp", "2"], "--zero 1 with --pp 2"),
-    (["--zero", "2", "--model", "transformer", "--moe-experts", "4"], "--moe-experts"),
-    (["--zero", "2", "--wire", "bf16"], "--wire bf16 has no effect"),
+    (["--zero", "3", "--pp", "2"], "--zero 3 with --pp 2"),
+    (["--zero", "2", "--model", "transformer", "--moe-experts", "4", "--moe-bias-rate",
+      "1e-3"], "--moe-bias-rate 0.001: the router's selection-bias steps"),
     (["--zero", "3", "--allreduce", "mpi"], "--allreduce mpi has no effect"),
     (["--zero", "1", "--bucket-mb", "5"], "--bucket-mb 5.0 has no effect"),
     (["--zero", "2", "--no-zero-reshard-after-forward"], "without --zero 3"),
@@ -239,10 +238,10 @@ def test_unsupported_combinations_are_refused_by_name(flags, words):
 
 
 def test_refusal_ends_the_job_with_one_line():
-    r = mpirun(2, "-m", "dtlab.collective.train", *MLP, "--zero", "3", "--tp", "2",
+    r = mpirun(2, "-m", "dtlab.collective.train", *MLP, "--zero", "3", "--pp", "2",
                timeout=60)
     assert r.rc == 2 and not r.timed_out, r
-    assert "--zero 3 with --tp 2" in r.stderr and "Traceback" not in r.stderr
+    assert "--zero 3 with --pp 2" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("z", STAGES)

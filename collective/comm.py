@@ -52,7 +52,7 @@ from dtlab.collective.alltoall import pairwise_alltoallv
 from dtlab.collective.choose import OURS, allreduce_algorithm
 from dtlab.collective.doubling import bind_doubling
 from dtlab.collective.failure import install_abort_handler, resolve_timeout
-from dtlab.collective.flight import Recorder
+from dtlab.collective.flight import recorder
 from dtlab.collective.halving import bind_halving
 from dtlab.collective.link import TAG_ALLTOALL, Link, byte_view, mpi_sum
 from dtlab.collective.naive import naive_allreduce
@@ -132,14 +132,15 @@ class AlltoallvRequest:
     completes it under the stall watchdog, once, and returns (out, recv_counts)."""
 
     def __init__(self, link: Link, reqs: list, send, buf, device, out, recv_counts: list[int],
-                 entry):
+                 entry, recorder):
         self._link, self._reqs, self._held = link, reqs, (send, buf, device)
         self.out, self.recv_counts, self._entry = out, recv_counts, entry
+        self._recorder = recorder
 
     def wait(self):
         if self._reqs is not None:
             self._link.waitall(self._reqs, "ialltoallv", None)
-            Recorder.done(self._entry)
+            self._recorder.done(self._entry)
             gpu.unplace(self._held[1], self._held[2])
             self._reqs = self._held = None
         return self.out, self.recv_counts
@@ -160,6 +161,8 @@ class Communicator:
         fixed set of buffers reduced every step (the bucket reducer does).
     yield_waits: poll-and-yield instead of blocking waits (None: automatic,
         see collective/waits.py).
+    flight: record every call in the flight recorder (collective/flight.py); False
+        records nothing (the baseline dtlab-bench flight times it against).
     """
 
     def __init__(
@@ -174,6 +177,7 @@ class Communicator:
         ours: str | None = None,
         persistent_buffers: int = 4,
         yield_waits: bool | None = None,
+        flight: bool = True,
     ):
         if algo not in ALGOS:
             raise ValueError(f"allreduce algorithm must be one of {ALGOS}, not {algo!r}")
@@ -198,7 +202,8 @@ class Communicator:
         self._arena: SharedArena | bool | None = None  # False: ranks on several nodes
         self._agree = Agreement(self._link, self.check)
         self.rank, self.size = self._link.rank, self._link.size
-        self._flight = Recorder(name, self.rank, self._link.world_ranks)
+        self.flight = flight
+        self._flight = recorder(name, self.rank, self._link.world_ranks, flight)
 
     def __repr__(self) -> str:
         return f"Communicator({self.name!r}, rank {self.rank} of {self.size}, algo={self.algo!r})"
@@ -213,7 +218,7 @@ class Communicator:
         if last is not None and last[0] is x and last[1] == call:
             e = self._flight.start("allreduce", x.nbytes, x.dtype, last[3])
             last[2]()  # the same call on the same array, its binding still cached
-            Recorder.done(e)
+            self._flight.done(e)
             return x
         algo = algo or self.algo
         code = _ALGO_CODE.get(algo)
@@ -225,7 +230,7 @@ class Communicator:
         e = self._flight.start("allreduce", flat.nbytes, flat.dtype, algo)
         self._agree.check("allreduce", flat.size, flat.dtype, code + 8 * average)
         if self.size == 1 or flat.size == 0:
-            Recorder.done(e)
+            self._flight.done(e)
             return x
         buf, xp, sync, device = self._place(flat, "stage")
         run, e.algo = self._allreduce_runner(buf, xp, sync, self.size if average else None, algo)
@@ -234,7 +239,7 @@ class Communicator:
             gpu.unplace(buf, device)
         elif self.check != "always":
             self._last = (x, call[:-1] + (self._link.cache.evictions,), run, e.algo)
-        Recorder.done(e)
+        self._flight.done(e)
         return x
 
     def _allreduce_runner(self, buf, xp, sync, divide: int | None, algo: str):
@@ -301,7 +306,7 @@ class Communicator:
         rows = segment_bounds(x.shape[0], self.size)
         mine = x[rows[self.rank] : rows[self.rank + 1]]
         if self.size == 1 or flat.size == 0:
-            Recorder.done(e)
+            self._flight.done(e)
             return mine
         row = _row_elems(x)
         bounds = [b * row for b in rows]
@@ -309,7 +314,7 @@ class Communicator:
         ring_reduce_scatter(self._link, buf, bounds, xp=xp, sync=sync,
                             chunk_bytes=self.chunk_bytes, divide=self.size if average else None)
         gpu.unplace(buf, device, bounds[self.rank], bounds[self.rank + 1])
-        Recorder.done(e)
+        self._flight.done(e)
         return mine
 
     def allgather(self, x, out=None, counts: list[int] | None = None):
@@ -336,14 +341,14 @@ class Communicator:
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         flat[lo:hi] = _flat(x)
         if self.size == 1 or flat.size == 0:
-            Recorder.done(e)
+            self._flight.done(e)
             return out
         buf, xp, sync, device = self._place(flat, "stage", copy_in=False)
         if device is not None:
             buf[lo:hi] = self._place(_flat(x), "stage_in")[0]
         ring_allgather(self._link, buf, bounds, xp=xp, sync=sync, chunk_bytes=self.chunk_bytes)
         gpu.unplace(buf, device)
-        Recorder.done(e)
+        self._flight.done(e)
         return out
 
     def alltoallv(self, x, send_counts, out=None, recv_counts=None):
@@ -364,7 +369,7 @@ class Communicator:
         buf, xp, sync, device = self._place(_flat(out, "out"), "stage", copy_in=False)
         pairwise_alltoallv(self._link, send, sb, buf, rb, xp=xp, sync=sync)
         gpu.unplace(buf, device)
-        Recorder.done(e)
+        self._flight.done(e)
         return out, recv_counts
 
     def _alltoallv_counts(self, x, send_counts, recv_counts, operation: str):
@@ -408,7 +413,8 @@ class Communicator:
                 for s in ((r - k) % n for k in range(1, n))]
         reqs += [self.mpi.Isend(byte_view(send[sb[d]:sb[d + 1]]), d, TAG_ALLTOALL)
                  for d in ((r + k) % n for k in range(1, n))]
-        return AlltoallvRequest(self._link, reqs, send, buf, device, out, recv_counts, e)
+        return AlltoallvRequest(self._link, reqs, send, buf, device, out, recv_counts, e,
+                                self._flight)
 
     def mpi_alltoallv(self, x, send_counts, out=None, recv_counts=None):
         """alltoallv by MPI's own Alltoallv (the baseline ours is measured against, and
@@ -429,7 +435,7 @@ class Communicator:
         req = self.mpi.Ialltoallv([send, (sc, sd), MPI.BYTE], [buf, (rc, rd), MPI.BYTE])
         self._link.wait(req, "alltoallv(mpi)", None)
         gpu.unplace(buf, device)
-        Recorder.done(e)
+        self._flight.done(e)
         return out, recv_counts
 
     def broadcast(self, x, root: int = 0):
@@ -442,12 +448,12 @@ class Communicator:
         e = self._flight.start("broadcast", flat.nbytes, flat.dtype, "tree", root)
         self._agree.check("broadcast", flat.size, flat.dtype, root)
         if self.size == 1 or flat.size == 0:
-            Recorder.done(e)
+            self._flight.done(e)
             return x
         buf, _, sync, device = self._place(flat, "stage", copy_in=self.rank == root)
         tree_broadcast(self._link, buf, root, sync=sync)
         gpu.unplace(buf, device)
-        Recorder.done(e)
+        self._flight.done(e)
         return x
 
     def barrier(self) -> None:
@@ -455,7 +461,7 @@ class Communicator:
         self._link.watch.waiting("barrier", None)
         self.mpi.Barrier()
         self._link.watch.idle()
-        Recorder.done(e)
+        self._flight.done(e)
 
     # ---- point to point ----------------------------------------------------
 
@@ -531,7 +537,8 @@ class Communicator:
     def _settings(self) -> dict:
         return {"algo": self.algo, "timeout": self.timeout, "check": self.check,
                 "chunk_bytes": self.chunk_bytes, "ours": self.ours,
-                "persistent_buffers": self.persistent_buffers, "yield_waits": self.yield_waits}
+                "persistent_buffers": self.persistent_buffers, "yield_waits": self.yield_waits,
+                "flight": self.flight}
 
     def dup(self, name: str | None = None, **overrides) -> Communicator:
         """A communicator over the same ranks with its own message space

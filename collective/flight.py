@@ -10,6 +10,8 @@ calls:
     (communicator, sequence, operation, bytes, dtype, algorithm, peer,
      start, end, state started | done)
 
+DTLAB_FLIGHT_ENTRIES=0 turns it off (a recorder that records nothing, as
+Communicator(flight=False) gets; what dtlab-bench flight times it against).
 The ring's entries are allocated once; a call overwrites the oldest one's
 fields (a few attribute stores and one clock read at entry, two at exit).
 When the stall watchdog fires (DTLAB_COLLECTIVE_TIMEOUT) or a rank aborts
@@ -73,12 +75,12 @@ def _capacity() -> int:
         n = int(raw) if raw else DEFAULT_ENTRIES
     except ValueError:
         raise ValueError(f"{ENTRIES_ENV} must be a whole number of entries, not {raw!r}") from None
-    if n < 1:
-        raise ValueError(f"{ENTRIES_ENV} must be at least 1, not {n}")
+    if n < 0:
+        raise ValueError(f"{ENTRIES_ENV} must be 0 (off) or more, not {n}")
     return n
 
 
-_RING = _Ring(_capacity())
+_RING = _Ring(max(1, _capacity()))
 _COMMS: list[dict] = []  # one description per recorder, in creation order
 _dumped = False
 
@@ -115,6 +117,26 @@ class Recorder:
     def done(e: _Entry) -> None:
         e.end = time.monotonic()
         e.done = True
+
+
+class Off:
+    """The recorder of a communicator that records nothing (DTLAB_FLIGHT_ENTRIES=0, or
+    Communicator(flight=False): what dtlab-bench flight times the recorder against)."""
+
+    __slots__ = ()
+    _ENTRY = _Entry()
+
+    def start(self, op: str, nbytes: int, dtype, algo: str, peer: int = -1) -> _Entry:
+        return self._ENTRY
+
+    @staticmethod
+    def done(e: _Entry) -> None:
+        pass
+
+
+def recorder(name: str, rank: int, world_ranks: list[int], on: bool = True) -> Recorder | Off:
+    """A communicator's recorder: Off when `on` is False or DTLAB_FLIGHT_ENTRIES is 0."""
+    return Recorder(name, rank, world_ranks) if on and _capacity() else Off()
 
 
 def flight_dir() -> Path:

@@ -144,3 +144,19 @@ def test_the_ring_keeps_the_newest_entries_with_their_state():
         "algo": "tree", "peer": 0, "start": 0, "seconds": None, "state": "started"}
     assert mine[0]["state"] == "done" and mine[0]["seconds"] >= 0
     rec.done(open_call)
+
+
+def test_a_recorder_turned_off_records_nothing(monkeypatch):
+    """Communicator(flight=False) and DTLAB_FLIGHT_ENTRIES=0 get the recorder that records
+    nothing: no sequence numbers, no ring entries (dtlab-bench flight's baseline)."""
+    before = [(e["comm"], e["seq"]) for e in flight.snapshot("test")["entries"]]
+    off = flight.recorder("off-test", 0, [0], on=False)
+    assert isinstance(off, flight.Off)
+    off.done(off.start("allreduce", 4096, np.dtype(np.float32), "ring"))
+    assert [(e["comm"], e["seq"]) for e in flight.snapshot("test")["entries"]] == before
+    assert not any(c["name"] == "off-test" for c in flight._COMMS)
+    monkeypatch.setenv(flight.ENTRIES_ENV, "0")
+    assert isinstance(flight.recorder("env-test", 0, [0]), flight.Off)
+    monkeypatch.setenv(flight.ENTRIES_ENV, "-1")
+    with pytest.raises(ValueError, match="must be 0 \\(off\\) or more"):
+        flight.recorder("bad-test", 0, [0])

@@ -12,10 +12,14 @@ is whole again (a primary and a backup that holds its snapshot):
 - SIGSTOP / SIGCONT of the primary or of the backup, for 0.3-3 s;
 - the issue's double pause of the backup: 2.5 s, SIGCONT, and as soon as it says it
   heard nothing from its primary, 1.5 s more;
-- a cut of the backup's link to its primary: every backup reaches its primary through
-  a Proxy, which then forwards nothing for 0.5-3 s (silence, as a cut cable; the
-  primary still reaches the backup directly, as the workers reach both: a full cut
-  needs network namespaces, which this harness does not use).
+- a cut of the backup's link to its primary, and a cut of both replicas' links to
+  each other: every daemon's outgoing gRPC connections go through a Link of its own, an
+  HTTP CONNECT proxy (gRPC's `grpc_proxy`), which then forwards nothing for 0.5-3 s
+  (silence, as a cut cable): "cut" silences the backup's (its stream to the primary and
+  its questions), "cut-both" the primary's too (its questions to the backup), while the
+  workers reach both replicas directly. (A connection's own check that something listens,
+  pserver.server.replication.peer.refused, is a plain TCP connect that no Link carries:
+  over a cut it finds the port open, and "silent" stays silent, as over a real cut.)
 
 A daemon that leaves (dropped by its primary, or replaced by its backup) is restarted
 the same way. After each run: every acknowledged push applied exactly once, nothing
@@ -62,7 +66,7 @@ SGD_FLAGS = ["--optimizer", "sgd", "--lr", "1", "--warmup", "0", "--schedule", "
              "--dtype", "float64"]
 REPLICA_TIMEOUT_S = 1.0
 KINDS = ("kill-primary", "kill-backup", "pause-primary", "pause-backup", "pause-backup-twice",
-         "cut")
+         "cut", "cut-both")
 
 
 def status(address: str, timeout: float = 10.0) -> pb.ReplicaStatusReply:
@@ -89,20 +93,18 @@ def wait_for(what: str, ok, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-class Proxy:
-    """127.0.0.1:PORT forwarding TCP to `target`. While cut it forwards nothing (what
-    arrives waits, so the senders' TCP stalls, as over a cut cable), and delivers it
-    once the cut heals."""
+class _Forwarder:
+    """127.0.0.1:PORT forwarding TCP connections. While cut it forwards nothing (what
+    arrives waits, so the senders' TCP stalls, as over a cut cable) and opens no new
+    connection, and delivers it all once the cut heals."""
 
-    def __init__(self, target: str):
-        host, _, port = target.rpartition(":")
-        self.target = (host, int(port))
+    def __init__(self):
         self._open = threading.Event()
         self._open.set()
         self._sockets: list[socket.socket] = []
         self._listen = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self._listen.getsockname()[1]}"
-        threading.Thread(target=self._accept, name="proxy", daemon=True).start()
+        threading.Thread(target=self._accept, name="forwarder", daemon=True).start()
 
     def cut(self) -> None:
         self._open.clear()
@@ -110,21 +112,30 @@ class Proxy:
     def heal(self) -> None:
         self._open.set()
 
+    def _far(self, near: socket.socket) -> socket.socket | None:
+        """The connection to the far end of `near` (None: closed, and `near` with it)."""
+        raise NotImplementedError
+
     def _accept(self) -> None:
         while True:
             try:
                 near, _ = self._listen.accept()
             except OSError:
                 return  # closed
-            try:
-                far = socket.create_connection(self.target, timeout=5)
-                far.settimeout(None)
-            except OSError:
-                near.close()
-                continue
-            self._sockets += [near, far]
-            for src, dst in ((near, far), (far, near)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+            threading.Thread(target=self._join, args=(near,), daemon=True).start()
+
+    def _join(self, near: socket.socket) -> None:
+        self._sockets.append(near)
+        try:
+            far = self._far(near)
+        except (OSError, ValueError):  # ValueError: a request that is no CONNECT line
+            far = None
+        if far is None:
+            near.close()
+            return
+        self._sockets.append(far)
+        for src, dst in ((near, far), (far, near)):
+            threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
@@ -142,6 +153,57 @@ class Proxy:
         self._listen.close()
         for s in self._sockets:
             s.close()
+
+
+class Proxy(_Forwarder):
+    """A forwarder to `target`: a backup's --replica-of (through it a dead primary looks
+    silent, not gone: its port stays open)."""
+
+    def __init__(self, target: str):
+        host, _, port = target.rpartition(":")
+        self.target = (host, int(port))
+        super().__init__()
+
+    def _far(self, near: socket.socket) -> socket.socket:
+        self._open.wait()
+        far = socket.create_connection(self.target, timeout=5)
+        far.settimeout(None)
+        return far
+
+
+class Link(_Forwarder):
+    """One daemon's outgoing link: an HTTP CONNECT proxy its gRPC channels reach every
+    target through (gRPC's grpc_proxy; `env` is what the daemon is started with). A target
+    that refuses the connection is answered 502, which gRPC takes as UNAVAILABLE."""
+
+    def env(self) -> dict[str, str]:
+        # no_grpc_proxy overrides no_proxy (which often names 127.0.0.1)
+        return {"grpc_proxy": f"http://{self.address}", "no_grpc_proxy": ""}
+
+    def _far(self, near: socket.socket) -> socket.socket | None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            data = near.recv(4096)
+            if not data or len(head) > 1 << 16:
+                return None
+            head += data
+        head, _, early = head.partition(b"\r\n\r\n")
+        method, target, _ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
+        host, _, port = target.rpartition(":")
+        if method != "CONNECT" or not port.isdigit():
+            near.sendall(b"HTTP/1.1 405 Method Not Allowed\r\n\r\n")
+            return None
+        self._open.wait()
+        try:
+            far = socket.create_connection((host.strip("[]"), int(port)), timeout=5)
+        except OSError:
+            near.sendall(b"HTTP/1.1 502 Bad Gateway\r\n\r\n")
+            return None
+        far.settimeout(None)
+        near.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        if early:
+            far.sendall(early)
+        return far
 
 
 class RoleWatch:
@@ -195,6 +257,7 @@ class Slot:
         self.tmp, self.shard, self.shards = tmp, shard, shards
         self.daemon: DaemonProcess | None = None
         self.proxy: Proxy | None = None
+        self.link = Link()  # the outgoing link of every daemon started here
         self.port = 0
         self.started = 0.0
 
@@ -203,9 +266,10 @@ class Slot:
         return f"127.0.0.1:{self.port}"
 
     def start(self, primary: str = "", proxy: bool = False) -> None:
-        """A daemon here: the primary (primary ""), or the backup of `primary`, which it
-        reaches directly or (proxy) through a new Proxy. (Through a proxy a dead primary
-        looks silent, not gone: its backup takes over once the lease has run out.)"""
+        """A daemon here, its gRPC channels through this slot's Link: the primary (primary
+        ""), or the backup of `primary`, which it reaches directly or (proxy) through a new
+        Proxy. (Through a proxy a dead primary looks silent, not gone: its backup takes
+        over once the lease has run out.)"""
         self.close()
         extra = ["--port", str(self.port)] if self.port else []
         if primary and not proxy:
@@ -214,7 +278,7 @@ class Slot:
             self.proxy = Proxy(primary)
             extra += ["--replica-of", self.proxy.address]
         self.daemon = DaemonProcess(self.tmp, daemon_args(self.shard, self.shards, *extra),
-                                    wait=False)
+                                    env=self.link.env(), wait=False)
         self.started = time.monotonic()
         if not self.port:
             self.daemon.wait_ready()
@@ -227,6 +291,7 @@ class Slot:
         os.kill(self.daemon.proc.pid, sig)
 
     def close(self) -> None:
+        """The daemon and its proxy, if any (the link stays, for the next daemon here)."""
         if self.daemon is not None:
             if self.daemon.proc.poll() is None:
                 os.kill(self.daemon.proc.pid, signal.SIGCONT)
@@ -290,8 +355,6 @@ class Pair:
         p, b = self.heal()
         victim = self.slots[p if kind.endswith("primary") else b]
         rng = self.rng
-        if kind == "cut" and victim.proxy is None:
-            kind = "pause-backup"
         if kind.startswith("kill"):
             victim.signal(signal.SIGKILL)
             victim.daemon.proc.wait(timeout=30)
@@ -310,16 +373,20 @@ class Pair:
             victim.signal(signal.SIGSTOP)
             time.sleep(rng.uniform(0.3, 3.0))
             victim.signal(signal.SIGCONT)
-        else:  # cut
-            victim.proxy.cut()
+        else:  # cut: the backup's link; cut-both: the primary's too
+            links = [victim.link] + ([self.slots[p].link] if kind == "cut-both" else [])
+            for link in links:
+                link.cut()
             time.sleep(rng.uniform(0.5, 3.0))
-            victim.proxy.heal()
+            for link in links:
+                link.heal()
         self.faults[kind] += 1
         self.heal()
 
     def close(self) -> None:
         for s in self.slots:
             s.close()
+            s.link.close()
 
 
 class Pushers:

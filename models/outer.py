@@ -22,6 +22,21 @@ These are models.optim.SGD's updates with lr L and momentum M (Sutskever et al.
 outer optimizer *is* that SGD (`make_outer`), its state and checkpoints included,
 and a parameter server applies it as its optimizer (`OuterConfig.as_optim`).
 
+Delayed Nesterov (Liu et al. 2024, "Asynchronous Local-SGD Training for Language
+Modeling", Algorithm 3 with its momentum activation c = 0), for an asynchronous server
+that steps once per worker's outer gradient g_t, t = 1, 2, ...: the outer gradients are
+buffered, the momentum moves only at every N-th, and in between theta takes plain steps
+of 1/N of each gradient (so N stale gradients move the momentum about as one
+synchronous round's mean does):
+
+    delayed-nesterov   Delta <- Delta + g_t
+               t % N == 0:  v <- M v + Delta / N;  theta <- theta - L (M v + g_t / N);
+                            Delta <- 0
+               otherwise:   theta <- theta - L g_t / N           (v and Delta start at 0)
+
+At N = 1 (Delta = g_t, divisions by 1 exact) it is nesterov above, bit for bit
+(`DelayedNesterov`; --outer-period N).
+
 Exactness. An inner step of SGD (with or without momentum, L2 decay) or Adam
 subtracts one computed float: theta_1 = fl(theta - x). In round-to-nearest
 binary arithmetic the round trip then gives it back exactly,
@@ -54,18 +69,23 @@ from dataclasses import dataclass
 
 from dtlab.models.backend import array_module
 from dtlab.models.config import ConfigError, build, choice, described, positive
-from dtlab.models.optim import SGD, OptimConfig
+from dtlab.models.optim import SGD, OptimConfig, Optimizer
 
 
 @dataclass
 class OuterConfig:
-    outer_optimizer: str = choice("none", "none", "sgd", "nesterov",
+    outer_optimizer: str = choice("none", "none", "sgd", "nesterov", "delayed-nesterov",
                                   help="local SGD / DiLoCo: the optimizer of the outer "
                                        "gradient (the replicas' mean parameter change over "
-                                       "their inner steps); none: off")
+                                       "their inner steps); delayed-nesterov: its momentum "
+                                       "every --outer-period gradients (Liu et al. 2024); "
+                                       "none: off")
     outer_lr: float = described(1.0, "outer learning rate L (sgd with 1: model averaging; "
                                      "DiLoCo: 0.7)")
     outer_momentum: float = described(0.0, "outer momentum M (nesterov needs it; DiLoCo: 0.9)")
+    outer_period: int = described(1, "delayed-nesterov: the momentum moves at every N-th "
+                                     "outer gradient, plain steps of L/N in between (1: "
+                                     "nesterov)")
 
     @property
     def enabled(self) -> bool:
@@ -75,27 +95,69 @@ class OuterConfig:
         positive(self, "outer_lr")
         if not 0 <= self.outer_momentum < 1:
             raise ConfigError(f"--outer-momentum must be in [0, 1) (got {self.outer_momentum})")
-        if self.outer_optimizer == "nesterov" and self.outer_momentum == 0:
-            raise ConfigError("--outer-optimizer nesterov needs --outer-momentum > 0 "
-                              "(DiLoCo: 0.9)")
+        if "nesterov" in self.outer_optimizer and self.outer_momentum == 0:
+            raise ConfigError(f"--outer-optimizer {self.outer_optimizer} needs "
+                              "--outer-momentum > 0 (DiLoCo: 0.9)")
+        positive(self, "outer_period")
+        if self.outer_period != 1 and self.outer_optimizer != "delayed-nesterov":
+            raise ConfigError(f"--outer-period {self.outer_period} needs --outer-optimizer "
+                              "delayed-nesterov")
         if self.outer_optimizer == "none" and (self.outer_lr != 1.0 or self.outer_momentum):
             raise ConfigError("--outer-lr / --outer-momentum need --outer-optimizer sgd or "
                               "nesterov")
 
     def as_optim(self) -> OptimConfig:
         """The models.optim config of the same update: SGD at lr L with momentum M
-        (Nesterov's for nesterov), no decay, no clipping, no warm-up, constant lr."""
+        (Nesterov's for nesterov), no decay, no clipping, no warm-up, constant lr. For
+        delayed-nesterov: nesterov's, its N = 1 case (its lr schedule and what a worker
+        checks); the optimizer itself is `make_outer`'s DelayedNesterov."""
         if not self.enabled:
             raise ConfigError("no outer optimizer: give --outer-optimizer sgd or nesterov")
         return build(OptimConfig, {
             "optimizer": "sgd", "lr": self.outer_lr, "momentum": self.outer_momentum,
-            "nesterov": self.outer_optimizer == "nesterov", "weight_decay": 0.0, "clip": 0.0,
+            "nesterov": "nesterov" in self.outer_optimizer, "weight_decay": 0.0, "clip": 0.0,
             "warmup": 0, "schedule": "constant"})
 
 
-def make_outer(cfg: OuterConfig, param_template) -> SGD:
+class DelayedNesterov(Optimizer):
+    """Liu et al. 2024's Delayed Nesterov outer update (the module docstring's formula):
+    momentum M applied at every `period`-th step, plain steps of lr/period in between.
+    State: the velocity v, the buffer Delta of the outer gradients since the last momentum
+    step, and the step count (which says where in the period it is)."""
+
+    state_names = ("velocity", "buffer")
+
+    def __init__(self, param_template, lr: float, momentum: float, period: int, **kw):
+        super().__init__(param_template, lr, **kw)
+        if period < 1:
+            raise ValueError(f"period {period}: at least 1")
+        self.momentum, self.period = momentum, period
+
+    def step(self, param, grad, lr: float | None = None) -> None:
+        """One step; `grad` is an array or anything sliced like one (a received stream)."""
+        super().step(param, grad[0 : grad.shape[0]], lr)
+
+    def _update(self, p, g, lr):  # (n,) each
+        xp, N, t = array_module(p), self.period, self._tmp
+        self.buffer += g  # Delta <- Delta + g_t
+        if self.steps % N:  # theta <- theta - L g_t / N
+            xp.divide(g, N, out=t)
+        else:  # v <- M v + Delta / N;  theta <- theta - L (M v + g_t / N);  Delta <- 0
+            v = self.velocity
+            v *= self.momentum
+            v += self.buffer / N
+            xp.multiply(v, self.momentum, out=t)
+            t += g / N
+            self.buffer[...] = 0
+        t *= lr
+        p -= t
+
+
+def make_outer(cfg: OuterConfig, param_template) -> SGD | DelayedNesterov:
     """The outer optimizer `cfg` names, for a flat array shaped like `param_template`."""
     o = cfg.as_optim()
+    if cfg.outer_optimizer == "delayed-nesterov":
+        return DelayedNesterov(param_template, o.lr, o.momentum, cfg.outer_period)
     return SGD(param_template, o.lr, o.momentum, o.nesterov)
 
 

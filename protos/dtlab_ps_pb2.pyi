@@ -90,7 +90,7 @@ class PartitionLayout(_message.Message):
     def __init__(self, id: _Optional[int] = ..., count: _Optional[int] = ..., specs: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("shard", "num_shards", "model_size", "meta", "consistency", "staleness_bound", "next_step", "max_message_bytes", "worker_id", "num_workers", "optim_config", "schedule_steps", "staleness_lr", "then_pull")
+    __slots__ = ("shard", "num_shards", "model_size", "meta", "consistency", "staleness_bound", "next_step", "max_message_bytes", "worker_id", "num_workers", "optim_config", "schedule_steps", "staleness_lr", "then_pull", "term")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MODEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class RegisterReply(_message.Message):
     SCHEDULE_STEPS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_LR_FIELD_NUMBER: _ClassVar[int]
     THEN_PULL_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     model_size: int
@@ -119,7 +120,8 @@ class RegisterReply(_message.Message):
     schedule_steps: int
     staleness_lr: str
     then_pull: bool
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., model_size: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., staleness_bound: _Optional[int] = ..., next_step: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., optim_config: _Optional[str] = ..., schedule_steps: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., then_pull: _Optional[bool] = ...) -> None: ...
+    term: int
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., model_size: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., staleness_bound: _Optional[int] = ..., next_step: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., optim_config: _Optional[str] = ..., schedule_steps: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., then_pull: _Optional[bool] = ..., term: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
@@ -214,12 +216,14 @@ class PullRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., shard: _Optional[int] = ..., known_version: _Optional[int] = ..., wait_timeout_s: _Optional[float] = ..., registration: _Optional[int] = ..., whole_bytes: _Optional[int] = ..., partition: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("meta", "not_modified")
+    __slots__ = ("meta", "not_modified", "term")
     META_FIELD_NUMBER: _ClassVar[int]
     NOT_MODIFIED_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
     meta: TensorMeta
     not_modified: bool
-    def __init__(self, meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., not_modified: _Optional[bool] = ...) -> None: ...
+    term: int
+    def __init__(self, meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., not_modified: _Optional[bool] = ..., term: _Optional[int] = ...) -> None: ...
 
 class PullReply(_message.Message):
     __slots__ = ("header", "chunk", "trailer")
@@ -232,7 +236,7 @@ class PullReply(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "step", "shard", "meta", "registration", "partition", "ranges")
+    __slots__ = ("worker_id", "step", "shard", "meta", "registration", "partition", "ranges", "compressed")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +244,7 @@ class PushHeader(_message.Message):
     REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSED_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     step: int
     shard: int
@@ -247,7 +252,24 @@ class PushHeader(_message.Message):
     registration: int
     partition: int
     ranges: PushRanges
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., shard: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., registration: _Optional[int] = ..., partition: _Optional[int] = ..., ranges: _Optional[_Union[PushRanges, _Mapping]] = ...) -> None: ...
+    compressed: PushCompressed
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., shard: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., registration: _Optional[int] = ..., partition: _Optional[int] = ..., ranges: _Optional[_Union[PushRanges, _Mapping]] = ..., compressed: _Optional[_Union[PushCompressed, _Mapping]] = ...) -> None: ...
+
+class PushCompressed(_message.Message):
+    __slots__ = ("kind", "count")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[PushCompressed.Kind]
+        INDEXED: _ClassVar[PushCompressed.Kind]
+        SIGN: _ClassVar[PushCompressed.Kind]
+    KIND_UNSPECIFIED: PushCompressed.Kind
+    INDEXED: PushCompressed.Kind
+    SIGN: PushCompressed.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    kind: PushCompressed.Kind
+    count: int
+    def __init__(self, kind: _Optional[_Union[PushCompressed.Kind, str]] = ..., count: _Optional[int] = ...) -> None: ...
 
 class PushRanges(_message.Message):
     __slots__ = ("offset", "length")
@@ -268,18 +290,20 @@ class PushRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("duplicate", "staleness", "version", "pending", "lr")
+    __slots__ = ("duplicate", "staleness", "version", "pending", "lr", "term")
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
     duplicate: bool
     staleness: int
     version: int
     pending: bool
     lr: float
-    def __init__(self, duplicate: _Optional[bool] = ..., staleness: _Optional[int] = ..., version: _Optional[int] = ..., pending: _Optional[bool] = ..., lr: _Optional[float] = ...) -> None: ...
+    term: int
+    def __init__(self, duplicate: _Optional[bool] = ..., staleness: _Optional[int] = ..., version: _Optional[int] = ..., pending: _Optional[bool] = ..., lr: _Optional[float] = ..., term: _Optional[int] = ...) -> None: ...
 
 class WholePush(_message.Message):
     __slots__ = ("header", "chunk", "trailer", "then_pull")
@@ -437,21 +461,23 @@ class Histogram(_message.Message):
     def __init__(self, counts: _Optional[_Mapping[int, int]] = ..., total: _Optional[int] = ..., sum: _Optional[int] = ..., max: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("clock", "next_step", "active", "staleness", "expired")
+    __slots__ = ("clock", "next_step", "active", "staleness", "expired", "late")
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
     clock: int
     next_step: int
     active: bool
     staleness: Histogram
     expired: bool
-    def __init__(self, clock: _Optional[int] = ..., next_step: _Optional[int] = ..., active: _Optional[bool] = ..., staleness: _Optional[_Union[Histogram, _Mapping]] = ..., expired: _Optional[bool] = ...) -> None: ...
+    late: int
+    def __init__(self, clock: _Optional[int] = ..., next_step: _Optional[int] = ..., active: _Optional[bool] = ..., staleness: _Optional[_Union[Histogram, _Mapping]] = ..., expired: _Optional[bool] = ..., late: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard", "num_shards", "consistency", "version", "updates", "pushes", "duplicates", "rejected", "pulls", "pulls_not_modified", "bytes_received", "bytes_sent", "staleness", "workers", "max_clock_lead", "lr", "apply_seconds", "pushes_in_flight", "receive_seconds", "check_seconds", "workers_dropped", "expert_staleness")
+    __slots__ = ("shard", "num_shards", "consistency", "version", "updates", "pushes", "duplicates", "rejected", "pulls", "pulls_not_modified", "bytes_received", "bytes_sent", "staleness", "workers", "max_clock_lead", "lr", "apply_seconds", "pushes_in_flight", "receive_seconds", "check_seconds", "workers_dropped", "expert_staleness", "late")
     class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -495,6 +521,7 @@ class StatsReply(_message.Message):
     CHECK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     EXPERT_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     consistency: Consistency
@@ -517,7 +544,8 @@ class StatsReply(_message.Message):
     check_seconds: float
     workers_dropped: int
     expert_staleness: _containers.MessageMap[str, Histogram]
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., version: _Optional[int] = ..., updates: _Optional[int] = ..., pushes: _Optional[int] = ..., duplicates: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., pulls: _Optional[int] = ..., pulls_not_modified: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., staleness: _Optional[_Union[Histogram, _Mapping]] = ..., workers: _Optional[_Mapping[int, WorkerStats]] = ..., max_clock_lead: _Optional[int] = ..., lr: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., check_seconds: _Optional[float] = ..., workers_dropped: _Optional[int] = ..., expert_staleness: _Optional[_Mapping[str, Histogram]] = ...) -> None: ...
+    late: int
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., version: _Optional[int] = ..., updates: _Optional[int] = ..., pushes: _Optional[int] = ..., duplicates: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., pulls: _Optional[int] = ..., pulls_not_modified: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., staleness: _Optional[_Union[Histogram, _Mapping]] = ..., workers: _Optional[_Mapping[int, WorkerStats]] = ..., max_clock_lead: _Optional[int] = ..., lr: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., check_seconds: _Optional[float] = ..., workers_dropped: _Optional[int] = ..., expert_staleness: _Optional[_Mapping[str, Histogram]] = ..., late: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()

@@ -7,6 +7,7 @@ trainer; see pserver.__main__ and dtlab.pserver.worker.loop.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dtlab.models.config import ConfigError, build, choice, described, non_negative, positive
@@ -40,12 +41,17 @@ class ServerConfig:
     backup_workers: int = described(0, "BSP: close each round at the first --num-workers "
                                        "minus this many gradients; the later ones are dropped "
                                        "as late (Chen et al. 2016)")
-    outer_optimizer: str = choice("none", "none", "sgd", "nesterov",
+    outer_optimizer: str = choice("none", "none", "sgd", "nesterov", "delayed-nesterov",
                                   help="apply this outer optimizer (models.outer) to the "
                                        "outer gradients of workers with --local-steps, in "
-                                       "place of --optimizer (local SGD, DiLoCo)")
+                                       "place of --optimizer (local SGD, DiLoCo; "
+                                       "delayed-nesterov: Liu et al. 2024's for asynchronous "
+                                       "local SGD)")
     outer_lr: float = described(1.0, "outer learning rate (sgd 1: model averaging; DiLoCo 0.7)")
     outer_momentum: float = described(0.0, "outer momentum (nesterov needs it; DiLoCo 0.9)")
+    outer_period: int = described(1, "delayed-nesterov: the momentum moves at every N-th outer "
+                                     "gradient the shard applies, plain steps of "
+                                     "--outer-lr/N in between (1: nesterov)")
     schedule_steps: int = described(0, "updates the lr schedule spans (0: constant after warm-up)")
     chunk_bytes: int = described(1 << 20, "bytes per pulled chunk message")
     max_message_bytes: int = described(4 << 20, "largest message accepted or sent")
@@ -143,7 +149,8 @@ class ServerConfig:
         """The outer optimizer's config (models.outer); ConfigError where it is wrong."""
         return build(OuterConfig, {"outer_optimizer": self.outer_optimizer,
                                    "outer_lr": self.outer_lr,
-                                   "outer_momentum": self.outer_momentum})
+                                   "outer_momentum": self.outer_momentum,
+                                   "outer_period": self.outer_period})
 
     def _validate_replicas(self):
         positive(self, "replica_timeout_s")
@@ -158,6 +165,26 @@ class ServerConfig:
             raise ConfigError("--replicas 2 does not go with "
                               f"{'--tls-cert' if self.tls_cert else '--resume'} (the replicas "
                               "speak plain gRPC to each other; a backup starts from its primary)")
+
+
+def refuse_unused_optim_flags(cfg: ServerConfig, ns, fields: Iterable[str]) -> None:
+    """With --outer-optimizer a shard runs the outer optimizer in place of --optimizer, so
+    an optimizer flag given on the command line (one of `fields` set in the parsed flags
+    `ns`: argparse leaves the others None) would go unused: a ConfigError naming it. A
+    --config file's optim section is no flag and stays (it is the workers' inner
+    optimizer, for dtlab-worker --local-steps)."""
+    outer = cfg.outer()
+    if not outer.enabled:
+        return
+    for name in fields:
+        value = getattr(ns, name, None)
+        if value is not None:
+            flag = f"--{name.replace('_', '-')}"
+            raise ConfigError(
+                f"{flag} {value}: this shard runs --outer-optimizer {outer.outer_optimizer} "
+                "in place of --optimizer on the workers' outer gradients, so it would go "
+                "unused; give the inner optimizer's flags to dtlab-worker --local-steps H, "
+                "and --outer-lr / --outer-momentum here")
 
 
 @dataclass

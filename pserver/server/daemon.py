@@ -44,11 +44,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from dtlab.models.config import ConfigError, build
 from dtlab.models.data import DataConfig
 from dtlab.models.optim import OptimConfig, Schedule
+from dtlab.models.outer import make_outer
 from dtlab.models.params import FlatParams
 from dtlab.models.run.checkpoint import CheckpointError
 from dtlab.models.run.trace import Trace
@@ -58,7 +58,7 @@ from dtlab.pserver.common import codec as wire
 from dtlab.pserver.common.codec import SERVICE
 from dtlab.pserver.common.config import ServerConfig
 from dtlab.pserver.common.errors import FailedPrecondition
-from dtlab.pserver.server import checkpoint
+from dtlab.pserver.server import checkpoint, reflection
 from dtlab.pserver.server.allocator import huge_empty
 from dtlab.pserver.server.applylog import ApplyLog, path_of
 from dtlab.pserver.server.blocked import BlockedOptimizer
@@ -100,9 +100,12 @@ def store_of(cfg: ServerConfig, model_name: str, flat: FlatParams,
     lo, hi = layout.offset, layout.offset + layout.length
     params = huge_empty(hi - lo, flat.data.dtype)
     params[...] = flat.data[lo:hi]
-    optim_cfg = served_optim(cfg, optim_cfg)
-    optimizer = BlockedOptimizer(optim_cfg, params, flat.decay_mask()[lo:hi].copy(),
-                                 threads=cfg.apply_threads)
+    optim_cfg, outer = served_optim(cfg, optim_cfg), cfg.outer()
+    if outer.outer_optimizer == "delayed-nesterov":  # its own state (buffer, period): unblocked
+        optimizer = make_outer(outer, params)
+    else:
+        optimizer = BlockedOptimizer(optim_cfg, params, flat.decay_mask()[lo:hi].copy(),
+                                     threads=cfg.apply_threads)
     policy = Consistency(cfg.consistency, cfg.staleness, cfg.backup_workers)
     return ShardStore(layout, params, optimizer, Schedule(optim_cfg, cfg.schedule_steps), policy,
                       staleness_lr=cfg.staleness_lr, expected_workers=cfg.num_workers,
@@ -199,9 +202,9 @@ class Daemon:
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if cfg.reflection:
-            reflection.enable_server_reflection(
-                (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                 reflection.SERVICE_NAME), self.server)
+            reflection.enable(
+                (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
+                self.server)
         address = host_port(cfg.bind, cfg.port)
         why = why_not_listen(cfg.bind, cfg.port) if cfg.port else ""
         if why:
@@ -305,8 +308,10 @@ class Daemon:
         mode = policy.mode + (f" with {policy.backups} backup workers" if policy.backups else "")
         outer = self.cfg.outer()
         if outer.enabled:
+            period = (f" period {outer.outer_period}"
+                      if outer.outer_optimizer == "delayed-nesterov" else "")
             mode += (f", outer {outer.outer_optimizer} lr {outer.outer_lr} momentum "
-                     f"{outer.outer_momentum} (its --optimizer flags unused)")
+                     f"{outer.outer_momentum}{period} in place of --optimizer")
         log.info("shard %d/%d of %s: elements [%d, %d) of %d, %s, version %d, listening on %s%s",
                  lay.shard, lay.num_shards, lay.model, lay.offset, lay.offset + lay.length,
                  lay.model_size, mode, self.store.version,

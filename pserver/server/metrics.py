@@ -46,6 +46,7 @@ COUNTERS = (  # StatsReply field -> dtlab_ps_<field>_total
     ("receive_seconds", "seconds receiving push streams, header to checked trailer"),
     ("check_seconds", "of those, seconds checking chunks (Adler-32, finite values)"),
     ("workers_dropped", "workers dropped when their lease ran out (--worker-timeout)"),
+    ("late", "BSP with --backup-workers: gradients dropped as late, their round closed"),
 )
 GAUGES = (  # StatsReply field -> dtlab_ps_<field>
     ("version", "shard version (updates applied)"),
@@ -86,6 +87,12 @@ def families(s: pb.StatsReply) -> Iterator[Metric]:
     for w, ws in sorted(s.workers.items()):
         expired.add_metric([shard, str(w)], int(ws.expired))
     yield expired
+    late = CounterMetricFamily("dtlab_ps_worker_late", "BSP with --backup-workers: each "
+                               "worker's gradients dropped as late (their round closed)",
+                               labels=["shard", "worker"])
+    for w, ws in sorted(s.workers.items()):
+        late.add_metric([shard, str(w)], ws.late)
+    yield late
     staleness = HistogramMetricFamily("dtlab_ps_staleness",
                                       "updates between a gradient's read and its apply",
                                       labels=["shard"])

@@ -60,7 +60,7 @@ import numpy as np
 from dtlab.models.config import build
 from dtlab.models.zoo import build_model, config_class
 from dtlab.protos import dtlab_ps_pb2 as pb
-from dtlab.pserver.common import buffers, runconfig, shm
+from dtlab.pserver.common import buffers, compressed, runconfig, shm
 from dtlab.pserver.common import codec as wire
 from dtlab.pserver.common import ranges as ranges_lib
 from dtlab.pserver.common.errors import (
@@ -112,6 +112,17 @@ class ParameterServerServicer:
         self.store.reject(err.reason)
         log.debug("%s: %s", err.status, err)
         context.abort(grpc.StatusCode[err.status], str(err))
+
+    @property
+    def term(self) -> int:
+        """The replication term every reply carries (the primary's, with --replicas 2: its
+        journal's; 0 without replicas)."""
+        journal = self.store.journal
+        return 0 if journal is None else journal.term
+
+    def _reply(self, r: PushResult) -> pb.PushReply:
+        return pb.PushReply(duplicate=r.duplicate, staleness=r.staleness, version=r.version,
+                            pending=r.pending, lr=r.lr, term=self.term)
 
     def _meta(self, version: int) -> pb.TensorMeta:
         meta = pb.TensorMeta()
@@ -213,7 +224,7 @@ class ParameterServerServicer:
             max_message_bytes=self.max_message_bytes, worker_id=worker,
             num_workers=self.num_workers, optim_config=self.optim_config,
             schedule_steps=store.schedule.total, staleness_lr=store.staleness_lr,
-            then_pull=True)
+            then_pull=True, term=self.term)
 
     def _check_run_config(self, worker: int | None, text: str) -> None:
         if not text:
@@ -290,7 +301,7 @@ class ParameterServerServicer:
     def _header(self, read: Read, code: int = 0) -> pb.PullHeader:
         meta = self._meta(read.version)
         meta.dtype = code or meta.dtype
-        return pb.PullHeader(meta=meta, not_modified=read.tensor is None)
+        return pb.PullHeader(meta=meta, not_modified=read.tensor is None, term=self.term)
 
     def _pull_stream(self, read: Read, whole_bytes: int = 0, code: int = 0) -> Iterator[bytes]:
         """Header, chunks, trailer; or the header alone (not modified); or, on a session
@@ -313,7 +324,7 @@ class ParameterServerServicer:
         """A push's reply and the pull after it in one SessionReply.push_pulled; or, for a
         tensor that does not fit one message, pushed and then the pull's stream."""
         try:
-            tensor, pushed = read.tensor, _reply(result)
+            tensor, pushed = read.tensor, self._reply(result)
             if tensor is None:
                 yield wire.wrap(PUSH_PULLED, pb.PushPulled(header=self._header(read, code),
                                                            pushed=pushed))
@@ -347,7 +358,13 @@ class ParameterServerServicer:
         if h.shard != lay.shard:
             raise InvalidArgument(f"header.shard {h.shard}: this server holds shard {lay.shard}",
                                   reason="shard")
-        if not shm:
+        if h.HasField("compressed"):
+            compressed.check_header(h.compressed, lay.length)
+            if h.meta.dtype != want.dtype:
+                raise InvalidArgument(f"meta.dtype {_dtype_name(h.meta.dtype)}: a compressed "
+                                      f"push to shard {lay.shard} carries its "
+                                      f"{_dtype_name(want.dtype)} values", reason="dtype")
+        elif not shm:
             self._wire_code(h.meta.dtype, "meta.dtype")
         elif h.meta.dtype != want.dtype:
             raise InvalidArgument(f"meta.dtype {_dtype_name(h.meta.dtype)}: shard {lay.shard} "
@@ -363,20 +380,28 @@ class ParameterServerServicer:
         """The shard ranges a push carries (PushRanges, checked), None: all of the shard."""
         if not h.HasField("ranges"):
             return None
+        if h.HasField("compressed"):
+            raise InvalidArgument("a push carries ranges or is compressed, not both",
+                                  reason="compressed")
         return ranges_lib.decode(h.ranges, self.store.layout.length)
 
-    def _gradient(self, code: int,
+    def _gradient(self, h: pb.PushHeader,
                   ranges: ranges_lib.Ranges | None = None) -> buffers.ChunkedArray:
-        """An empty received gradient of the pushed dtype `code` (the header's, checked):
-        the shard's size, or the ranges' (packed)."""
+        """An empty received gradient for header `h` (checked): of the pushed dtype, the
+        shard's size or the ranges' (packed); or a compressed push's bytes."""
+        if h.HasField("compressed"):
+            n = compressed.expected_bytes(h.compressed, self.store.layout.length,
+                                          self.store.params.itemsize)
+            return buffers.ChunkedArray(n, np.uint8, name="compressed push")
         n = self.store.params.size if ranges is None else ranges_lib.size(ranges)
-        return buffers.ChunkedArray(n, wire.dtype_of(code), finite=True, name="gradient")
+        return buffers.ChunkedArray(n, wire.dtype_of(h.meta.dtype), finite=True,
+                                    name="gradient")
 
-    def _receive(self, requests: Iterator[bytes], cls, session: bool, code: int,
-                 ranges: ranges_lib.Ranges | None = None) -> buffers.ChunkedArray:
-        """The pushed gradient, checked in full; raises on any fault. On a call the
-        trailer must be the last message; on a session the next operation follows it."""
-        grad = self._gradient(code, ranges)
+    def _receive(self, requests: Iterator[bytes], cls, session: bool,
+                 grad: buffers.ChunkedArray) -> buffers.ChunkedArray:
+        """The pushed gradient into the empty `grad`, checked in full; raises on any fault.
+        On a call the trailer must be the last message; on a session the next operation
+        follows it."""
         for raw in requests:
             kind, value = self.codec.read(cls, raw)
             if kind == "chunk":
@@ -402,9 +427,15 @@ class ParameterServerServicer:
         raise DataLoss("push stream ended without a trailer", reason="incomplete")
 
     def _whole_gradient(self, whole: wire.Whole,
-                        ranges: ranges_lib.Ranges | None = None) -> buffers.ChunkedArray:
-        grad = self._gradient(whole.header.meta.dtype, ranges)
-        if ranges is not None and len(whole.data) != grad.nbytes:
+                        grad: buffers.ChunkedArray) -> buffers.ChunkedArray:
+        h = whole.header
+        if h.HasField("compressed") and len(whole.data) != grad.nbytes:
+            kind = pb.PushCompressed.Kind.Name(h.compressed.kind)
+            raise InvalidArgument(f"a compressed push ({kind}, count {h.compressed.count}) "
+                                  f"to a shard of {self.store.layout.length} elements carries "
+                                  f"{len(whole.data)} bytes, not {grad.nbytes}",
+                                  reason="compressed")
+        if h.HasField("ranges") and len(whole.data) != grad.nbytes:
             raise InvalidArgument(f"a push of ranges holding {grad.size} elements carries "
                                   f"{len(whole.data)} bytes, not {grad.nbytes}", reason="ranges")
         whole.into(grad)
@@ -412,10 +443,12 @@ class ParameterServerServicer:
 
     def _push(self, h: pb.PushHeader, receive: Callable[..., buffers.ChunkedArray],
               skip: Callable[[], None] = lambda: None, hold: bool = False) -> PushResult:
-        """A push whose header is `h`: `receive(ranges)` gets the gradient (of the shard, or
-        of the header's ranges) and checks it in full,
-        `skip()` passes over what a duplicate still sends; `hold`: the push's own call
-        holds its worker's registration (a session holds it throughout)."""
+        """A push whose header is `h`: `receive(grad)` fills the empty gradient `grad` (of
+        the shard, of the header's ranges, or a compressed push's bytes) and checks it in
+        full, `skip()` passes over what a duplicate still sends; `hold`: the push's own
+        call holds its worker's registration (a session holds it throughout). A compressed
+        push is decoded (pserver.common.compressed) into the values of the ranges its
+        indices make, or a dense gradient."""
         self._check_header(h)
         self._identify(h.worker_id, h.registration)  # (a session's holder did already)
         ranges = self._ranges(h)
@@ -427,14 +460,21 @@ class ParameterServerServicer:
                 return result
             with self.store.receiving():
                 t0 = time.perf_counter()
-                grad = receive(ranges)
-                checked_s = grad.check_seconds
-                if grad.dtype != self.store.params.dtype:  # a half gradient: float32 now
+                grad = receive(self._gradient(h, ranges))
+                checked_s, nbytes = grad.check_seconds, grad.nbytes
+                if h.HasField("compressed"):
+                    payload = np.empty(grad.size, np.uint8)
+                    grad.copy_to(payload)
+                    grad, ranges = compressed.decode(h.compressed, payload,
+                                                     self.store.layout.length,
+                                                     self.store.params.dtype)
+                elif grad.dtype != self.store.params.dtype:  # a half gradient: float32 now
                     grad = _widened(grad, self.store.params.dtype)
                 t1 = time.perf_counter()
                 self.store.received(t1 - t0, checked_s)
                 self._traced_receive(h, t0, t1)
-                return self.store.push(h.worker_id, h.step, h.meta.version, grad, ranges)
+                return self.store.push(h.worker_id, h.step, h.meta.version, grad, ranges,
+                                       nbytes=nbytes)
 
     def _traced_receive(self, h: pb.PushHeader, start: float, end: float) -> None:
         """A received push's span in the daemon's trace (--trace), if it keeps one."""
@@ -457,14 +497,13 @@ class ParameterServerServicer:
                 if kind != "header":
                     raise InvalidArgument("push stream must start with a header", reason="order")
                 result = self._push(
-                    h, lambda r: self._receive(requests, pb.PushRequest, False, h.meta.dtype, r),
-                    hold=True)
+                    h, partial(self._receive, requests, pb.PushRequest, False), hold=True)
             except PSError as e:
                 self._fail(context, e)
             except grpc.RpcError:  # the client went away mid-stream: nothing was applied
                 self.store.reject("broken")
                 context.abort(grpc.StatusCode.CANCELLED, "push stream broke off; nothing applied")
-        return _reply(result)
+        return self._reply(result)
 
     # -- session --------------------------------------------------------------------------
 
@@ -488,7 +527,7 @@ class ParameterServerServicer:
                         result = self._push(value.header, partial(self._whole_gradient, value))
                         then = value.more.get("then_pull")
                         if then is None:
-                            yield wire.wrap(PUSHED, _reply(result))
+                            yield wire.wrap(PUSHED, self._reply(result))
                         else:
                             held.check("pull", then)
                             read = self._read(then, context, then.wait_timeout_s or None)
@@ -496,10 +535,9 @@ class ParameterServerServicer:
                                                          then.dtype)
                     elif kind == "header":
                         result = self._push(
-                            value, partial(self._receive, requests, pb.SessionRequest, True,
-                                           value.meta.dtype),
+                            value, partial(self._receive, requests, pb.SessionRequest, True),
                             lambda: self._skip(requests, pb.SessionRequest))
-                        yield wire.wrap(PUSHED, _reply(result))
+                        yield wire.wrap(PUSHED, self._reply(result))
                     elif kind == "shm_request":
                         segment = self._offer(value, segment)
                         yield wire.wrap(SHM_OFFER, segment.offer() if segment else
@@ -510,10 +548,10 @@ class ParameterServerServicer:
                         result = self._shm_push(value, segment)
                         held.check("shm_pull", value.then_pull)
                         pulled = self._shm_pull(value.then_pull, segment, context)
-                        pulled.pushed.CopyFrom(_reply(result))
+                        pulled.pushed.CopyFrom(self._reply(result))
                         yield wire.wrap(SHM_PULLED, pulled)
                     elif kind == "shm_push":
-                        yield wire.wrap(PUSHED, _reply(self._shm_push(value, segment)))
+                        yield wire.wrap(PUSHED, self._reply(self._shm_push(value, segment)))
                     elif kind == "shm_pull":
                         yield wire.wrap(SHM_PULLED, self._shm_pull(value, segment, context))
                     else:
@@ -565,6 +603,9 @@ class ParameterServerServicer:
         t0 = time.perf_counter()
         h = m.header
         self._check_header(h, shm=True)
+        if h.HasField("compressed"):
+            raise InvalidArgument("a compressed push travels over gRPC, not through shared "
+                                  "memory", reason="compressed")
         ranges = self._ranges(h)
         result = self.store.admit(h.worker_id, h.step, h.meta.version)
         if result is not None:
@@ -673,11 +714,6 @@ def _dtype_name(code: int) -> str:
     return pb.DType.Name(code) if code in pb.DType.values() else str(code)
 
 
-def _reply(r: PushResult) -> pb.PushReply:
-    return pb.PushReply(duplicate=r.duplicate, staleness=r.staleness, version=r.version,
-                        pending=r.pending, lr=r.lr)
-
-
 def histogram(h: Histogram) -> pb.Histogram:
     return pb.Histogram(counts=dict(h.counts), total=h.total, sum=h.sum, max=h.max)
 
@@ -685,7 +721,8 @@ def histogram(h: Histogram) -> pb.Histogram:
 def stats_reply(s: ShardStats, store: ShardStore) -> pb.StatsReply:
     lay = store.layout
     workers = {w: pb.WorkerStats(clock=ws.clock, next_step=ws.next_step, active=ws.active,
-                                 staleness=histogram(ws.staleness), expired=ws.expired)
+                                 staleness=histogram(ws.staleness), expired=ws.expired,
+                                 late=ws.late)
                for w, ws in s.workers.items()}
     return pb.StatsReply(
         shard=lay.shard, num_shards=lay.num_shards, consistency=CONSISTENCY[store.policy.mode],
@@ -695,7 +732,7 @@ def stats_reply(s: ShardStats, store: ShardStore) -> pb.StatsReply:
         staleness=histogram(s.staleness), workers=workers, max_clock_lead=s.max_clock_lead,
         lr=s.lr, apply_seconds=s.apply_seconds, pushes_in_flight=s.pushes_in_flight,
         receive_seconds=s.receive_seconds, check_seconds=s.check_seconds,
-        workers_dropped=s.workers_dropped,
+        workers_dropped=s.workers_dropped, late=s.late,
         expert_staleness={e: histogram(h) for e, h in s.expert_staleness.items()})
 
 

@@ -431,9 +431,13 @@ class ShardStore:
             self.check_seconds += check_seconds
 
     def push(self, worker: int, step: int, version_read: int,
-             grad: np.ndarray | ChunkedArray, ranges: Ranges | None = None) -> PushResult:
+             grad: np.ndarray | ChunkedArray, ranges: Ranges | None = None,
+             nbytes: int | None = None) -> PushResult:
         """Apply (ASP, SSP) or add to the round (BSP) one validated gradient; `ranges`: it
-        holds only these ranges of the shard, packed (pserver.common.ranges; None: all of it)."""
+        holds only these ranges of the shard, packed (pserver.common.ranges; None: all of it);
+        `nbytes`: the bytes it took on the wire, counted in bytes_received (None: its own,
+        grad.nbytes; a compressed push's payload is smaller or larger)."""
+        nbytes = grad.nbytes if nbytes is None else nbytes
         with self._cond:
             screened = self._screen(worker, step, version_read)
             if screened is not None:
@@ -443,14 +447,14 @@ class ShardStore:
                 version_read = min(version_read, self.version)
             staleness = self.version - version_read
             if staleness and self.policy.backups:
-                return self._late(worker, step, version_read, grad, ranges)
+                return self._late(worker, step, version_read, grad, ranges, nbytes)
             if self._round is not None:
                 self._round.add(worker, step, version_read, grad, ranges)
             self.experts.pushed(worker, ranges)
             state.clock += 1
             state.next_step = step + 1
             self.counters["pushes"] += 1
-            self.counters["bytes_received"] += grad.nbytes
+            self.counters["bytes_received"] += nbytes
             lr = self._lr([staleness])
             if self.journal is not None:  # the backup receives it while this applies it
                 self.journal.push(worker, step, version_read, grad, ranges)
@@ -469,14 +473,15 @@ class ShardStore:
         return self._round.contributors if self._round is not None else {}
 
     def _late(self, worker: int, step: int, version_read: int,
-              grad: np.ndarray | ChunkedArray, ranges: Ranges | None) -> PushResult:
+              grad: np.ndarray | ChunkedArray, ranges: Ranges | None,
+              nbytes: int) -> PushResult:
         """A gradient of a BSP round that closed without it (backup workers; lock held):
         dropped and counted; its worker goes on from the next step."""
         state = self.clocks.workers[worker]
         state.next_step = step + 1
         state.late += 1
         self.counters["late"] += 1
-        self.counters["bytes_received"] += grad.nbytes
+        self.counters["bytes_received"] += nbytes
         if self.journal is not None:  # the backup drops it the same way
             self.journal.push(worker, step, version_read, grad, ranges)
         result = PushResult(False, self.version - version_read, self.version, False, 0.0)

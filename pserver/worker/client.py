@@ -36,7 +36,10 @@ float32 model's gradients are pushed rounded to that dtype and its
 parameters pulled as it (the server rounds them; it keeps float32 and
 converts pushed gradients on receipt): half the bytes, over gRPC only (no
 shared memory); `pushed_bytes` and `pulled_bytes` count the values' bytes.
-and gRPC carries the rest.
+With `compress` (--compress, pserver.worker.compressed_push) each push is the
+gradient compressed once with error feedback and cut into the shards' parts
+(indices and values, or packed signs and a scale), over gRPC only;
+`pushed_bytes` counts the parts' bytes as they travel.
 
 A shard kept by a primary and a backup (`--replicas 2`) is listed as
 PRIMARY|BACKUP: pserver.worker.failover sends its calls to the primary and, when
@@ -56,9 +59,11 @@ import numpy as np
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver.common import codec as wire
 from dtlab.pserver.common import ranges as ranges_lib
+from dtlab.pserver.common.compressed import Part
 from dtlab.pserver.common.config import ClientConfig
 from dtlab.pserver.common.errors import InvalidArgument
 from dtlab.pserver.common.ranges import Ranges
+from dtlab.pserver.worker.compressed_push import CompressedPush
 from dtlab.pserver.worker.failover import SEPARATOR, ReplicatedShard
 from dtlab.pserver.worker.session import Watchdog
 from dtlab.pserver.worker.shard_client import PROCESS_REGISTRATION, WIRE_DTYPES, ShardClient
@@ -81,16 +86,25 @@ class PSClient:
     def __init__(self, cfg: ClientConfig, transport: str = "session", shm: bool = True,
                  codec: wire.HandCodec | wire.GeneratedCodec = wire.HAND,
                  registration: int = PROCESS_REGISTRATION,
-                 partition: pb.PartitionLayout | None = None, wire_dtype: str = "fp32"):
+                 partition: pb.PartitionLayout | None = None, wire_dtype: str = "fp32",
+                 compress: CompressedPush | None = None):
         if wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"wire dtype {wire_dtype!r}: one of {', '.join(WIRE_DTYPES)}")
         self.cfg = cfg
         self.wire = WIRE_DTYPES[wire_dtype]
+        if compress is not None and self.wire is not None:
+            raise ValueError(f"--compress with --wire {wire_dtype}: a compressed push carries "
+                             "its values in the model's dtype")
+        self.compress = compress
         self._wire_grad = self._wire_params = None  # (n,) the half copies --wire sends
         self._watchdog = Watchdog(min(1.0, cfg.rpc_timeout_s / 4))
         self.registration = registration
-        shm_refused = ("" if shm else "the worker runs with shm off") if self.wire is None \
-            else f"--wire {wire_dtype}: tensors travel over gRPC as {wire_dtype}"
+        if compress is not None:
+            shm_refused = "--compress: compressed pushes travel over gRPC"
+        elif self.wire is not None:
+            shm_refused = f"--wire {wire_dtype}: tensors travel over gRPC as {wire_dtype}"
+        else:
+            shm_refused = "" if shm else "the worker runs with shm off"
         make = partial(ShardClient, transport=transport, shm_refused=shm_refused, codec=codec,
                        watchdog=self._watchdog, registration=registration,
                        partition=partition, wire_dtype=self.wire)
@@ -228,6 +242,19 @@ class PSClient:
         mine = ranges_lib.within(ranges, lo, lo + shard.info.meta.shape[0])
         return ranges_lib.gather(self._slice(shard, flat_grad), mine), mine
 
+    def _parts(self, flat_grad: np.ndarray,
+               ranges: Ranges | None) -> list[tuple[np.ndarray, Ranges | None, Part | None]]:
+        """Each shard's push, (what travels, its ranges, its compressed part): `_part`'s;
+        or with --compress the gradient compressed once (the residual moves on) and each
+        shard's part of it, its bytes travelling."""
+        if self.compress is None:
+            return [(*self._part(s, flat_grad, ranges), None) for s in self.shards]
+        if ranges is not None:
+            raise ValueError("a compressed push carries no ranges")
+        bounds = [(s.info.meta.offset, s.info.meta.offset + s.info.meta.shape[0])
+                  for s in self.shards]
+        return [(p.data, None, p) for p in self.compress.parts(flat_grad, bounds)]
+
     def push(self, flat_grad: np.ndarray, step: int,
              ranges: Ranges | None = None) -> list[pb.PushReply]:
         """Push every shard's slice of `flat_grad` in parallel, each with the version it read;
@@ -235,12 +262,12 @@ class PSClient:
         disjoint), each shard the ones that meet its slice."""
         if any(v is None for v in self.versions):
             raise RuntimeError("push before a successful pull of every shard")
-        flat_grad = self._grad_on_wire(flat_grad)
+        parts = self._parts(self._grad_on_wire(flat_grad), ranges)
 
         def one(k: int) -> pb.PushReply:
             s = self.shards[k]
-            grad, mine = self._part(s, flat_grad, ranges)
-            reply = s.push(grad, self.worker, step, self.versions[k], mine)
+            grad, mine, part = parts[k]
+            reply = s.push(grad, self.worker, step, self.versions[k], mine, part)
             s.pushed_bytes += grad.nbytes
             return reply
 
@@ -259,19 +286,19 @@ class PSClient:
         flat_grad, sent = self._grad_on_wire(flat_grad), self._on_wire(flat, "params")
         known = list(self.versions)
         self.versions = [None] * len(self.shards)  # unknown until each pull succeeds
-        parts = [self._part(s, flat_grad, ranges) for s in self.shards]  # (grad, ranges)
+        parts = self._parts(flat_grad, ranges)  # (grad, ranges, compressed)
 
         def land(k: int, answer: tuple[pb.PushReply, int, bool]) -> tuple[pb.PushReply, bool]:
-            s, (grad, _) = self.shards[k], parts[k]
+            s, (grad, _, _) = self.shards[k], parts[k]
             reply, self.versions[k], changed = answer
             s.pushed_bytes += grad.nbytes
             self._landed(s, changed, flat, sent)
             return reply, changed
 
         def retried(k: int) -> tuple[pb.PushReply, bool]:
-            s, (grad, mine) = self.shards[k], parts[k]
+            s, (grad, mine, part) = self.shards[k], parts[k]
             return land(k, s.push_pull(grad, self.worker, step, known[k], self._slice(s, sent),
-                                       mine))
+                                       mine, part))
 
         answers = self._push_pull_here(step, known, parts, sent)
         missing = [k for k in range(len(self.shards)) if k not in answers]
@@ -291,8 +318,8 @@ class PSClient:
             return {}
         answers: dict[int, tuple[pb.PushReply, int, bool]] = {}
         try:
-            for s, (grad, mine), version in zip(self.shards, parts, known, strict=True):
-                s.start_push_pull(grad, self.worker, step, version, mine)
+            for s, (grad, mine, part), version in zip(self.shards, parts, known, strict=True):
+                s.start_push_pull(grad, self.worker, step, version, mine, part)
             for k, s in enumerate(self.shards):
                 answers[k] = s.finish_push_pull(self._slice(s, sent))
         except BaseException as e:

@@ -17,6 +17,12 @@ so a push that reached the backup before the primary died is answered as a
 duplicate by the new primary and applied once (Li et al. 2014). The worker's
 registration is the primary's, which the backup holds too (replicated), so
 nothing is registered again after a failover.
+
+Terms. Every reply of a replicated shard carries its primary's replication term, and
+terms only grow (a takeover, or a primary going on alone, starts a new one). `Terms`
+keeps the highest one any replica's reply carried; a reply of a lower term is a replaced
+primary's (one that lost its lease and did not know yet): it is refused as UNAVAILABLE
+before anything of it is used (a pull's values included), and the call fails over.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 
@@ -33,12 +40,31 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver.common.codec import SERVICE
 from dtlab.pserver.common.config import ClientConfig
+from dtlab.pserver.worker.session import StatusError
 
 log = logging.getLogger(__name__)
 
 SEPARATOR = "|"  # between the addresses of one shard's replicas in --servers
 _MAX_BACKOFF_S = 2.0
 _FAIL_OVER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class Terms:
+    """The highest replication term a shard's replies carried (protos/dtlab_ps.proto,
+    Terms): a reply of a lower term is a replaced primary's, refused as UNAVAILABLE."""
+
+    def __init__(self):
+        self.highest = 0
+        self._lock = threading.Lock()  # a shard's calls run one at a time; kept exact anyway
+
+    def check(self, address: str, term: int) -> None:
+        with self._lock:
+            if term < self.highest:
+                raise StatusError(grpc.StatusCode.UNAVAILABLE,
+                                  f"{address}: a reply of replication term {term}, below the "
+                                  f"term {self.highest} this shard answered in: not its "
+                                  "primary (a replaced one)")
+            self.highest = term
 
 
 class ReplicatedShard:
@@ -49,6 +75,9 @@ class ReplicatedShard:
         self.cfg = cfg
         once = dataclasses.replace(cfg, retries=0)
         self.replicas = [make(a, once) for a in addresses]
+        self.terms = Terms()  # the highest term any replica's reply carried
+        for r in self.replicas:
+            r.terms = self.terms
         self.current = 0
         self.failovers = 0  # switches from one replica to the other
         self.pushed_bytes = self.pulled_bytes = 0  # counted by PSClient, as on a ShardClient
@@ -164,12 +193,14 @@ class ReplicatedShard:
         return self._on_primary(lambda r: r.pull_into(out, worker, known_version), "Pull")
 
     def push(self, grad, worker: int, step: int, version: int,
-             ranges=None) -> pb.PushReply:
-        return self._on_primary(lambda r: r.push(grad, worker, step, version, ranges), "Push")
+             ranges=None, compressed=None) -> pb.PushReply:
+        return self._on_primary(lambda r: r.push(grad, worker, step, version, ranges,
+                                                 compressed), "Push")
 
-    def push_pull(self, grad, worker: int, step: int, version: int, out, ranges=None):
-        return self._on_primary(lambda r: r.push_pull(grad, worker, step, version, out, ranges),
-                                "PushPull")
+    def push_pull(self, grad, worker: int, step: int, version: int, out, ranges=None,
+                  compressed=None):
+        return self._on_primary(lambda r: r.push_pull(grad, worker, step, version, out, ranges,
+                                                      compressed), "PushPull")
 
     def close(self) -> None:
         for r in self.replicas:

@@ -98,6 +98,7 @@ import grpc
 import numpy as np
 
 from dtlab.models import backend
+from dtlab.models.compress import CompressConfig
 from dtlab.models.config import (
     ConfigError,
     add_flags,
@@ -127,6 +128,7 @@ from dtlab.pserver.common.config import ClientConfig
 from dtlab.pserver.common.errors import PSError
 from dtlab.pserver.common.ranges import Ranges
 from dtlab.pserver.worker.client import PSClient
+from dtlab.pserver.worker.compressed_push import CompressedPush
 from dtlab.pserver.worker.expert_push import ExpertPush
 
 log = logging.getLogger(__name__)
@@ -230,6 +232,7 @@ def start_logging() -> WorkerName:
 
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, WorkerConfig, "worker")
+    add_flags(parser, CompressConfig, "compressed push (pserver.worker.compressed_push)")
     add_flags(parser, ClientConfig, "parameter servers")
     add_group_flags(parser)
 
@@ -504,6 +507,7 @@ def main(argv: list[str]) -> int:
     if is_group(setup) and wcfg.local_steps:
         raise ConfigError("--local-steps: a model-parallel worker group (--tp/--pp) takes no "
                           "inner steps yet; leave it out there")
+    compress = compress_config(setup, wcfg)
     if wcfg.local_steps and setup.run.eval_every % wcfg.local_steps:
         raise ConfigError(f"--eval-every {setup.run.eval_every} must be a multiple of "
                           f"--local-steps {wcfg.local_steps}: the held-out loss is of the "
@@ -542,14 +546,18 @@ def main(argv: list[str]) -> int:
     if wcfg.moe_sparse_push and not session.model.moe:
         raise ConfigError(f"--moe-sparse-push needs a Mixture-of-Experts model (--moe-experts "
                           f"above 0); {setup.model_name} has no experts")
+    pusher = None if compress is None else CompressedPush(compress, session.params.size,
+                                                          session.params.dtype)
     client = PSClient(client_cfg, transport=client_cfg.transport, shm=client_cfg.shm,
-                      wire_dtype=client_cfg.wire)
+                      wire_dtype=client_cfg.wire, compress=pusher)
     try:
         first = connect(client, setup, given, session.params)
         wid = client.worker
         name.who = f"worker {wid}"
+        if pusher is not None:
+            pusher.seed(setup.run.seed, wid)
         try:
-            summary = train(session, client, wcfg, first, client_cfg, threads)
+            summary = train(session, client, wcfg, first, client_cfg, threads, compress)
         finally:
             leave(client)
     finally:
@@ -580,8 +588,24 @@ def join_servers(ns, wcfg: WorkerConfig) -> tuple[WorkerConfig, bool]:
         num_workers=wcfg.num_workers or place.workers), True
 
 
+def compress_config(setup: Setup, wcfg: WorkerConfig) -> CompressConfig | None:
+    """--compress (None: off); a ConfigError naming what it does not go with."""
+    cfg = from_namespace(CompressConfig, setup.extra)
+    if not cfg.compress:
+        return None
+    for flag, value, default in (("--local-steps", wcfg.local_steps, 0),
+                                 ("--moe-sparse-push", wcfg.moe_sparse_push, False),
+                                 ("--wire", setup.extra.wire, "fp32"),
+                                 ("--tp", setup.extra.tp, 1), ("--pp", setup.extra.pp, 1)):
+        if value not in (None, default):
+            raise ConfigError(
+                f"--compress {cfg.compress} with {flag} {value}: not supported (a dense "
+                "worker's every-step gradient, compressed in the model's dtype)")
+    return cfg
+
+
 def train(session: Session, client: PSClient, wcfg: WorkerConfig, first: int,
-          client_cfg: ClientConfig, threads) -> Summary:
+          client_cfg: ClientConfig, threads, compress: CompressConfig | None = None) -> Summary:
     """Run a registered worker from step `first`: its data shard, header and steps."""
     setup, server, wid = session.setup, client.server, client.worker
     rank, world = wcfg.data_shard(wid, server.num_workers)
@@ -606,7 +630,9 @@ def train(session: Session, client: PSClient, wcfg: WorkerConfig, first: int,
                         consistency=pb.Consistency.Name(server.consistency).lower(),
                         staleness_bound=server.staleness_bound,
                         schedule_steps=server.schedule_steps, staleness_lr=server.staleness_lr,
-                        wire=client_cfg.wire, threads=threads.as_dict(), **local)
+                        wire=client_cfg.wire, threads=threads.as_dict(), **local,
+                        **({"compress": compress.compress,
+                            "error_feedback": compress.error_feedback} if compress else {}))
     metrics = MetricsLog(run.metrics.replace("{worker}", str(wid)), header, append=first > 0)
     try:
         if wcfg.local_steps:

@@ -19,6 +19,7 @@ from dtlab.pserver.common import auth, buffers
 from dtlab.pserver.common import codec as wire
 from dtlab.pserver.common import ranges as ranges_lib
 from dtlab.pserver.common.codec import SERVICE
+from dtlab.pserver.common.compressed import Part
 from dtlab.pserver.common.config import ClientConfig
 from dtlab.pserver.common.errors import DataLoss, InvalidArgument
 from dtlab.pserver.common.ranges import Ranges
@@ -101,6 +102,7 @@ class ShardClient:
         self._health = health_pb2_grpc.HealthStub(ch)
         self.info: pb.RegisterReply | None = None
         self.registration, self.partition = registration, partition
+        self.terms = None  # a replicated shard's highest term seen (pserver.worker.failover)
 
     def _named(self, message):
         """`message` with this rank's partition id set (a group's rank), else as it is."""
@@ -166,9 +168,18 @@ class ShardClient:
             req.worker_id = worker
         if self.partition is not None:
             req.partition.CopyFrom(self.partition)
-        self.info = self._retry(lambda: self._register(
-            req, timeout=self.cfg.rpc_timeout_s, metadata=self._metadata), "Register")
+        self.info = self._retry(lambda: self._termed(self._register(
+            req, timeout=self.cfg.rpc_timeout_s, metadata=self._metadata)), "Register")
         return self.info
+
+    def _termed(self, reply):
+        """`reply` (a RegisterReply, PushReply or PullHeader) if its replication term is
+        not below the highest this shard's replies carried (`terms`, a replicated shard's:
+        pserver.worker.failover.Terms); else UNAVAILABLE, so that the call goes to the other
+        replica and nothing of the reply is used."""
+        if self.terms is not None:
+            self.terms.check(self.address, reply.term)
+        return reply
 
     def deregister(self, worker: int) -> None:
         req = self._named(pb.DeregisterRequest(worker_id=worker, registration=self.registration))
@@ -239,7 +250,7 @@ class ShardClient:
             return self._whole_into(header, out)
         if kind != "header":
             raise InvalidArgument(f"{self.address}: pull stream did not start with a header")
-        self._check_meta(header.meta, out)
+        self._check_meta(self._termed(header).meta, out)
         if header.not_modified:
             return header.meta.version, False
         received = buffers.ChunkedArray(out.size, out.dtype, into=out)
@@ -257,7 +268,7 @@ class ShardClient:
     def _whole_into(self, whole: wire.Whole, out: np.ndarray) -> tuple[int, bool]:
         """A pulled_whole or push_pulled into `out`, checked as a stream would be."""
         header = whole.header
-        self._check_meta(header.meta, out)
+        self._check_meta(self._termed(header).meta, out)
         if header.not_modified:
             return header.meta.version, False
         whole.into(buffers.ChunkedArray(out.size, out.dtype, into=out))
@@ -273,7 +284,7 @@ class ShardClient:
     def _shm_values(self, pulled: pb.ShmPulled, s: Session, out: np.ndarray) -> tuple[int, bool]:
         """A shm_pulled's values from the session's segment into `out`."""
         header = pulled.header
-        self._check_meta(header.meta, out)
+        self._check_meta(self._termed(header).meta, out)
         if header.not_modified:
             return header.meta.version, False
         checksum = buffers.copy_and_checksum(  # no view of the segment outlives the call
@@ -284,27 +295,33 @@ class ShardClient:
         return header.meta.version, True
 
     def push(self, grad: np.ndarray, worker: int, step: int, version: int,
-             ranges: Ranges | None = None) -> pb.PushReply:
+             ranges: Ranges | None = None, compressed: Part | None = None) -> pb.PushReply:
         """Stream one gradient for this shard, computed from `version`; `ranges`: `grad`
-        holds only these ranges of the shard, packed (pserver.common.ranges)."""
-        header = self._push_header(grad, worker, step, version, ranges)
+        holds only these ranges of the shard, packed (pserver.common.ranges); `compressed`:
+        `grad` is this compressed part's bytes (pserver.common.compressed)."""
+        header = self._push_header(grad, worker, step, version, ranges, compressed)
         chunk = self._chunk_bytes()
         if self.transport == "session":
             return self._retry(lambda: self._in_session(
                 lambda s: self._push_session(s, header, grad, chunk)), "Push")
-        return self._retry(lambda: self._push(wire.stream(header, grad, chunk, self.codec),
-                                              timeout=self.cfg.rpc_timeout_s,
-                                              metadata=self._metadata), "Push")
+        return self._retry(lambda: self._termed(self._push(
+            wire.stream(header, grad, chunk, self.codec), timeout=self.cfg.rpc_timeout_s,
+            metadata=self._metadata)), "Push")
 
     def _push_header(self, grad: np.ndarray, worker: int, step: int, version: int,
-                     ranges: Ranges | None = None) -> pb.PushHeader:
-        shape = list(grad.shape) if ranges is None else list(self.info.meta.shape)
-        meta = pb.TensorMeta(dtype=wire.dtype_code(grad.dtype), shape=shape,
+                     ranges: Ranges | None = None,
+                     compressed: Part | None = None) -> pb.PushHeader:
+        whole = ranges is None and compressed is None
+        shape = list(grad.shape) if whole else list(self.info.meta.shape)
+        dtype = grad.dtype if compressed is None else compressed.dtype
+        meta = pb.TensorMeta(dtype=wire.dtype_code(dtype), shape=shape,
                              offset=self.info.meta.offset, version=version)
         header = pb.PushHeader(worker_id=worker, step=step, shard=self.info.shard, meta=meta,
                                registration=self.registration)
         if ranges is not None:
             header.ranges.CopyFrom(ranges_lib.encode(ranges))
+        if compressed is not None:
+            header.compressed.CopyFrom(compressed.message)
         return self._named(header)
 
     def _chunk_bytes(self) -> int:
@@ -313,7 +330,7 @@ class ShardClient:
     def _push_session(self, s: Session, header: pb.PushHeader, grad: np.ndarray,
                       chunk: int) -> pb.PushReply:
         s.send(self._push_messages(s, header, grad, chunk))
-        return s.expect("pushed")
+        return self._termed(s.expect("pushed"))
 
     def _push_messages(self, s: Session, header: pb.PushHeader, grad: np.ndarray, chunk: int,
                        then_pull: pb.PullRequest | None = None) -> Iterable[bytes]:
@@ -337,7 +354,8 @@ class ShardClient:
                 *pull)
 
     def push_pull(self, grad: np.ndarray, worker: int, step: int, version: int,
-                  out: np.ndarray, ranges: Ranges | None = None) -> tuple[pb.PushReply, int, bool]:
+                  out: np.ndarray, ranges: Ranges | None = None,
+                  compressed: Part | None = None) -> tuple[pb.PushReply, int, bool]:
         """Push one gradient computed from `version`, then pull into `out` (which holds
         `version`): (the push's reply, the version pulled, whether `out` changed).
 
@@ -349,23 +367,24 @@ class ShardClient:
         If this raises, `out` may hold a mix of old and new values.
         """
         if self.transport != "session":
-            reply = self.push(grad, worker, step, version, ranges)
+            reply = self.push(grad, worker, step, version, ranges, compressed)
             return (reply, *self.pull_into(out, worker, version))
-        header = self._push_header(grad, worker, step, version, ranges)
+        header = self._push_header(grad, worker, step, version, ranges, compressed)
         req, chunk = self._pull_request(worker, version), self._chunk_bytes()
         return self._retry(lambda: self._in_session(
             lambda s: self._push_pull_session(s, header, grad, chunk, req, out),
             timeout=2 * self.cfg.rpc_timeout_s), "PushPull")
 
     def start_push_pull(self, grad: np.ndarray, worker: int, step: int, version: int,
-                        ranges: Ranges | None = None) -> None:
+                        ranges: Ranges | None = None, compressed: Part | None = None) -> None:
         """push_pull's first half on the open session, without retries: the push (carrying
         the pull) sent; finish_push_pull reads the answer. PSClient sends to every shard
         this way before it reads any answer, from one thread. After a failure of either
         half, end_session() and push_pull (which retries; a push is applied once)."""
         s = self._session
         with s.operation(self.cfg.rpc_timeout_s):
-            s.send(self._push_messages(s, self._push_header(grad, worker, step, version, ranges),
+            s.send(self._push_messages(s, self._push_header(grad, worker, step, version, ranges,
+                                                            compressed),
                                        grad, self._chunk_bytes(),
                                        then_pull=self._pull_request(worker, version)))
 
@@ -392,14 +411,15 @@ class ShardClient:
         if kind == "push_pulled":
             if "pushed" not in answer.more:
                 raise InvalidArgument(f"{self.address}: push_pulled without its push's reply")
-            return (answer.more["pushed"], *self._whole_into(answer, out))
+            return (self._termed(answer.more["pushed"]), *self._whole_into(answer, out))
         if kind == "shm_pulled" and s.segment is not None:
             if not answer.HasField("pushed"):
                 raise InvalidArgument(f"{self.address}: shm_pulled without its push's reply")
-            return (answer.pushed, *self._shm_values(answer, s, out))
+            return (self._termed(answer.pushed), *self._shm_values(answer, s, out))
         if kind != "pushed":
             raise StatusError(grpc.StatusCode.INTERNAL, f"{self.address}: session answered "
                                                         f"{kind} to a push, expected pushed")
+        self._termed(answer)
         if s.segment is not None:  # the pull's own shm_pull came behind the push
             return (answer, *self._shm_values(s.expect("shm_pulled"), s, out))
         return (answer, *self._receive(s.receive(), pb.SessionReply, out))

@@ -24,10 +24,12 @@ from support.pserver_util import (
     serve,
 )
 
-from dtlab.models.config import ConfigError, build
+from dtlab.models.config import ConfigError, add_flags, build
 from dtlab.models.outer import OuterConfig, make_outer, round_ends
 from dtlab.models.run.metrics import read_metrics
 from dtlab.models.run.session import build_session, parse
+from dtlab.pserver.__main__ import SERVER_OPTIM_FLAGS, server_config
+from dtlab.pserver.common.config import ServerConfig, refuse_unused_optim_flags
 from dtlab.pserver.worker.loop import check_outer, parse_args
 
 K, B = 10, 8
@@ -136,3 +138,33 @@ def test_a_local_worker_needs_servers_running_an_outer_optimizer(tmp_path):
          *TINY_MLP_FLAGS, "--local-steps", "3", "--eval-every", "4"], cwd=ROOT,
         capture_output=True, text=True, timeout=60, env=ONE_BLAS_THREAD)
     assert out.returncode == 2 and "multiple of --local-steps 3" in out.stderr, out.stderr
+
+
+def serve_flags(argv: list[str]):
+    """`dtlab-pserver serve ARGV` parsed as the daemon parses it: (its ServerConfig, flags)."""
+    setup = parse(argv, prog="serve", flags={"data": None, "optim": SERVER_OPTIM_FLAGS},
+                  add_extra=lambda p: add_flags(p, ServerConfig, "server"))
+    return server_config(setup), setup.extra
+
+
+@pytest.mark.parametrize("flag, value", [("--optimizer", "adam"), ("--lr", "0.1"),
+                                         ("--momentum", "0.9"), ("--warmup", "0")])
+def test_a_shard_with_an_outer_optimizer_refuses_the_optimizer_flags_it_would_not_use(
+        flag, value):
+    cfg, ns = serve_flags([*TINY_MLP_FLAGS, "--outer-optimizer", "nesterov", "--outer-lr", "0.7",
+                           "--outer-momentum", "0.9", flag, value])
+    with pytest.raises(ConfigError, match=f"^{flag} {value}: this shard runs --outer-optimizer "
+                                          "nesterov in place of --optimizer"):
+        refuse_unused_optim_flags(cfg, ns, SERVER_OPTIM_FLAGS)
+    cfg, ns = serve_flags([*TINY_MLP_FLAGS, flag, value])  # without one: its own optimizer's
+    refuse_unused_optim_flags(cfg, ns, SERVER_OPTIM_FLAGS)
+    cfg, ns = serve_flags([*TINY_MLP_FLAGS, "--outer-optimizer", "sgd"])  # none given
+    refuse_unused_optim_flags(cfg, ns, SERVER_OPTIM_FLAGS)
+
+
+def test_a_config_files_optimizer_goes_with_an_outer_optimizer(tmp_path):
+    """A --config file's optim section is the workers' inner optimizer: no flag, no refusal."""
+    path = tmp_path / "run.json"
+    path.write_text('{"optim": {"optimizer": "adamw", "lr": 0.001}}')
+    cfg, ns = serve_flags(["--config", str(path), *TINY_MLP_FLAGS, "--outer-optimizer", "sgd"])
+    refuse_unused_optim_flags(cfg, ns, SERVER_OPTIM_FLAGS)

@@ -42,7 +42,7 @@ def same_run(config: dict) -> dict:
     server = config.get("server", {})
     keep = ("shard", "num_shards", "dtype", "seed", "consistency", "staleness", "staleness_lr",
             "num_workers", "backup_workers", "schedule_steps", "replicas", "outer_optimizer",
-            "outer_lr", "outer_momentum")
+            "outer_lr", "outer_momentum", "outer_period")
     return {"model_name": config.get("model_name"), "model": config.get("model"),
             "optim": config.get("optim"), "server": {k: server.get(k) for k in keep}}
 

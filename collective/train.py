@@ -9,6 +9,7 @@
         --dp 2 --ep 2 [--moe-alltoall ours|mpi] [--moe-chunks 2]
     mpiexec -n 4 python -m dtlab.collective.train --model transformer --zero 1|2|3 \
         [--no-zero-reshard-after-forward]
+    python -m dtlab.collective.train --explain-hang ./dtlab-flight-12345   # after a hang
 
 The world is a dp x pp x ep x tp grid (collective/grid.py, tp fastest). With --tp 1
 every rank holds a full replica; with --tp b each group of b consecutive
@@ -72,6 +73,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from dtlab.collective import flight
 from dtlab.collective.buckets import WIRE_DTYPES, BucketReducer
 from dtlab.collective.choose import OURS
 from dtlab.collective.comm import Communicator
@@ -171,6 +173,10 @@ def add_sync_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--collective-timeout", type=float, default=None,
                        help="seconds before a stalled collective aborts the job "
                             "(default: DTLAB_COLLECTIVE_TIMEOUT or 600; 0 disables)")
+    group.add_argument("--explain-hang", metavar="DIR", default=None,
+                       help="train nothing: read the flight-recorder dumps a stalled or "
+                            "aborted job wrote into DIR (DTLAB_FLIGHT_DIR) and name the first "
+                            "collective its ranks disagree on (collective/flight.py)")
     add_method_flags(parser)
 
 
@@ -349,8 +355,23 @@ def make_grid(opts: argparse.Namespace) -> ProcessGrid:
         raise ConfigError(f"--dp {opts.dp} --pp {opts.pp} --tp {opts.tp}{ep}: {e}") from None
 
 
+def explain_hang(argv: list[str]) -> str | None:
+    """DIR of --explain-hang DIR (None without it); a ConfigError when other flags come
+    with it: it trains nothing, so they would have no effect."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--explain-hang", default=None)
+    known, rest = pre.parse_known_args(argv)
+    if known.explain_hang is not None and rest:
+        raise ConfigError(f"--explain-hang {known.explain_hang} trains nothing: not with "
+                          f"{' '.join(rest)}")
+    return known.explain_hang
+
+
 def main(argv: list[str]) -> int:
     global _stopped_cleanly
+    hang = explain_hang(argv)
+    if hang is not None:
+        return flight.main([hang])
     _, _, summary = train(parse_args(argv))
     _stopped_cleanly = bool(summary.stopped_by)
     return summary.exit_code

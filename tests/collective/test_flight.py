@@ -53,6 +53,13 @@ def test_a_rank_that_skips_an_allreduce_is_named_with_the_sequence_it_never_reac
     assert cli.returncode == 0, cli.stderr
     assert "first disagreement at sequence 6" in cli.stdout
     assert "rank 1 never reached it (last: #5 allreduce, done)" in cli.stdout
+    sync = subprocess.run([sys.executable, "-m", "dtlab.collective.train", "--explain-hang",
+                           str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert sync.returncode == 0 and sync.stdout == cli.stdout, sync.stderr  # dtlab-sync's flag
+    mixed = subprocess.run([sys.executable, "-m", "dtlab.collective.train", "--explain-hang",
+                            str(tmp_path), "--steps", "3"], capture_output=True, text=True,
+                           timeout=60)
+    assert mixed.returncode == 2 and "trains nothing: not with --steps 3" in mixed.stderr
 
 
 def test_a_rank_that_calls_another_operation_is_named(tmp_path):

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from dtlab.models.config import ConfigError, build, choice, described, non_negative, positive
 from dtlab.models.outer import OuterConfig
 
+WILDCARDS = ("0.0.0.0", "::", "")  # --bind values that listen on every network
+
 
 @dataclass
 class ServerConfig:
@@ -161,6 +163,12 @@ class ServerConfig:
         host, _, port = self.replica_of.rpartition(":")
         if self.replica_of and (not host or not port.isdigit()):
             raise ConfigError(f"--replica-of {self.replica_of!r} is not host:port")
+        if self.replicas > 1 and self.bind in WILDCARDS:
+            raise ConfigError(f"--replicas 2 with --bind {self.bind or '(empty)'}: a replica "
+                              "tells the other the address it listens on, and a wildcard "
+                              "names no host (a primary elsewhere would ask its own host "
+                              "about its backup); give this host's address, or use "
+                              "--rendezvous, which binds one by rule")
         if self.replicas > 1 and (self.tls_cert or self.resume):
             raise ConfigError("--replicas 2 does not go with "
                               f"{'--tls-cert' if self.tls_cert else '--resume'} (the replicas "

@@ -337,6 +337,7 @@ def test_a_backup_with_other_flags_is_refused_naming_them(tmp_path):
     ({"replica_of": "127.0.0.1:5"}, "give --replicas 2 too"),
     ({"replicas": 2, "replica_of": "nohostport"}, "is not host:port"),
     ({"replicas": 2, "replica_timeout_s": 0}, "replica-timeout-s"),
+    ({"replicas": 2, "bind": "0.0.0.0", "token_env": "T"}, "a wildcard names no host"),
 ])
 def test_bad_replica_flags_are_named(fields, message):
     with pytest.raises(ConfigError, match=message):

@@ -30,6 +30,9 @@ With --rendezvous the shard, --num-shards and --num-workers come from the job
 (auto: the MPI world; DIR: the launcher's environment, flags given winning),
 the address to listen on by rule unless --bind is given, and the server ends
 (its checkpoint written) once its --num-workers workers registered and left.
+With `--rendezvous auto --replicas 2` the job's 2S servers keep S shards, the
+two replicas of each on different hosts (REPLICA_RULE, in --help), each backup
+started with its primary's address as --replica-of.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from dtlab.models.run.cli import command_name, run_cli
 from dtlab.models.run.session import Setup, parse
 from dtlab.models.run.threads import share_cores
 from dtlab.pserver.common import rendezvous
-from dtlab.pserver.common.config import ServerConfig
+from dtlab.pserver.common.config import ServerConfig, refuse_unused_optim_flags
 from dtlab.pserver.server.daemon import Daemon, build_store, config_record, host_port
 
 # The workers clip their own gradients: --clip has no effect on a server.
@@ -57,6 +60,12 @@ COMMANDS = {"serve": "run one parameter-server shard (python -m dtlab.pserver se
 
 
 JOB_FIELDS = ("shard", "num_shards", "num_workers")
+REPLICA_RULE = ("With --rendezvous auto --replicas 2 the job's 2S servers keep S shards, "
+                "the two replicas of a shard on different hosts (the hosts MPI reports): "
+                "the servers sorted by host (hosts in the order of their first server "
+                "rank), the j-th keeps shard j mod S, as primary when j < S, else as "
+                "backup; refused when one host of several runs more than half the "
+                "servers (pserver/common/rendezvous.py).")
 # how often a job-launched server looks whether its workers are done
 JOB_POLL_S = 0.2
 
@@ -77,7 +86,7 @@ def server_config(setup: Setup, place: rendezvous.Place | None = None) -> Server
 
 def serve(argv: list[str]) -> int:
     prog = command_name("dtlab.pserver") + " serve"
-    setup = parse(argv, prog=prog, description="One gRPC parameter-server shard.",
+    setup = parse(argv, prog=prog, description=f"One gRPC parameter-server shard. {REPLICA_RULE}",
                   flags={"data": None, "optim": SERVER_OPTIM_FLAGS},
                   why="a server takes the model, data and optimizer flags; the workers take "
                       "--clip and the run flags (--steps, --batch-size, ...)",
@@ -85,9 +94,12 @@ def serve(argv: list[str]) -> int:
     setup.model = implied_model(setup.data, setup.model_name, setup.model)
     place, job = join(setup.extra)
     cfg = server_config(setup, place)
+    refuse_unused_optim_flags(cfg, setup.extra, SERVER_OPTIM_FLAGS)
     if cfg.rendezvous:
         cfg = dataclasses.replace(cfg, bind=rendezvous.bind_address(
             setup.extra.bind, cfg.bind_interface, job.other_hosts() if job else None))
+    if place is not None and place.replica:  # a backup: its primary's address from the job
+        cfg = dataclasses.replace(cfg, replica_of=job.primaries(None)[place.index])
     # every line names the shard: several daemons often share one console
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s shard {cfg.shard}: %(name)s: "
@@ -126,7 +138,7 @@ def join(ns) -> tuple[rendezvous.Place | None, rendezvous.MPIJob | None]:
         if given:
             raise ConfigError(f"--rendezvous auto takes {', '.join(given)} from the job: "
                               "leave it out")
-        job = rendezvous.MPIJob("server")
+        job = rendezvous.MPIJob("server", replicas=ns.replicas or 1)
         if job.place.role != "server":
             raise ConfigError("a server rank was placed as a worker")
         return job.place, job
@@ -140,7 +152,10 @@ def publish(cfg: ServerConfig, job: rendezvous.MPIJob | None, address: str) -> N
         logging.getLogger(__name__).warning("listening on every network (--bind %s) with "
                                             "neither a token nor TLS", cfg.bind)
     if job is not None:
+        if job.replicas > 1 and job.place.replica == 0:
+            job.primaries(address)
         job.addresses(address)
+        logging.getLogger(__name__).info("address %s given to the job", address)
     else:
         path = rendezvous.write_address(cfg.rendezvous, cfg.shard, cfg.num_shards, address)
         logging.getLogger(__name__).info("address %s written to %s", address, path)

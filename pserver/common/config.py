@@ -143,9 +143,15 @@ class ServerConfig:
         if self.bind_interface and not self.rendezvous:
             raise ConfigError("--bind-interface picks the address of a job's server: give "
                               "--rendezvous too, or --bind ADDR")
-        if self.rendezvous and self.replicas > 1:
-            raise ConfigError("--rendezvous starts one daemon per shard: --replicas 2 is "
-                              "launched by hand (--replica-of)")
+        if self.rendezvous not in ("", "auto") and self.replicas > 1:
+            raise ConfigError(f"--rendezvous {self.rendezvous} with --replicas 2: a "
+                              "rendezvous folder places one daemon per shard; replicas are "
+                              "placed by the MPMD launch (--rendezvous auto) or by hand "
+                              "(--replica-of)")
+        if self.rendezvous == "auto" and self.replicas > 1 and self.checkpoint_dir:
+            raise ConfigError("--rendezvous auto --replicas 2 with --checkpoint-dir: a shard's "
+                              "primary and backup would write the same shard folder; "
+                              "checkpoint replicas launched by hand, each its own folder")
 
     def outer(self) -> OuterConfig:
         """The outer optimizer's config (models.outer); ConfigError where it is wrong."""

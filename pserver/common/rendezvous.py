@@ -9,11 +9,23 @@ Roles are told apart by the program a rank runs (dtlab-pserver serve is a server
 dtlab-worker a worker), never by a rank number given by hand.
 
 MPI (`auto`). Every rank of MPI_COMM_WORLD takes part in two allgathers and MPI
-is used for nothing else: the first carries (role, host name), from which a
+is used for nothing else: the first carries (role, host, --replicas), the host
+being the one the launcher reports (MPI_Get_processor_name), from which a
 server's shard is its rank among the servers, --num-shards the number of
 servers and --num-workers the number of workers, and a worker's id its rank
 among the workers; the second carries each server's address once it listens,
 which the workers take in shard order.
+
+Replicated shards (`--replicas 2` on every server): 2S servers keep S shards,
+each on a primary and a backup placed on different hosts by this rule
+(`replica_places`): the servers sorted by host (hosts in the order of their
+first server rank, a host's servers in rank order), the j-th of them keeps shard
+j mod S, as its primary when j < S, else as its backup. Two positions S apart
+never fall in one host's run of at most S servers, so the rule holds whenever
+no host runs more than half the servers (else it is refused, naming the host);
+when every server runs on one host, both replicas of a shard share it. A third
+allgather comes between the two: the primaries' addresses, which each backup
+takes as --replica-of before it starts; the workers get `PRIMARY|BACKUP`.
 
 A directory (`DIR`, for launches without MPI: srun --multi-prog, by hand). The
 launcher's rank and size are read from its environment (models.run.launcher:
@@ -57,20 +69,50 @@ class Place:
 
     role: str  # "server" | "worker"
     index: int
-    servers: int
+    servers: int  # shards
     workers: int
+    replica: int = 0  # a server of a replicated shard: 0 its primary, 1 its backup
 
 
-def place_in(roles: list[str], rank: int) -> Place:
-    """`rank`'s place in a job whose ranks run `roles` (one per rank, in rank order)."""
+def place_in(roles: list[str], rank: int, hosts: list[str] | None = None,
+             replicas: int = 1) -> Place:
+    """`rank`'s place in a job whose ranks run `roles` on `hosts` (one per rank, in rank
+    order), its shards kept by `replicas` servers each (the module docstring's rule)."""
     servers = [r for r, role in enumerate(roles) if role == "server"]
     workers = [r for r, role in enumerate(roles) if role == "worker"]
     if not servers or not workers:
         raise ConfigError(f"the job runs {len(servers)} servers and {len(workers)} workers: "
                           "an async job needs at least one of each (mpiexec -n S dtlab-pserver "
                           "serve ... : -n W dtlab-worker ...)")
-    mine = servers if roles[rank] == "server" else workers
-    return Place(roles[rank], mine.index(rank), len(servers), len(workers))
+    if roles[rank] == "worker":
+        return Place("worker", workers.index(rank), len(servers) // replicas, len(workers))
+    if replicas == 1:
+        return Place("server", servers.index(rank), len(servers), len(workers))
+    where = hosts or ["?"] * len(roles)
+    shard, replica = replica_places([where[r] for r in servers])[servers.index(rank)]
+    return Place("server", shard, len(servers) // 2, len(workers), replica)
+
+
+def replica_places(hosts: list[str]) -> list[tuple[int, int]]:
+    """(shard, replica) of each of 2S servers running on `hosts` (in rank order), the two
+    replicas of a shard on different hosts (the module docstring's rule)."""
+    if len(hosts) % 2:
+        raise ConfigError(f"--replicas 2 needs an even number of servers (a primary and a "
+                          f"backup per shard); the job runs {len(hosts)}")
+    half, first = len(hosts) // 2, {}
+    for h in hosts:
+        first.setdefault(h, len(first))
+    crowded = {h: hosts.count(h) for h in first if hosts.count(h) > half}
+    if crowded and len(first) > 1:
+        h, n = next(iter(crowded.items()))
+        raise ConfigError(f"--replicas 2: host {h} runs {n} of the job's {len(hosts)} servers; "
+                          f"with more than {half} on one host two replicas of a shard would "
+                          "share it: spread the servers over the hosts")
+    order = sorted(range(len(hosts)), key=lambda i: (first[hosts[i]], i))
+    out = [(0, 0)] * len(hosts)
+    for j, i in enumerate(order):
+        out[i] = (j % half, j // half)
+    return out
 
 
 def env_int(env, names: tuple[str, ...]) -> int | None:
@@ -117,14 +159,23 @@ class MPIJob:
 
     joined: MPIJob | None = None  # the job this process joined, for end_job
 
-    def __init__(self, role: str, timeout_s: float = JOIN_TIMEOUT_S):
+    def __init__(self, role: str, timeout_s: float = JOIN_TIMEOUT_S, replicas: int = 0):
+        """`replicas`: a server's --replicas (a worker gives 0)."""
         from mpi4py import MPI  # only a job launched with `auto` starts MPI
 
         self.comm, self.timeout_s = MPI.COMM_WORLD, timeout_s
         MPIJob.joined = self
-        gathered = self._allgather((role, socket.gethostname()), "the job's roles")
-        self.hosts = [host for _, host in gathered]
-        self.place = place_in([r for r, _ in gathered], self.comm.rank)
+        gathered = self._allgather((role, MPI.Get_processor_name(), replicas),
+                                   "the job's roles")
+        self.hosts = [host for _, host, _ in gathered]
+        given = sorted({n for r, _, n in gathered if r == "server"})
+        if len(given) > 1:
+            raise ConfigError(f"the job's servers disagree on --replicas ({given}): give "
+                              "every server the same")
+        self.replicas = given[0] if given else 1
+        self.place = place_in([r for r, _, _ in gathered], self.comm.rank, self.hosts,
+                              self.replicas)
+        self._primaries: list[str] | None = None
 
     def _allgather(self, mine, what: str) -> list:
         arrived = self.comm.Ibarrier()
@@ -143,11 +194,27 @@ class MPIJob:
         me = self.hosts[self.comm.rank]
         return sorted({h for h in self.hosts if h != me})
 
+    def primaries(self, mine: str | None) -> list[str]:
+        """Replicated shards: every primary's address in shard order, which a backup
+        takes as --replica-of; a primary gives its own, every other rank None."""
+        gathered = self._allgather((self.place.role, self.place.replica, self.place.index,
+                                    mine), "the primaries' addresses")
+        self._primaries = [a for _, _, _, a in sorted(
+            g for g in gathered if g[0] == "server" and g[1] == 0)]
+        return self._primaries
+
     def addresses(self, mine: str | None) -> list[str]:
-        """Every server's address in shard order; a server gives its own, a worker None."""
-        gathered = self._allgather((self.place.role, self.place.index, mine),
-                                   "the servers' addresses")
-        return [a for _, _, a in sorted(g for g in gathered if g[0] == "server")]
+        """Every shard's address in shard order (a replicated one as PRIMARY|BACKUP);
+        a server gives its own, a worker None."""
+        if self.replicas > 1 and self._primaries is None:
+            self.primaries(None)  # a worker takes part in the primaries' exchange too
+        gathered = self._allgather((self.place.role, self.place.index, self.place.replica,
+                                    mine), "the servers' addresses")
+        servers = sorted(g for g in gathered if g[0] == "server")
+        if self.replicas == 1:
+            return [a for _, _, _, a in servers]
+        return ["|".join(a for _, k, _, a in servers if k == shard)
+                for shard in range(self.place.servers)]
 
 
 def end_job(rc: int) -> None:

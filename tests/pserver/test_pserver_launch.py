@@ -185,3 +185,24 @@ def test_the_job_gives_the_shard_flags_are_refused():
     assert r.returncode == 2, r
     assert r.stderr.strip().splitlines()[-1].endswith(
         "--rendezvous auto takes --shard from the job: leave it out")
+
+
+def test_the_two_replicas_of_a_shard_go_to_different_hosts():
+    """--rendezvous auto --replicas 2: the servers sorted by host, the j-th keeps shard
+    j mod S, its primary when j < S (pserver/common/rendezvous.py)."""
+    hosts = ["a", "a", "b", "b"]  # Hydra's -ppn 2: servers 0, 1 on a, 2, 3 on b
+    assert rendezvous.replica_places(hosts) == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    hosts = ["a", "b", "c", "a", "b", "c"]  # round-robin over three hosts
+    places = rendezvous.replica_places(hosts)
+    assert sorted(places) == [(k, r) for k in range(3) for r in (0, 1)]
+    for k in range(3):
+        assert len({hosts[i] for i, (shard, _) in enumerate(places) if shard == k}) == 2
+    assert rendezvous.replica_places(["x"] * 4) == [(0, 0), (1, 0), (0, 1), (1, 1)]  # one host
+    with pytest.raises(ConfigError, match="host a runs 3 of the job's 4 servers"):
+        rendezvous.replica_places(["a", "a", "a", "b"])
+    with pytest.raises(ConfigError, match="an even number of servers"):
+        rendezvous.replica_places(["a", "b", "c"])
+    roles = ["server"] * 4 + ["worker"] * 3
+    assert place_in(roles, 2, ["a", "a", "b", "b", "a", "b", "a"], 2) == \
+        Place("server", 0, 2, 3, replica=1)
+    assert place_in(roles, 5, ["a"] * 7, 2) == Place("worker", 1, 2, 3)

@@ -168,3 +168,11 @@ def test_a_config_files_optimizer_goes_with_an_outer_optimizer(tmp_path):
     path.write_text('{"optim": {"optimizer": "adamw", "lr": 0.001}}')
     cfg, ns = serve_flags(["--config", str(path), *TINY_MLP_FLAGS, "--outer-optimizer", "sgd"])
     refuse_unused_optim_flags(cfg, ns, SERVER_OPTIM_FLAGS)
+
+
+def test_the_daemon_refuses_an_optimizer_flag_beside_an_outer_optimizer():
+    r = subprocess.run([sys.executable, "-m", "dtlab.pserver", "serve", *TINY_MLP_FLAGS,
+                        "--outer-optimizer", "sgd", "--lr", "0.5", "--port", "0"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--lr 0.5: this shard runs --outer-optimizer sgd" in r.stderr, \
+        r.stderr

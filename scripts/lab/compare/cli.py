@@ -33,7 +33,11 @@ loss) multiplied into time to target (Hadjis et al. 2016, Omnivore). The
 target is the data's loss floor + 0.1 nats, or --target-loss. --trace merges
 each run's process traces into OUT/NAME.trace.json (compare/traces.py);
 --calibration FILE sets the cost model's step beside each run's measured one
-(compare/predict.py). The exit
+(compare/predict.py). --launcher says where the processes run (compare/launchers.py:
+this host, emulated hosts, real ones through mpiexec over ssh or srun in a Slurm
+allocation); on several hosts the links between them are measured first
+(compare/probe.py: an all-reduce and a gRPC probe, OUT/links.json) and named in
+the report's header. The exit
 status is 0 when every run finished, 1 when one failed, 2 for a bad config
 (named before anything starts), 130 on Ctrl-C.
 """
@@ -48,6 +52,7 @@ import math
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -57,7 +62,9 @@ from dtlab.lab.compare import (
     analysis,
     cluster,
     launch,
+    launchers,
     predict,
+    probe,
     report,
     reproductions,
     study,
@@ -84,6 +91,7 @@ TARGET_GAP = 0.1  # nats above the floor
 DEFAULT_SEEDS = 3
 EVALS = 20  # held-out evaluations a run makes when --eval-every is not given
 EVAL_SAMPLES = 256  # ... on this many examples unless --eval-samples says otherwise
+PROBE_TIMEOUT_S = 120.0  # the link probe at the start (compare/probe.py)
 
 
 def add_compare_flags(p: argparse.ArgumentParser) -> None:
@@ -114,10 +122,18 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", metavar="DIR", default="",
                    help="a new or empty folder for everything written "
                         "(default runs/compare-DATE-TIME)")
-    g.add_argument("--hosts", type=int, default=1,
-                   help="run every topology across this many emulated hosts (network "
-                        "namespaces joined by tc-shaped links; needs root and iproute2); "
-                        "1: this host, shared memory (default)")
+    g.add_argument("--launcher", choices=launchers.LAUNCHERS, default=None,
+                   help="where every run's processes run: local (this host, shared memory), "
+                        "emulated (--hosts H emulated hosts), mpiexec (--hosts a,b,...: real "
+                        "hosts, Hydra over ssh), srun (the nodes of the current Slurm "
+                        "allocation); on several hosts rank, worker or shard i goes to host "
+                        "i mod H (a --tp group on one host) and the links are probed first "
+                        "(default: emulated when --hosts is a number above 1, else local)")
+    g.add_argument("--hosts", default="1",
+                   help="local / emulated: how many hosts (emulated ones: network namespaces "
+                        "joined by tc-shaped links; needs root and iproute2; default 1: this "
+                        "host); mpiexec: the hosts' names, comma-separated (ssh reaches them "
+                        "without a password and they share this folder)")
     g.add_argument("--link-gbit", type=float, default=1.0,
                    help="each emulated host's link rate in Gbit/s (default 1)")
     g.add_argument("--tcp-cc", default="reno",
@@ -176,15 +192,9 @@ def parse_args(argv: list[str]) -> tuple[Setup, list[RunSpec]]:
             raise ConfigError(f"{flag} must be at least 1 (got {value})")
     if not opts.timeout > 0:
         raise ConfigError(f"--timeout must be positive (got {opts.timeout})")
-    if opts.hosts < 1:
-        raise ConfigError(f"--hosts must be at least 1 (got {opts.hosts})")
     if not (math.isfinite(opts.link_gbit) and opts.link_gbit > 0):
         raise ConfigError(f"--link-gbit must be a positive rate (got {opts.link_gbit})")
-    if opts.hosts > 1 and cluster.check():
-        raise ConfigError(f"--hosts {opts.hosts}: {cluster.check()}; without --hosts the "
-                          "comparison runs on this host")
-    if opts.hosts > 1 and (why := cluster.check_congestion_control(opts.tcp_cc)):
-        raise ConfigError(f"--tcp-cc {opts.tcp_cc}: {why}")
+    check_launcher(opts)
     opts.grid = study.parse_grid(opts.tune, setup.optim)
     studied = len(opts.grid.points()) > 1 or opts.seeds > 1
     if studied and (opts.sweep or opts.calibration):
@@ -196,8 +206,8 @@ def parse_args(argv: list[str]) -> tuple[Setup, list[RunSpec]]:
     if opts.calibration and opts.tp * opts.pp * opts.ep > 1:
         raise ConfigError("--calibration predicts data-parallel runs; dtlab-simulate "
                           "predicts --tp/--pp/--ep layouts")
-    opts.cal = predict.load(opts.calibration, opts.ranks, opts.hosts) if opts.calibration \
-        else None
+    opts.cal = predict.load(opts.calibration, opts.ranks, opts.emulated_hosts) \
+        if opts.calibration else None
     names = [n.strip() for n in opts.runs.split(",") if n.strip()]
     if not names:
         raise ConfigError("--runs names no run")
@@ -215,11 +225,54 @@ def parse_args(argv: list[str]) -> tuple[Setup, list[RunSpec]]:
             raise ConfigError(f"--sweep-sizes {opts.sweep_sizes!r}: needs two or more distinct "
                               "positive widths")
     specs = [RunSpec.parse(n) for n in names]
+    grouped = [s.name for s in specs if s.topology == "async"]
+    if opts.real and grouped and opts.tp * opts.pp > 1:
+        raise ConfigError(f"--launcher {opts.launcher} runs {', '.join(grouped)} as one job of "
+                          "servers and workers, whose MPI world a worker group (--tp/--pp) "
+                          "cannot have to itself: drop --tp/--pp or those runs")
     simulated = [s.name for s in specs if s.topology == "simulated"]
     if simulated and opts.tp * opts.pp * opts.ep > 1:
         raise ConfigError(f"--runs {', '.join(simulated)}: the simulated workers are one "
                           "process of whole replicas; drop --tp/--pp/--ep or the run")
     return setup, specs
+
+
+def check_launcher(opts: argparse.Namespace) -> None:
+    """--launcher and --hosts, named before anything starts: sets opts.launcher,
+    opts.emulated_hosts (H of --launcher emulated, else 1) and opts.real (the real hosts of
+    --launcher mpiexec | srun, else None)."""
+    hosts = opts.hosts.strip()
+    count = int(hosts) if hosts.isdigit() else None
+    launcher = opts.launcher or ("emulated" if count and count > 1 else "local")
+    opts.launcher, opts.emulated_hosts, opts.real = launcher, 1, None
+    if launcher in ("local", "emulated") and count is None:
+        raise ConfigError(f"--hosts {hosts!r}: --launcher {launcher} takes a number of hosts "
+                          "(host names go with --launcher mpiexec)")
+    if launcher == "local" and count != 1:
+        raise ConfigError(f"--launcher local runs on this host: --hosts {hosts} needs "
+                          "--launcher emulated (or mpiexec with the hosts' names)")
+    if launcher == "emulated":
+        if count < 2:
+            raise ConfigError(f"--launcher emulated needs --hosts 2 or more (got {hosts})")
+        if why := cluster.check():
+            raise ConfigError(f"--hosts {count}: {why}; without --hosts the comparison runs "
+                              "on this host")
+        if why := cluster.check_congestion_control(opts.tcp_cc):
+            raise ConfigError(f"--tcp-cc {opts.tcp_cc}: {why}")
+        opts.emulated_hosts = count
+    elif launcher == "mpiexec":
+        opts.real = launchers.mpiexec_hosts(hosts, launch.find_mpiexec())
+    elif launcher == "srun":
+        if hosts != "1":
+            raise ConfigError("--launcher srun runs on the allocation's nodes "
+                              "(SLURM_JOB_NODELIST): leave --hosts out")
+        opts.real = launchers.srun_hosts()
+    if opts.real and (opts.trace or opts.calibration):
+        raise ConfigError(f"--launcher {launcher} does not go with "
+                          f"{'--trace' if opts.trace else '--calibration'}: "
+                          + ("the hosts' clocks differ" if opts.trace else
+                             "the cost model predicts this host or emulated ones; "
+                             "OUT/links.json holds the measured links"))
 
 
 def check_parallel(setup: Setup) -> None:
@@ -449,7 +502,7 @@ def run_folder(lab: Lab, folder: Path, point: dict, seed: int, specs: list[RunSp
     (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     bench = Bench(folder, (folder / "config.json").resolve(), opts.ranks, opts.shards,
                   lab.setup.run.steps, opts.timeout, lab.mpiexec, lab.hosts, opts.trace,
-                  grid_of(opts))
+                  grid_of(opts), opts.real)
     if title:
         print(title, file=sys.stderr)
     board = Board(specs, lab.setup.run.steps)
@@ -554,6 +607,28 @@ def check_reproduction(lab: Lab, out: Path, summary: dict) -> None:
     print(f"{name}: {'held' if held else 'not held'}: {measured}", file=sys.stderr)
 
 
+def measured_links(lab: Lab, hosts: launchers.Hosts, out: Path) -> str:
+    """The hosts and their links in words, measured by compare/probe.py with one rank
+    per host (OUT/links.json); ConfigError naming the probe's log when it fails."""
+    path, log = out / "links.json", out / "probe.log"
+    prog = [sys.executable, "-m", "dtlab.lab.compare.probe", str(path)]
+    cmd, env = hosts.line([(len(hosts.names), prog)], list(range(len(hosts.names))), out,
+                          "probe")
+    proc = lab.procs.start(cmd, log, env)
+    try:
+        proc.wait(timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        lab.procs.stop([proc])
+    if proc.returncode or not path.exists():
+        raise ConfigError(f"the link probe across {', '.join(hosts.names)} failed "
+                          f"({launch.tail(log).strip()}); nothing else ran")
+    links = json.loads(path.read_text())
+    return f"{hosts.describe()}; links measured at the start ({path.name}): " + \
+        probe.describe(links)
+
+
 def finish(out: Path, results: list[report.Result]) -> int:
     print(f"report: {out / 'report.md'}")
     failed = [r.name for r in results if not r.ok]
@@ -589,13 +664,16 @@ def main(argv: list[str]) -> int:
     lab = Lab(setup, data, floor, target, mpiexec, Processes())
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # cleaned up as Ctrl-C is
     try:
-        if opts.hosts > 1:
-            lab.hosts = cluster.EmulatedCluster(opts.hosts, opts.link_gbit, out,
+        if opts.launcher == "emulated":
+            lab.hosts = cluster.EmulatedCluster(opts.emulated_hosts, opts.link_gbit, out,
                                                 opts.tcp_cc).__enter__()
             data["cluster"] = lab.hosts.describe()
-            data["emulated"] = {"hosts": opts.hosts, "link_gbit": opts.link_gbit,
+            data["emulated"] = {"hosts": opts.emulated_hosts, "link_gbit": opts.link_gbit,
                                 "tcp_cc": lab.hosts.congestion_control()}
             print(lab.hosts.describe(), file=sys.stderr)
+        if opts.real:
+            data["cluster"] = measured_links(lab, opts.real, out)
+            print(data["cluster"], file=sys.stderr)
         if trivial:
             return run_single(lab, out, specs, load_before)
         return run_study(lab, out, specs, grid, load_before)

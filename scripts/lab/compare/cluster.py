@@ -13,7 +13,14 @@ netem is not available on every kernel, tbf is. MPICH's Hydra starts its
 proxies through `-launcher ssh -launcher-exec <script>`: the script enters
 the host's namespace, and `unshare --uts` gives it its own hostname, so MPI
 sees one node per host (no shared-memory path between them, our
-collectives' MPI-3 windows included). UCX_TLS=tcp,self keeps the wheel's
+collectives' MPI-3 windows included), and `unshare --mount` its own boot id
+(a file bound over /proc/sys/kernel/random/boot_id), so the parameter
+server's shared memory, which it offers only within one boot of one kernel,
+is never used between hosts, as between machines. Each host resolves every
+host's name (/etc/netns/<ns>/hosts, which `ip netns exec` binds over
+/etc/hosts, as a cluster's DNS would) and has a default route through the
+bridge: a job's servers find the address the other hosts reach them on by
+the rule of pserver/common/rendezvous.py, as on real hosts. UCX_TLS=tcp,self keeps the wheel's
 UCX off shared memory: with `sm` listed, UCX would move data between
 namespaces of one kernel without ever touching the link. The qdisc byte
 counters show the bytes did cross it. Each host owns an equal share of the
@@ -46,6 +53,7 @@ import re
 import shutil
 import signal
 import subprocess
+import uuid
 from pathlib import Path
 
 LAUNCHER = """#!/bin/sh
@@ -57,10 +65,12 @@ host="$1"; shift
 case "$host" in
 %(cpus)s
 esac
-exec ip netns exec "%(prefix)s-$host" taskset -c "$cpus" unshare --uts sh -c "hostname $host; $*"
+exec ip netns exec "%(prefix)s-$host" taskset -c "$cpus" unshare --uts --mount sh -c \
+    "mount --bind %(work)s/boot-id-$host /proc/sys/kernel/random/boot_id; hostname $host; $*"
 """
 BURST = "256kb"  # tbf bucket: a few packets' worth at 1 Gbit/s
 LATENCY = "50ms"  # tbf queue limit, as time
+NETNS_ETC = Path("/etc/netns")  # ip netns exec binds NETNS_ETC/<ns>/FILE over /etc/FILE
 
 
 # where iproute2 lives on machines whose PATH lacks the admin folders (a container's root)
@@ -100,6 +110,16 @@ def _run(*cmd: str) -> str:
     if r.returncode:
         raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip() or r.returncode}")
     return r.stdout
+
+
+def kill_in(namespace: str) -> int:
+    """SIGKILL every process in network namespace `namespace`; how many there were."""
+    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True,
+                          text=True).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+    return len(pids)
 
 
 class EmulatedCluster:
@@ -148,6 +168,7 @@ class EmulatedCluster:
                 _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
                 _run("ip", "-n", ns, "link", "set", "eth0", "up")
                 _run("ip", "-n", ns, "link", "set", "lo", "up")
+                _run("ip", "-n", ns, "route", "add", "default", "via", f"{self.subnet}.254")
                 if self.tcp_cc != "host":
                     _run("ip", "netns", "exec", ns, "sysctl", "-qw",
                          f"net.ipv4.tcp_congestion_control={self.tcp_cc}")
@@ -155,9 +176,16 @@ class EmulatedCluster:
                      "tbf", "rate", f"{self.gbit * 1000:g}mbit", "burst", BURST,
                      "latency", LATENCY)
             self.work.mkdir(parents=True, exist_ok=True)
+            names = "".join(f"{self.address(i)} {h}\n" for i, h in enumerate(self.host_names))
+            for i, h in enumerate(self.host_names):
+                (NETNS_ETC / self.namespace(i)).mkdir(parents=True, exist_ok=True)
+                (NETNS_ETC / self.namespace(i) / "hosts").write_text(
+                    f"127.0.0.1 localhost\n{names}")
+                (self.work / f"boot-id-{h}").write_text(f"{uuid.uuid4()}\n")
             cases = "\n".join(f"  {h}) cpus={self.cpu_list(i)} ;;"
                               for i, h in enumerate(self.host_names))
-            self.launcher.write_text(LAUNCHER % {"prefix": self.prefix, "cpus": cases})
+            self.launcher.write_text(LAUNCHER % {"prefix": self.prefix, "cpus": cases,
+                                                "work": self.work.resolve()})
             self.launcher.chmod(0o755)
         except BaseException:
             self.close()
@@ -170,14 +198,15 @@ class EmulatedCluster:
     def close(self) -> None:
         """Kill what runs in the namespaces, delete them and the bridge."""
         for ns in self.made:
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
-                                  text=True).stdout.split()
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid), signal.SIGKILL)
+            kill_in(ns)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
         self.made.clear()
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+    def kill(self, host: int) -> int:
+        """Host `host` dies: every process in it killed (SIGKILL); how many there were."""
+        return kill_in(self.namespace(host))
 
     def mpiexec_args(self, slots: int = 1) -> list[str]:
         """Hydra flags that put ranks round-robin on the hosts in blocks of `slots`

@@ -38,7 +38,16 @@ or worker r on host r mod H, with --tp T blocks of T consecutive ranks (a
 tensor-parallel group) instead of single ranks (mpiexec through the namespace launcher), shard
 k on host k mod H listening on that host's address; shared memory is off
 between workers and servers (--no-shm: the hosts share one kernel), and each
-run records the bytes its hosts' shaped links sent.
+run records the bytes its hosts' shaped links sent. On real hosts (--launcher
+mpiexec | srun, compare/launchers.py) the same rule places every rank, and an
+async run is one job of servers and workers (`run_job`):
+
+    mpiexec -launcher ssh -hosts a,b -rankmap 0,1,0,1 \
+        -n S dtlab-pserver serve --config CFG --rendezvous auto --port 0 --consistency C ... \
+      : -n N dtlab-worker --config CFG --servers auto --metrics OUT/NAME.w{worker}.jsonl
+    srun -n S+N --distribution=arbitrary ... --multi-prog OUT/NAME.conf
+        (the servers with --rendezvous OUT/NAME.rv --num-shards S, the workers with
+         --servers auto --rendezvous OUT/NAME.rv)
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dtlab.lab.compare.cluster import EmulatedCluster
+from dtlab.lab.compare.launchers import Hosts, async_hosts, rank_hosts
 from dtlab.lab.compare.processes import Processes
 from dtlab.lab.programs import program
 from dtlab.models.config import ConfigError
@@ -206,6 +216,7 @@ class Bench:
     cluster: EmulatedCluster | None = None
     trace: bool = False  # every process writes a Chrome trace into `out`
     grid: Grid = field(default_factory=Grid)
+    hosts: Hosts | None = None  # real hosts (--launcher mpiexec | srun)
 
     @property
     def eval_every(self) -> int:
@@ -306,15 +317,21 @@ def run_sync(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
              deadline: float) -> Outcome:
     metrics = bench.out / f"{spec.name}.jsonl"
     log = bench.out / f"{spec.name}.log"
-    cmd = [bench.mpiexec, *mpiexec_args(bench), "-n", str(bench.processes()),
-           *program("dtlab-sync"), "--config", str(bench.config),
-           *(["--zero", str(spec.zero)] if spec.zero else ["--allreduce", spec.allreduce]),
-           *method_flags(spec, bench), "--metrics", str(metrics),
-           *bench.grid.flags(sync=True)]
+    prog = [*program("dtlab-sync"), "--config", str(bench.config),
+            *(["--zero", str(spec.zero)] if spec.zero else ["--allreduce", spec.allreduce]),
+            *method_flags(spec, bench), "--metrics", str(metrics),
+            *bench.grid.flags(sync=True)]
     if bench.trace:
-        cmd += ["--trace", str(bench.out / f"{spec.name}.trace.{{rank}}.json")]
+        prog += ["--trace", str(bench.out / f"{spec.name}.trace.{{rank}}.json")]
+    n, env = bench.processes(), bench.cluster.env if bench.cluster else None
+    if bench.hosts:
+        cmd, env = bench.hosts.line([(n, prog)], rank_hosts(n, bench.grid.tp,
+                                                            len(bench.hosts.names)),
+                                    bench.out, spec.name)
+    else:
+        cmd = [bench.mpiexec, *mpiexec_args(bench), "-n", str(n), *prog]
     outcome = Outcome(spec, [metrics], [cmd])
-    main = procs.start(cmd, log, bench.cluster.env if bench.cluster else None)
+    main = procs.start(cmd, log, env)
     try:
         outcome.error = _wait(procs, main, [], deadline, bench.timeout_s, [metrics], watch)
     finally:
@@ -371,8 +388,46 @@ def run_simulated(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
     return outcome
 
 
+def run_job(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
+            deadline: float) -> Outcome:
+    """An async run on real hosts: its servers and workers as one job (module docstring),
+    which ends by itself once the workers are done (the servers then exit)."""
+    name, out, hosts = spec.name, bench.out, bench.hosts
+    metrics = [out / f"{name}.w{w}.jsonl" for w in range(bench.ranks + spec.backups)]
+    if hosts.kind == "mpiexec":
+        meet, find = ["--rendezvous", "auto"], []
+    else:
+        rv = out / f"{name}.rv"
+        meet = ["--rendezvous", str(rv), "--num-shards", str(bench.shards)]
+        find = ["--rendezvous", str(rv)]
+    given = server_flags(spec, bench)
+    at = given.index("--num-workers")
+    server = [*program("dtlab-pserver"), "serve", "--config", str(bench.config), *meet,
+              "--port", "0", *given[:at], *given[at + 2:], "--staleness-lr", spec.staleness_lr,
+              *(["--staleness", str(spec.staleness)] if spec.consistency == "ssp" else [])]
+    workers = bench.processes(spec.backups)
+    worker = [*program("dtlab-worker"), "--config", str(bench.config), "--servers", "auto",
+              *find, "--metrics", str(out / f"{name}.w{{worker}}.jsonl"),
+              *method_flags(spec, bench)]
+    cmd, env = hosts.line([(bench.shards, server), (workers, worker)],
+                          async_hosts(bench.shards, workers, bench.grid.tp, len(hosts.names)),
+                          out, name)
+    outcome = Outcome(spec, metrics, [cmd])
+    log = out / f"{name}.log"
+    main = procs.start(cmd, log, env)
+    try:
+        outcome.error = _wait(procs, main, [], deadline, bench.timeout_s, metrics, watch)
+    finally:
+        procs.stop([main])
+    if outcome.error:
+        outcome.tail = tail(log)
+    return outcome
+
+
 def run_async(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
               deadline: float) -> Outcome:
+    if bench.hosts:
+        return run_job(spec, bench, procs, watch, deadline)
     name, out = spec.name, bench.out
     metrics = [out / f"{name}.w{w}.jsonl" for w in range(bench.ranks + spec.backups)]
     outcome = Outcome(spec, metrics)

@@ -67,7 +67,11 @@ def test_run_names_say_the_method():
              "sync-sign-noef": dict(compress="sign", error_feedback=False),
              "sync-powersgd4": dict(compress="powersgd:4"),
              "async-local8": dict(topology="async", consistency="asp", local_steps=8),
-             "async-bsp-backup2": dict(topology="async", consistency="bsp", backups=2)}
+             "async-bsp-backup2": dict(topology="async", consistency="bsp", backups=2),
+             "async-diloco20": dict(topology="async", local_steps=20, outer="diloco"),
+             "async-bsp-topk1": dict(topology="async", consistency="bsp", compress="topk:0.01"),
+             "async-asp-sign-noef": dict(topology="async", consistency="asp", compress="sign",
+                                         error_feedback=False)}
     for name, fields in cases.items():
         spec = RunSpec.parse(name)
         assert {k: getattr(spec, k) for k in fields} == fields, name
@@ -75,7 +79,8 @@ def test_run_names_say_the_method():
     for bad, why in (("sync-topk0", "a percent P in (0, 100]"),
                      ("sync-topk150", "a percent P in (0, 100]"),
                      ("sync-local0", "unknown run"), ("async-bsp-backup0", "unknown run"),
-                     ("sync-powersgd", "unknown run")):
+                     ("sync-powersgd", "unknown run"), ("async-bsp-topk0", "a percent P"),
+                     ("async-ssp2-sign", "unknown run")):
         with pytest.raises(ConfigError, match=re.escape(why)):
             RunSpec.parse(bad)
 
@@ -158,3 +163,21 @@ def test_the_study_report_shows_loss_against_bytes_and_rounds(tmp_path):
         assert m["rounds_per_step"]["mean"] == pytest.approx(0.2)
         row = next(x for x in report.splitlines() if x.startswith(f"| {name} |"))
         assert f"| {m['bytes_per_step']['mean'] / 1e6:.3g}" in row and "| 0.2 |" in row
+
+
+def test_async_compressed_pushes_and_delayed_nesterov_run_in_the_comparison(tmp_path):
+    """async-bsp-topk1 pushes top-1% (indices and values: 8 bytes each of k), async-diloco5
+    runs its servers' Delayed Nesterov with one period per worker; both train."""
+    out = tmp_path / "out"
+    r = compare(*MLP, *ONCE, "--runs", "async-bsp,async-bsp-topk1,async-diloco5", "--steps",
+                "10", "--eval-every", "5", "--lr", "0.01", "--shards", "1", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    runs = {x["name"]: x for x in json.loads((out / "summary.json").read_text())["runs"]}
+    assert all(x["status"] == "ok" for x in runs.values()), runs
+    server, workers = runs["async-diloco5"]["commands"]
+    assert server[server.index("--outer-optimizer") + 1] == "delayed-nesterov"
+    assert server[server.index("--outer-period") + 1] == "2"
+    assert "--compress" in runs["async-bsp-topk1"]["commands"][1]
+    n = json.loads((out / "summary.json").read_text())["n_params"]
+    pushed = [x["push_bytes"] for x in records(out / "async-bsp-topk1.w0.jsonl")]
+    assert pushed and all(b == 8 * -(-n // 100) for b in pushed), (pushed, n)

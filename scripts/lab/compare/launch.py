@@ -12,9 +12,13 @@
         S x dtlab-pserver serve --config CFG --shard k --num-shards S --port 0 --num-workers N
               --consistency C [--staleness S] --staleness-lr none|divide --ready-file ...
         mpiexec -n N dtlab-worker --config CFG --servers ... --metrics OUT/NAME.w{worker}.jsonl
-    async-localH                                    (async local SGD, ASP servers)
+    async-localH | async-dilocoH                    (async local SGD, ASP servers; DiLoCo:
+                                                     Delayed Nesterov, Liu et al. 2024)
         ... dtlab-pserver serve ... --consistency asp --outer-optimizer sgd --outer-lr 1
+              [delayed-nesterov --outer-lr 0.7 --outer-momentum 0.9 --outer-period N]
         ... dtlab-worker ... --local-steps H
+    async-bsp-topkP | async-asp-randkP | async-bsp-sign ..., each optionally with -noef
+        ... dtlab-worker ... --compress topk:P/100 | randk:P/100 | sign  (compressed pushes)
     async-bsp-backupB                               (Chen et al. 2016)
         ... dtlab-pserver serve ... --consistency bsp --num-workers N+B --backup-workers B
         mpiexec -n N+B dtlab-worker ...   (--ranks is N: a round applies N gradients)
@@ -74,14 +78,19 @@ RUN_NAME = re.compile(r"sync-(?P<allreduce>ring|auto|naive|mpi)|sync-zero(?P<zer
                       r"|sync-(?P<local>local|diloco)(?P<H>[1-9]\d*)"
                       r"|sync-(?P<compress>(?P<sparse>topk|randk)(?P<percent>\d+(\.\d+)?)"
                       r"|sign|powersgd(?P<rank>[1-9]\d*))(?P<noef>-noef)?"
-                      r"|async-local(?P<async_H>[1-9]\d*)|async-bsp-backup(?P<backups>[1-9]\d*)"
+                      r"|async-(?P<async_local>local|diloco)(?P<async_H>[1-9]\d*)"
+                      r"|async-bsp-backup(?P<backups>[1-9]\d*)"
+                      r"|async-(?P<ccons>bsp|asp)-(?P<acompress>(?P<asparse>topk|randk)"
+                      r"(?P<apercent>\d+(\.\d+)?)|sign)(?P<anoef>-noef)?"
                       r"|async-(?P<consistency>bsp|asp|ssp(?P<bound>\d+))(?P<div>-div)?"
                       r"|sim-asp(?P<sim_div>-div)?")
 KNOWN = ("sync-ring, sync-auto, sync-naive, sync-mpi, sync-zero1/2/3, sync-localH, "
          "sync-dilocoH (H: inner steps per round), sync-topkP, sync-randkP (P: percent), "
          "sync-sign, sync-powersgdR (R: rank), each compressed one optionally with -noef; "
          "async-bsp, async-sspS (S: the bound), async-asp, each optionally with -div; "
-         "async-localH, async-bsp-backupB (B backup workers beside the N); "
+         "async-localH, async-dilocoH (Delayed Nesterov servers), async-bsp-backupB (B "
+         "backup workers beside the N), async-bsp-topkP, async-asp-sign, ... (compressed "
+         "pushes), each optionally with -noef; "
          "sim-asp, sim-asp-div (N workers simulated in one process)")
 DILOCO = ("nesterov", 0.7, 0.9)  # Douillard et al. 2023's outer optimizer, lr, momentum
 POLL_S = 0.2
@@ -127,7 +136,15 @@ class RunSpec:
             return cls(name, "sync", allreduce="ring", compress=kind + value,
                        error_feedback=not m["noef"])
         if m["async_H"]:
-            return cls(name, "async", consistency="asp", local_steps=int(m["async_H"]))
+            return cls(name, "async", consistency="asp", local_steps=int(m["async_H"]),
+                       outer="diloco" if m["async_local"] == "diloco" else "sgd")
+        if m["acompress"]:
+            kind = m["asparse"] or "sign"
+            if m["asparse"] and not 0 < float(m["apercent"]) <= 100:
+                raise ConfigError(f"--runs {name}: {kind}P takes a percent P in (0, 100]")
+            value = "" if kind == "sign" else f":{float(m['apercent']) / 100:g}"
+            return cls(name, "async", consistency=m["ccons"], compress=kind + value,
+                       error_feedback=not m["anoef"])
         if m["backups"]:
             return cls(name, "async", consistency="bsp", backups=int(m["backups"]))
         if name.startswith("sim-"):
@@ -141,13 +158,17 @@ class RunSpec:
         if self.zero:
             return f"sync, ZeRO stage {self.zero}"
         if self.local_steps:
-            outer = ("outer Nesterov lr 0.7, momentum 0.9 (DiLoCo)" if self.outer == "diloco"
-                     else "outer SGD lr 1 (model averaging)")
+            outer = "outer SGD lr 1 (model averaging)"
+            if self.outer == "diloco":
+                outer = ("outer Nesterov lr 0.7, momentum 0.9 (DiLoCo)" if self.topology == "sync"
+                         else "outer Delayed Nesterov lr 0.7, momentum 0.9, period N (Liu et "
+                              "al. 2024)")
             where = "sync" if self.topology == "sync" else "async (ASP servers)"
             return f"{where} local SGD, {self.local_steps} inner steps a round, {outer}"
         if self.compress:
             ef = "error feedback" if self.error_feedback else "no error feedback"
-            return f"sync, gradients compressed {self.compress}, {ef}"
+            where = "sync" if self.topology == "sync" else f"async {self.consistency.upper()}"
+            return f"{where}, gradients compressed {self.compress}, {ef}"
         if self.backups:
             return f"async, BSP with {self.backups} backup worker(s) beside the N"
         if self.topology == "sync":
@@ -364,9 +385,12 @@ def server_flags(spec: RunSpec, bench: Bench) -> list[str]:
     if spec.backups:
         out += ["--backup-workers", str(spec.backups)]
     if spec.local_steps:
-        outer = DILOCO if spec.outer == "diloco" else ("sgd", 1.0, 0.0)
+        outer = (("delayed-nesterov", *DILOCO[1:]) if spec.outer == "diloco"
+                 else ("sgd", 1.0, 0.0))
         out += ["--outer-optimizer", outer[0], "--outer-lr", str(outer[1]),
                 "--outer-momentum", str(outer[2])]
+        if spec.outer == "diloco":  # momentum once per N outer gradients: one a worker
+            out += ["--outer-period", str(workers)]
     return out
 
 

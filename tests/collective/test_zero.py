@@ -125,6 +125,14 @@ def dp3(tmp_path_factory, dp2):
 
 
 @pytest.fixture(scope="module")
+def dp4(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dp4")
+    cases = [case(f"{label}-f64-z{z}", model, REORDERED, z, tmp / f"{label}-f64-{z}")
+             for label, model in (("mlp", MLP), ("lm", LM)) for z in STAGES]
+    return tmp, launch(tmp, 4, cases)[0]
+
+
+@pytest.fixture(scope="module")
 def back2(tmp_path_factory, dp2, dp3):
     """dp 3's checkpoints of step 6 (newer than dp 2's of step 4) resumed at dp 2."""
     tmp, ck = tmp_path_factory.mktemp("back2"), dp2[0]
@@ -139,7 +147,7 @@ def single(tmp_path_factory):
     """One process on the global batch of dp N: all N B k examples in one batch."""
     tmp = tmp_path_factory.mktemp("single")
     cases = []
-    for n in (2, 3):
+    for n in (2, 3, 4):
         for label, model in (("mlp", MLP), ("lm", LM)):
             c = case(f"{label}-{n}", model, REORDERED, "0")
             argv = c["argv"][:-2]  # no --zero: the single-process trainer
@@ -165,10 +173,10 @@ def test_stage3_kept_after_forward_and_inline_are_bit_for_bit(dp2):
     assert np.array_equal(out["mlp-clip-z3-inline"], out["mlp-clip-z0"])
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("label", ["mlp", "lm"])
-def test_reordered_sums_agree_in_float64(dp2, dp3, single, n, label):
-    out = (dp2 if n == 2 else dp3)[1]
+def test_reordered_sums_agree_in_float64(dp2, dp3, dp4, single, n, label):
+    out = {2: dp2, 3: dp3, 4: dp4}[n][1]
     plain, one = out[f"{label}-f64-z0"], single[f"{label}-{n}"]
     assert rel(plain, one) < 1e-12
     for z in STAGES[1:]:
@@ -178,9 +186,9 @@ def test_reordered_sums_agree_in_float64(dp2, dp3, single, n, label):
         assert rel(got, one) < 1e-12, (n, label, z, rel(got, one))
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_sent_bytes_and_memory_against_the_formulas(dp2, dp3, n):
-    tmp = (dp2 if n == 2 else dp3)[0]
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_sent_bytes_and_memory_against_the_formulas(dp2, dp3, dp4, n):
+    tmp = {2: dp2, 3: dp3, 4: dp4}[n][0]
     for label in ("mlp", "lm"):
         for z in STAGES:
             header, records = read_metrics(str(tmp / f"{label}-f64-{z}"))

@@ -184,7 +184,7 @@ PRESETS = {
         _backup_workers),
     "error-feedback": Reproduction(
         ("--runs", "sync-ring,sync-topk1,sync-topk1-noef,sync-sign,sync-sign-noef",
-         "--optimizer", "sgd", "--momentum", "0.9"),
+         "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.2"),
         "Karimireddy et al. 2019 (error feedback fixes SignSGD and other compressors): "
         "with SGD + momentum, top-1% and scaled sign without error feedback end with a "
         "gap to dense's final held-out loss larger than the noise; with error feedback "

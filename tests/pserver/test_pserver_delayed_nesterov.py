@@ -89,3 +89,29 @@ def test_its_flags_are_checked():
     with pytest.raises(ConfigError, match="--outer-period must be positive|outer_period"):
         build(ServerConfig, {"outer_optimizer": "delayed-nesterov", "outer_momentum": 0.9,
                              "outer_period": 0})
+
+
+def test_a_shard_saved_mid_period_resumes_where_it_was(tmp_path):
+    """Saved after 4 outer gradients of period 3 (one into a period: the buffer Delta
+    holds it, the velocity the first period's), resumed, and pushed 4 more: the shard
+    equals a DelayedNesterov stepped on all 8 without a stop."""
+    params = initial_params(dtype="float64")
+    twin = params.data.copy()
+    dn = DelayedNesterov(twin, 0.7, 0.9, period=3)
+    grads = [np.random.default_rng(10 + i).standard_normal(params.size) for i in range(8)]
+    run = {"dtype": "float64", "outer_optimizer": "delayed-nesterov", "outer_lr": 0.7,
+           "outer_momentum": 0.9, "outer_period": 3, "checkpoint_dir": str(tmp_path / "ck")}
+    flat = np.empty(params.size, np.float64)
+    for part, resume in ((range(4), False), (range(4, 8), True)):
+        with serve(shards=1, resume=resume, **run) as daemons:
+            c = connect(addresses(daemons), 0, params)
+            try:
+                c.pull(flat)
+                for step in part:
+                    c.push_pull(grads[step], step, flat)
+                    dn.step(twin, grads[step])
+                    np.testing.assert_array_equal(flat, twin)
+                if not resume:
+                    c.shards[0].save_checkpoint()
+            finally:
+                c.close()

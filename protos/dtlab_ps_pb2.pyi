@@ -90,7 +90,7 @@ class PartitionLayout(_message.Message):
     def __init__(self, id: _Optional[int] = ..., count: _Optional[int] = ..., specs: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("shard", "num_shards", "model_size", "meta", "consistency", "staleness_bound", "next_step", "max_message_bytes", "worker_id", "num_workers", "optim_config", "schedule_steps", "staleness_lr", "then_pull", "term")
+    __slots__ = ("shard", "num_shards", "model_size", "meta", "consistency", "staleness_bound", "next_step", "max_message_bytes", "worker_id", "num_workers", "optim_config", "schedule_steps", "staleness_lr", "then_pull", "term", "outer_config")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MODEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class RegisterReply(_message.Message):
     STALENESS_LR_FIELD_NUMBER: _ClassVar[int]
     THEN_PULL_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
+    OUTER_CONFIG_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     model_size: int
@@ -121,7 +122,8 @@ class RegisterReply(_message.Message):
     staleness_lr: str
     then_pull: bool
     term: int
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., model_size: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., staleness_bound: _Optional[int] = ..., next_step: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., optim_config: _Optional[str] = ..., schedule_steps: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., then_pull: _Optional[bool] = ..., term: _Optional[int] = ...) -> None: ...
+    outer_config: str
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., model_size: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., staleness_bound: _Optional[int] = ..., next_step: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., optim_config: _Optional[str] = ..., schedule_steps: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., then_pull: _Optional[bool] = ..., term: _Optional[int] = ..., outer_config: _Optional[str] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

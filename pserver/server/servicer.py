@@ -99,6 +99,9 @@ class ParameterServerServicer:
         server = config.get("server", {})
         self.num_workers = server.get("num_workers", 0)
         self.optim_config = json.dumps(config.get("optim", {}), sort_keys=True)
+        outer = {k: v for k, v in server.items() if k.startswith("outer_")}
+        self.outer_config = json.dumps(outer, sort_keys=True) \
+            if outer.get("outer_optimizer", "none") != "none" else ""
         self.check_registration = not server.get("unchecked_registration", False)
         self._record, self._description = config, None  # Describe's, made on first use
         self.shm, self.codec, self.boot_id = shm, codec, shm and _boot_id()
@@ -224,7 +227,7 @@ class ParameterServerServicer:
             max_message_bytes=self.max_message_bytes, worker_id=worker,
             num_workers=self.num_workers, optim_config=self.optim_config,
             schedule_steps=store.schedule.total, staleness_lr=store.staleness_lr,
-            then_pull=True, term=self.term)
+            then_pull=True, term=self.term, outer_config=self.outer_config)
 
     def _check_run_config(self, worker: int | None, text: str) -> None:
         if not text:

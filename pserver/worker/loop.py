@@ -623,7 +623,8 @@ def train(session: Session, client: PSClient, wcfg: WorkerConfig, first: int,
     local = {}
     if wcfg.local_steps:  # setup.optim is this worker's inner optimizer
         check_outer(servers_optim)
-        local = {"local_steps": wcfg.local_steps, "outer_optim": servers_optim}
+        local = {"local_steps": wcfg.local_steps, "outer_optim": servers_optim,
+                 "outer": json.loads(server.outer_config or "{}")}  # what the servers run
     else:
         setup.optim = build(OptimConfig, {**servers_optim, "clip": setup.optim.clip})
     header = run_header(session, "async", worker=wid, servers=client_cfg.addresses(),

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from dtlab.lab.compare.analysis import ran_words
 from dtlab.lab.compare.launch import RunSpec
 from dtlab.models.config import ConfigError
 from dtlab.models.run.metrics import read_metrics
@@ -178,6 +179,12 @@ def test_async_compressed_pushes_and_delayed_nesterov_run_in_the_comparison(tmp_
     assert server[server.index("--outer-optimizer") + 1] == "delayed-nesterov"
     assert server[server.index("--outer-period") + 1] == "2"
     assert "--compress" in runs["async-bsp-topk1"]["commands"][1]
+    header = read_metrics(str(out / "async-diloco5.w0.jsonl"))[0]  # what the servers ran
+    assert header["outer"] == {"outer_optimizer": "delayed-nesterov", "outer_lr": 0.7,
+                               "outer_momentum": 0.9, "outer_period": 2}
+    assert "outer delayed-nesterov lr 0.7 period 2" in ran_words(runs["async-diloco5"]["what_ran"])
+    assert ran_words(runs["async-bsp-topk1"]["what_ran"]).startswith(
+        "topk:0.01 (error feedback) pushes")
     n = json.loads((out / "summary.json").read_text())["n_params"]
     pushed = [x["push_bytes"] for x in records(out / "async-bsp-topk1.w0.jsonl")]
     assert pushed and all(b == 8 * -(-n // 100) for b in pushed), (pushed, n)

@@ -238,6 +238,10 @@ def what_ran(topology: str, headers: list[dict], records: list[list[dict]]) -> d
                 if "paths" in r and r["paths"] not in seen:
                     seen.append(r["paths"])
         ran["paths"] = seen
+        ran["local_steps"] = header.get("local_steps", 0)
+        ran["outer"] = header.get("outer")  # the servers' (RegisterReply.outer_config)
+        ran["compress"] = header.get("compress", "")
+        ran["error_feedback"] = header.get("error_feedback")
         ran["memory"] = async_memory(header)
     return ran
 
@@ -266,11 +270,16 @@ def ran_words(ran: dict) -> str:
     if ran.get("zero"):
         return f"ZeRO stage {ran['zero']}; {ran['precision']}, {ran['wire']} wire"
     if ran.get("local_steps"):
-        o = ran["outer"]
-        return (f"local SGD, {ran['local_steps']} steps a round, outer {o['outer_optimizer']} "
-                f"lr {o['outer_lr']:g}; {ran['precision']}, ring all-reduce of the change")
+        o = ran.get("outer") or {}
+        name = o.get("outer_optimizer", "unrecorded")
+        period = f" period {o['outer_period']}" if name == "delayed-nesterov" else ""
+        how = "ring all-reduce of the change" if "buckets" in ran else "the change pushed"
+        return (f"local SGD, {ran['local_steps']} steps a round, outer {name} lr "
+                f"{o.get('outer_lr', float('nan')):g}{period}; {ran['precision']}, {how}")
     if ran.get("compress"):
         ef = "error feedback" if ran["error_feedback"] else "no error feedback"
+        if "buckets" not in ran:  # async: compressed pushes
+            return f"{ran['compress']} ({ef}) pushes; {ran['precision']}"
         names = " + ".join(b["algorithm"] for b in ran["buckets"])
         return f"{ran['compress']} ({ef}) by {names}; {ran['precision']}"
     if "buckets" in ran:

@@ -51,7 +51,7 @@ from dtlab.models.run.cli import command_name, run_cli
 from dtlab.models.run.session import Setup, parse
 from dtlab.models.run.threads import share_cores
 from dtlab.pserver.common import rendezvous
-from dtlab.pserver.common.config import ServerConfig, refuse_unused_optim_flags
+from dtlab.pserver.common.config import WILDCARDS, ServerConfig, refuse_unused_optim_flags
 from dtlab.pserver.server.daemon import Daemon, build_store, config_record, host_port
 
 # The workers clip their own gradients: --clip has no effect on a server.
@@ -148,7 +148,7 @@ def join(ns) -> tuple[rendezvous.Place | None, rendezvous.MPIJob | None]:
 def publish(cfg: ServerConfig, job: rendezvous.MPIJob | None, address: str) -> None:
     """Tell the job's workers this shard's address: the allgather, or DIR/shard-K.json."""
     if not cfg.tls_cert and not (cfg.token_file or cfg.token_env) and \
-            cfg.bind in ("0.0.0.0", "::", ""):
+            cfg.bind in WILDCARDS:
         logging.getLogger(__name__).warning("listening on every network (--bind %s) with "
                                             "neither a token nor TLS", cfg.bind)
     if job is not None:

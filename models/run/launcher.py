@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
@@ -18,10 +19,13 @@ SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
 LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
 
 
-def first_int(names: tuple[str, ...]) -> tuple[int, str] | None:
-    """(value, variable) of the first of `names` set to a non-negative integer."""
+def first_int(names: tuple[str, ...], env: Mapping[str, str] | None = None
+              ) -> tuple[int, str] | None:
+    """(value, variable) of the first of `names` set to a non-negative integer in `env`
+    (default: this process's environment)."""
+    env = os.environ if env is None else env
     for name in names:
-        value = os.environ.get(name, "")
+        value = env.get(name, "")
         if value.isdigit():
             return int(value), name
     return None

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtlab.models.config import ConfigError
-from dtlab.models.run.launcher import RANK_VARS, SIZE_VARS
+from dtlab.models.run.launcher import RANK_VARS, SIZE_VARS, first_int
 
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 JOIN_TIMEOUT_S = 120.0  # how long a rank waits for the job's others at an allgather
@@ -116,11 +116,9 @@ def replica_places(hosts: list[str]) -> list[tuple[int, int]]:
 
 
 def env_int(env, names: tuple[str, ...]) -> int | None:
-    """The first of `names` set in `env` to a non-negative integer (as models.run.launcher)."""
-    for name in names:
-        if env.get(name, "").isdigit():
-            return int(env[name])
-    return None
+    """The first of `names` set in `env` to a non-negative integer (models.run.launcher)."""
+    found = first_int(names, env)
+    return None if found is None else found[0]
 
 
 def place_from_env(role: str, num_servers: int | None = None,

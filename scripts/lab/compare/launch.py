@@ -98,6 +98,17 @@ SERVER_START_S = 60.0
 TAIL_LINES = 20
 
 
+def compress_flag(name: str, text: str, sparse: str | None, percent: str | None,
+                  rank: str | None) -> str:
+    """A run name's compressor (topkP, randkP, sign, powersgdR) as --compress takes it
+    (topk:P/100, ..., sign, powersgd:R); a ConfigError for a percent outside (0, 100]."""
+    if sparse:
+        if not 0 < float(percent) <= 100:
+            raise ConfigError(f"--runs {name}: {sparse}P takes a percent P in (0, 100]")
+        return f"{sparse}:{float(percent) / 100:g}"
+    return "sign" if text.startswith("sign") else f"powersgd:{rank}"
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """One run of the comparison, as its name says."""
@@ -128,23 +139,16 @@ class RunSpec:
             return cls(name, "sync", allreduce="ring", local_steps=int(m["H"]),
                        outer="diloco" if m["local"] == "diloco" else "sgd")
         if m["compress"]:
-            kind = m["sparse"] or ("sign" if m["compress"].startswith("sign") else "powersgd")
-            value = {"sign": "", "powersgd": f":{m['rank']}"}.get(
-                kind, f":{float(m['percent'] or 0) / 100:g}")
-            if m["sparse"] and not 0 < float(m["percent"]) <= 100:
-                raise ConfigError(f"--runs {name}: {kind}P takes a percent P in (0, 100]")
-            return cls(name, "sync", allreduce="ring", compress=kind + value,
-                       error_feedback=not m["noef"])
+            return cls(name, "sync", allreduce="ring", compress=compress_flag(
+                name, m["compress"], m["sparse"], m["percent"], m["rank"]),
+                error_feedback=not m["noef"])
         if m["async_H"]:
             return cls(name, "async", consistency="asp", local_steps=int(m["async_H"]),
                        outer="diloco" if m["async_local"] == "diloco" else "sgd")
         if m["acompress"]:
-            kind = m["asparse"] or "sign"
-            if m["asparse"] and not 0 < float(m["apercent"]) <= 100:
-                raise ConfigError(f"--runs {name}: {kind}P takes a percent P in (0, 100]")
-            value = "" if kind == "sign" else f":{float(m['apercent']) / 100:g}"
-            return cls(name, "async", consistency=m["ccons"], compress=kind + value,
-                       error_feedback=not m["anoef"])
+            return cls(name, "async", consistency=m["ccons"], compress=compress_flag(
+                name, m["acompress"], m["asparse"], m["apercent"], None),
+                error_feedback=not m["anoef"])
         if m["backups"]:
             return cls(name, "async", consistency="bsp", backups=int(m["backups"]))
         if name.startswith("sim-"):

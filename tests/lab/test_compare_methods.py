@@ -14,6 +14,7 @@ is still 3.6% above dense: measured).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from dtlab.lab.compare import registry
 from dtlab.lab.compare.analysis import ran_words
 from dtlab.lab.compare.launch import RunSpec
 from dtlab.models.config import ConfigError
@@ -84,6 +86,23 @@ def test_run_names_say_the_method():
                      ("async-ssp2-sign", "unknown run")):
         with pytest.raises(ConfigError, match=re.escape(why)):
             RunSpec.parse(bad)
+
+
+def test_every_method_is_one_registry_entry():
+    """Each name is matched by exactly one entry, whose exchange exists in the package;
+    --list-methods prints every entry."""
+    names = ("sync-ring", "sync-zero2", "sync-diloco50", "sync-powersgd4-noef", "async-local8",
+             "async-bsp-backup2", "async-asp-randk5-noef", "async-ssp3-div", "sim-asp-div")
+    for name in names:
+        hits = [m for m in registry.METHODS if m.match(name)]
+        assert len(hits) == 1, (name, [m.usage for m in hits])
+    for method in registry.METHODS:
+        module, _, attr = method.exchange.rpartition(".")
+        assert hasattr(importlib.import_module(module), attr), method.exchange
+    listed = compare("--list-methods")
+    assert listed.returncode == 0, listed.stderr
+    for method in registry.METHODS:
+        assert method.usage in listed.stdout and method.exchange in listed.stdout
 
 
 def test_diloco_preset_h50_near_sync_with_50x_fewer_rounds(tmp_path):

@@ -65,6 +65,7 @@ from dtlab.lab.compare import (
     launchers,
     predict,
     probe,
+    registry,
     report,
     reproductions,
     study,
@@ -99,7 +100,10 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--runs", default=DEFAULT_RUNS,
                    help=f"comma-separated runs, in order; the first is the baseline of the "
                         f"ratios (default {DEFAULT_RUNS}; async-bsp-div is left out: BSP "
-                        "applies no stale gradient)")
+                        "applies no stale gradient; --list-methods names them all)")
+    g.add_argument("--list-methods", action="store_true",
+                   help="print every method the comparison runs (compare/registry.py): its "
+                        "run names, what it does and the exchange it runs; then exit")
     g.add_argument("--ranks", type=int, default=2,
                    help="sync ranks = async workers, N (default 2)")
     g.add_argument("--shards", type=int, default=2,
@@ -639,6 +643,9 @@ def finish(out: Path, results: list[report.Result]) -> int:
 
 
 def main(argv: list[str]) -> int:
+    if "--list-methods" in argv:
+        print(registry.listing())
+        return 0
     expanded, preset, preset_name = reproductions.expand(argv)
     setup, specs = parse_args(expanded)
     setup.extra.reproduction = (preset_name, preset) if preset else None

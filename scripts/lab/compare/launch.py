@@ -1,4 +1,7 @@
-"""Run names, the processes of one run, and how they are started, watched and stopped.
+"""The processes of one run, and how they are started, watched and stopped.
+
+A run's name says its method (compare/registry.py: one entry per method, `dtlab-compare
+--list-methods`); the spec it stands for becomes these commands:
 
     sync-ring | sync-naive | sync-mpi
         mpiexec -n N dtlab-sync --config CFG --allreduce ALGO --metrics OUT/NAME.jsonl
@@ -58,7 +61,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import time
@@ -69,121 +71,15 @@ from pathlib import Path
 from dtlab.lab.compare.cluster import EmulatedCluster
 from dtlab.lab.compare.launchers import Hosts, async_hosts, rank_hosts
 from dtlab.lab.compare.processes import Processes
+from dtlab.lab.compare.registry import DILOCO, RunSpec
 from dtlab.lab.programs import program
 from dtlab.models.config import ConfigError
 from dtlab.models.run.launcher import mpiexec_path
 from dtlab.models.run.metrics import read_metrics
 
-RUN_NAME = re.compile(r"sync-(?P<allreduce>ring|auto|naive|mpi)|sync-zero(?P<zero>[123])"
-                      r"|sync-(?P<local>local|diloco)(?P<H>[1-9]\d*)"
-                      r"|sync-(?P<compress>(?P<sparse>topk|randk)(?P<percent>\d+(\.\d+)?)"
-                      r"|sign|powersgd(?P<rank>[1-9]\d*))(?P<noef>-noef)?"
-                      r"|async-(?P<async_local>local|diloco)(?P<async_H>[1-9]\d*)"
-                      r"|async-bsp-backup(?P<backups>[1-9]\d*)"
-                      r"|async-(?P<ccons>bsp|asp)-(?P<acompress>(?P<asparse>topk|randk)"
-                      r"(?P<apercent>\d+(\.\d+)?)|sign)(?P<anoef>-noef)?"
-                      r"|async-(?P<consistency>bsp|asp|ssp(?P<bound>\d+))(?P<div>-div)?"
-                      r"|sim-asp(?P<sim_div>-div)?")
-KNOWN = ("sync-ring, sync-auto, sync-naive, sync-mpi, sync-zero1/2/3, sync-localH, "
-         "sync-dilocoH (H: inner steps per round), sync-topkP, sync-randkP (P: percent), "
-         "sync-sign, sync-powersgdR (R: rank), each compressed one optionally with -noef; "
-         "async-bsp, async-sspS (S: the bound), async-asp, each optionally with -div; "
-         "async-localH, async-dilocoH (Delayed Nesterov servers), async-bsp-backupB (B "
-         "backup workers beside the N), async-bsp-topkP, async-asp-sign, ... (compressed "
-         "pushes), each optionally with -noef; "
-         "sim-asp, sim-asp-div (N workers simulated in one process)")
-DILOCO = ("nesterov", 0.7, 0.9)  # Douillard et al. 2023's outer optimizer, lr, momentum
 POLL_S = 0.2
 SERVER_START_S = 60.0
 TAIL_LINES = 20
-
-
-def compress_flag(name: str, text: str, sparse: str | None, percent: str | None,
-                  rank: str | None) -> str:
-    """A run name's compressor (topkP, randkP, sign, powersgdR) as --compress takes it
-    (topk:P/100, ..., sign, powersgd:R); a ConfigError for a percent outside (0, 100]."""
-    if sparse:
-        if not 0 < float(percent) <= 100:
-            raise ConfigError(f"--runs {name}: {sparse}P takes a percent P in (0, 100]")
-        return f"{sparse}:{float(percent) / 100:g}"
-    return "sign" if text.startswith("sign") else f"powersgd:{rank}"
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """One run of the comparison, as its name says."""
-
-    name: str
-    topology: str  # "sync" or "async"
-    allreduce: str = ""
-    zero: int = 0  # sync: the ZeRO stage (dtlab-sync --zero)
-    consistency: str = ""
-    staleness: int = 0  # the SSP bound
-    staleness_lr: str = "none"
-    local_steps: int = 0  # local SGD / DiLoCo: inner steps per outer round (0: off)
-    outer: str = "sgd"  # their outer optimizer: sgd (lr 1) or diloco (DILOCO)
-    compress: str = ""  # sync: dtlab-sync --compress (topk:F, randk:F, sign, powersgd:R)
-    error_feedback: bool = True
-    backups: int = 0  # async BSP: backup workers beside the --ranks N
-
-    @classmethod
-    def parse(cls, name: str) -> RunSpec:
-        m = RUN_NAME.fullmatch(name)
-        if m is None:
-            raise ConfigError(f"--runs: unknown run {name!r} (known: {KNOWN})")
-        if m["allreduce"]:
-            return cls(name, "sync", allreduce=m["allreduce"])
-        if m["zero"]:
-            return cls(name, "sync", allreduce="ring", zero=int(m["zero"]))
-        if m["local"]:
-            return cls(name, "sync", allreduce="ring", local_steps=int(m["H"]),
-                       outer="diloco" if m["local"] == "diloco" else "sgd")
-        if m["compress"]:
-            return cls(name, "sync", allreduce="ring", compress=compress_flag(
-                name, m["compress"], m["sparse"], m["percent"], m["rank"]),
-                error_feedback=not m["noef"])
-        if m["async_H"]:
-            return cls(name, "async", consistency="asp", local_steps=int(m["async_H"]),
-                       outer="diloco" if m["async_local"] == "diloco" else "sgd")
-        if m["acompress"]:
-            return cls(name, "async", consistency=m["ccons"], compress=compress_flag(
-                name, m["acompress"], m["asparse"], m["apercent"], None),
-                error_feedback=not m["anoef"])
-        if m["backups"]:
-            return cls(name, "async", consistency="bsp", backups=int(m["backups"]))
-        if name.startswith("sim-"):
-            return cls(name, "simulated", consistency="asp",
-                       staleness_lr="divide" if m["sim_div"] else "none")
-        consistency = "ssp" if m["bound"] is not None else m["consistency"]
-        return cls(name, "async", consistency=consistency, staleness=int(m["bound"] or 0),
-                   staleness_lr="divide" if m["div"] else "none")
-
-    def describe(self) -> str:
-        if self.zero:
-            return f"sync, ZeRO stage {self.zero}"
-        if self.local_steps:
-            outer = "outer SGD lr 1 (model averaging)"
-            if self.outer == "diloco":
-                outer = ("outer Nesterov lr 0.7, momentum 0.9 (DiLoCo)" if self.topology == "sync"
-                         else "outer Delayed Nesterov lr 0.7, momentum 0.9, period N (Liu et "
-                              "al. 2024)")
-            where = "sync" if self.topology == "sync" else "async (ASP servers)"
-            return f"{where} local SGD, {self.local_steps} inner steps a round, {outer}"
-        if self.compress:
-            ef = "error feedback" if self.error_feedback else "no error feedback"
-            where = "sync" if self.topology == "sync" else f"async {self.consistency.upper()}"
-            return f"{where}, gradients compressed {self.compress}, {ef}"
-        if self.backups:
-            return f"async, BSP with {self.backups} backup worker(s) beside the N"
-        if self.topology == "sync":
-            return {"ring": "sync, our ring", "auto": "sync, ours chosen by size",
-                    "naive": "sync, reduce + broadcast", "mpi": "sync, MPI_Allreduce"}[
-                self.allreduce]
-        div = ", lr / staleness" if self.staleness_lr == "divide" else ""
-        if self.topology == "simulated":
-            return f"ASP simulated in one process (N - 1 stale){div}"
-        rule = f"SSP s={self.staleness}" if self.consistency == "ssp" else self.consistency.upper()
-        return f"async, {rule}{div}"
 
 
 @dataclass(frozen=True)
@@ -379,7 +275,7 @@ def method_flags(spec: RunSpec, bench: Bench) -> list[str]:
     if spec.compress:
         out += ["--compress", spec.compress] + ([] if spec.error_feedback
                                                 else ["--no-error-feedback"])
-    return out
+    return out + list(spec.sync_flags if spec.topology == "sync" else spec.worker_flags)
 
 
 def server_flags(spec: RunSpec, bench: Bench) -> list[str]:
@@ -395,7 +291,7 @@ def server_flags(spec: RunSpec, bench: Bench) -> list[str]:
                 "--outer-momentum", str(outer[2])]
         if spec.outer == "diloco":  # momentum once per N outer gradients: one a worker
             out += ["--outer-period", str(workers)]
-    return out
+    return out + list(spec.server_flags)
 
 
 def run_simulated(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,

@@ -1,0 +1,210 @@
+"""The comparison's methods: one entry per method, and the run a name stands for.
+
+Each `Method` entry holds its run-name pattern, a one-line summary, the exchange it
+runs (the class in the package that moves its gradients or parameters), and how a name
+it matches becomes a `RunSpec`: the topology, the fields `launch.py` turns into the
+flags of every program it starts, and the words the report shows for it. `parse` tries
+the entries in order; `dtlab-compare --list-methods` prints them (`listing`).
+
+Adding a method is one entry: its pattern and builder. Flags that no field below
+carries go into the spec's `sync_flags` (every `dtlab-sync` rank), `worker_flags`
+(every `dtlab-worker`) or `server_flags` (every `dtlab-pserver serve`), which the
+launch appends as they are.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dtlab.models.config import ConfigError
+
+DILOCO = ("nesterov", 0.7, 0.9)  # Douillard et al. 2023's outer optimizer, lr, momentum
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of the comparison, as its name says."""
+
+    name: str
+    topology: str  # "sync", "async" or "simulated"
+    what: str = ""  # the method in words, for the report
+    allreduce: str = ""
+    zero: int = 0  # sync: the ZeRO stage (dtlab-sync --zero)
+    consistency: str = ""
+    staleness: int = 0  # the SSP bound
+    staleness_lr: str = "none"
+    local_steps: int = 0  # local SGD / DiLoCo: inner steps per outer round (0: off)
+    outer: str = "sgd"  # their outer optimizer: sgd (lr 1) or diloco (DILOCO)
+    compress: str = ""  # dtlab-sync / dtlab-worker --compress (topk:F, randk:F, sign, ...)
+    error_feedback: bool = True
+    backups: int = 0  # async BSP: backup workers beside the --ranks N
+    sync_flags: tuple[str, ...] = ()  # appended to every dtlab-sync rank's command
+    worker_flags: tuple[str, ...] = ()  # ... to every dtlab-worker's
+    server_flags: tuple[str, ...] = ()  # ... to every dtlab-pserver serve's
+
+    @classmethod
+    def parse(cls, name: str) -> RunSpec:
+        return parse(name)
+
+    def describe(self) -> str:
+        return self.what
+
+
+Build = Callable[[str, re.Match], RunSpec]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One method of the comparison: the names it answers to and the run each stands for."""
+
+    usage: str  # the names, with their parameters in capitals
+    pattern: str  # a regular expression matched against the whole run name
+    summary: str  # one line: what the method does
+    exchange: str  # the class (dtlab.*) that moves its gradients or parameters
+    build: Build
+
+    def match(self, name: str) -> re.Match | None:
+        return re.fullmatch(self.pattern, name)
+
+
+def compress_flag(name: str, text: str, sparse: str | None, percent: str | None,
+                  rank: str | None) -> str:
+    """A run name's compressor (topkP, randkP, sign, powersgdR) as --compress takes it
+    (topk:P/100, ..., sign, powersgd:R); a ConfigError for a percent outside (0, 100]."""
+    if sparse:
+        if not 0 < float(percent) <= 100:
+            raise ConfigError(f"--runs {name}: {sparse}P takes a percent P in (0, 100]")
+        return f"{sparse}:{float(percent) / 100:g}"
+    return "sign" if text.startswith("sign") else f"powersgd:{rank}"
+
+
+def _outer_words(topology: str, outer: str) -> str:
+    if outer != "diloco":
+        return "outer SGD lr 1 (model averaging)"
+    if topology == "sync":
+        return "outer Nesterov lr 0.7, momentum 0.9 (DiLoCo)"
+    return "outer Delayed Nesterov lr 0.7, momentum 0.9, period N (Liu et al. 2024)"
+
+
+def _allreduce(name: str, m: re.Match) -> RunSpec:
+    words = {"ring": "sync, our ring", "auto": "sync, ours chosen by size",
+             "naive": "sync, reduce + broadcast", "mpi": "sync, MPI_Allreduce"}
+    return RunSpec(name, "sync", words[m["allreduce"]], allreduce=m["allreduce"])
+
+
+def _zero(name: str, m: re.Match) -> RunSpec:
+    return RunSpec(name, "sync", f"sync, ZeRO stage {m['zero']}", allreduce="ring",
+                   zero=int(m["zero"]))
+
+
+def _local(topology: str) -> Build:
+    where = "sync" if topology == "sync" else "async (ASP servers)"
+
+    def build(name: str, m: re.Match) -> RunSpec:
+        H, outer = int(m["H"]), "diloco" if m["kind"] == "diloco" else "sgd"
+        what = (f"{where} local SGD, {H} inner steps a round, "
+                f"{_outer_words(topology, outer)}")
+        return RunSpec(name, topology, what, allreduce="ring" if topology == "sync" else "",
+                       consistency="asp" if topology == "async" else "", local_steps=H,
+                       outer=outer)
+    return build
+
+
+def _compressed(topology: str) -> Build:
+    def build(name: str, m: re.Match) -> RunSpec:
+        compress = compress_flag(name, m["compress"], m["sparse"], m["percent"],
+                                 m.groupdict().get("rank"))
+        ef = not m["noef"]
+        where = "sync" if topology == "sync" else f"async {m['cons'].upper()}"
+        what = (f"{where}, gradients compressed {compress}, "
+                f"{'error feedback' if ef else 'no error feedback'}")
+        return RunSpec(name, topology, what, allreduce="ring" if topology == "sync" else "",
+                       consistency=m["cons"] if topology == "async" else "",
+                       compress=compress, error_feedback=ef)
+    return build
+
+
+def _backup(name: str, m: re.Match) -> RunSpec:
+    b = int(m["backups"])
+    return RunSpec(name, "async", f"async, BSP with {b} backup worker(s) beside the N",
+                   consistency="bsp", backups=b)
+
+
+def _consistency(name: str, m: re.Match) -> RunSpec:
+    consistency = "ssp" if m["bound"] is not None else m["consistency"]
+    bound = int(m["bound"] or 0)
+    div = ", lr / staleness" if m["div"] else ""
+    rule = f"SSP s={bound}" if consistency == "ssp" else consistency.upper()
+    return RunSpec(name, "async", f"async, {rule}{div}", consistency=consistency,
+                   staleness=bound, staleness_lr="divide" if m["div"] else "none")
+
+
+def _simulated(name: str, m: re.Match) -> RunSpec:
+    div = ", lr / staleness" if m["div"] else ""
+    return RunSpec(name, "simulated", f"ASP simulated in one process (N - 1 stale){div}",
+                   consistency="asp", staleness_lr="divide" if m["div"] else "none")
+
+
+SPARSE = r"(?P<sparse>topk|randk)(?P<percent>\d+(\.\d+)?)"  # topkP, randkP: P percent kept
+METHODS: tuple[Method, ...] = (
+    Method("sync-ring | sync-auto | sync-naive | sync-mpi",
+           r"sync-(?P<allreduce>ring|auto|naive|mpi)",
+           "gradients averaged every step: our ring, ours chosen by size, reduce + "
+           "broadcast, or MPI_Allreduce",
+           "dtlab.collective.train.DataParallelReducer", _allreduce),
+    Method("sync-zeroS", r"sync-zero(?P<zero>[123])",
+           "ZeRO stage S = 1, 2, 3 (Rajbhandari et al. 2020): optimizer state, gradients, "
+           "parameters sharded over the ranks",
+           "dtlab.collective.zero_trainer.ZeroReducer", _zero),
+    Method("sync-localH | sync-dilocoH", r"sync-(?P<kind>local|diloco)(?P<H>[1-9]\d*)",
+           "H local steps, then the outer gradient all-reduced (Stich 2019; DiLoCo: outer "
+           "Nesterov, Douillard et al. 2023)",
+           "dtlab.collective.local_sgd.LocalReducer", _local("sync")),
+    Method("sync-topkP | sync-randkP | sync-sign | sync-powersgdR [-noef]",
+           rf"sync-(?P<compress>{SPARSE}|sign|powersgd(?P<rank>[1-9]\d*))(?P<noef>-noef)?",
+           "compressed gradients with error feedback (Karimireddy et al. 2019; PowerSGD, "
+           "Vogels et al. 2019); P percent kept, R the rank",
+           "dtlab.collective.compress_reducer.CompressReducer", _compressed("sync")),
+    Method("async-localH | async-dilocoH", r"async-(?P<kind>local|diloco)(?P<H>[1-9]\d*)",
+           "async local SGD: each worker pushes its outer gradient every H steps to ASP "
+           "servers (DiLoCo: Delayed Nesterov, Liu et al. 2024)",
+           "dtlab.pserver.worker.loop.LocalWorker", _local("async")),
+    Method("async-bsp-backupB", r"async-bsp-backup(?P<backups>[1-9]\d*)",
+           "BSP closing each round at the first N of N + B gradients (Chen et al. 2016)",
+           "dtlab.pserver.worker.loop.Worker", _backup),
+    Method("async-bsp-topkP | async-asp-randkP | async-bsp-sign ... [-noef]",
+           rf"async-(?P<cons>bsp|asp)-(?P<compress>{SPARSE}|sign)(?P<noef>-noef)?",
+           "compressed pushes with error feedback, applied by the servers as ranged pushes",
+           "dtlab.pserver.worker.compressed_push.CompressedPush", _compressed("async")),
+    Method("async-bsp | async-sspS | async-asp [-div]",
+           r"async-(?P<consistency>bsp|asp|ssp(?P<bound>\d+))(?P<div>-div)?",
+           "parameter servers under BSP, SSP with bound S, or ASP; -div: lr / staleness "
+           "(Zhang et al. 2016)",
+           "dtlab.pserver.worker.loop.Worker", _consistency),
+    Method("sim-asp [-div]", r"sim-asp(?P<div>-div)?",
+           "N ASP workers simulated in one process (each gradient N - 1 versions stale)",
+           "dtlab.models.run.simulated.SimulatedWorkers", _simulated),
+)
+
+
+def known() -> str:
+    return "; ".join(m.usage for m in METHODS)
+
+
+def parse(name: str) -> RunSpec:
+    """The run `name` stands for; a ConfigError naming the known methods if none."""
+    for method in METHODS:
+        m = method.match(name)
+        if m is not None:
+            return method.build(name, m)
+    raise ConfigError(f"--runs: unknown run {name!r} (known: {known()})")
+
+
+def listing() -> str:
+    """`dtlab-compare --list-methods`: every method, its names, what it does, its exchange."""
+    lines = []
+    for m in METHODS:
+        lines += [m.usage, f"    {m.summary}", f"    exchange: {m.exchange}"]
+    return "\n".join(lines)

@@ -25,7 +25,7 @@ collectives: 1, or 2 for PowerSGD), `wire_bytes` (this rank's payload), `comm_s`
 collectives) and `compress_s` (compressing, decoding, adding). Payloads are padded to a
 multiple of 8 bytes, so every rank's slice of the all-gather is aligned for its values.
 
-Truth (tests/collective/test_compress.py): topk:1.0 at dp 2 is plain data parallelism
+Truth (tests/collective/test_compress_sync.py): topk:1.0 at dp 2 is plain data parallelism
 bit for bit (every element sent; a + b = b + a as in the ring); PowerSGD at full rank
 within 1e-12 in float64 (a projection onto a basis of the mean gradient's columns); the
 residual is exactly what the transport did not carry.

@@ -7,7 +7,7 @@
 Models never create communicators nor compute ranks; a launcher (collective/
 grid.py) builds one per parallel dimension and hands it to the model's
 constructor. `dtlab.collective.comm.Communicator` satisfies this protocol
-(tests/test_tensor_parallel.py checks it member by member), and a world of
+(tests/models/test_tensor_parallel.py checks it member by member), and a world of
 size 1 is a real communicator whose operations are identities, so a model
 split over one rank runs the same code as its split over many.
 

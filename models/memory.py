@@ -12,7 +12,7 @@ pointer plus the extent of its strides). Views of one buffer overlap and
 count once; a slice of a larger buffer counts only the span it reaches.
 NumPy and CuPy arrays both expose their pointer (`__array_interface__`,
 `__cuda_array_interface__`). `dtlab.models.cost` predicts the same figure from the
-configuration, and tests/test_cost.py checks that they agree.
+configuration, and tests/models/test_cost.py checks that they agree.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What each layer of models/ costs: parameters, matmul FLOPs and the bytes its
 forward context keeps, one function per module of models/layers.py,
 attention.py and moe.py, and each model's Recipe built from them (registered with the
-model in models/zoo.py). models/cost.py adds them up; tests/test_cost.py holds
+model in models/zoo.py). models/cost.py adds them up; tests/models/test_cost.py holds
 them to an instrumented run, so a layer change that breaks them fails.
 """
 
@@ -166,7 +166,7 @@ def transformer_parts(c: TransformerConfig, B: int) -> list[Part]:
 def transformer_modules(c: TransformerConfig, B: int) -> list[list[Part]]:
     """The Parts of each module of the transformer's body, in body order: [embedding],
     one list per block (its FFN dense or MoE, as models/transformer.py builds block i),
-    [ln_f], [head, loss]. Summed, they are transformer_parts (tests/test_cost.py)."""
+    [ln_f], [head, loss]. Summed, they are transformer_parts (tests/models/test_cost.py)."""
     N, d = B * c.seq_len, c.d_model
     embedding, *_, ln_f, head, loss = transformer_parts(c, B)
 

@@ -15,7 +15,7 @@ from dtlab.models.run.launcher import who
 
 def command_name(module: str = "") -> str:
     """How the user started this program: "python -m MODULE", a console script's name
-    ("dtlab-train"), or "python scripts/x.py"; for usage lines and messages."""
+    ("dtlab-train"), or "python" and the script's path; for usage lines and messages."""
     argv0 = sys.argv[0] if sys.argv and sys.argv[0] else "python"
     if not argv0.endswith(".py"):
         return os.path.basename(argv0)

@@ -4,7 +4,7 @@ Pure arithmetic, no MPI: the order doubling -> shared memory (one-shot, then
 two-shot) -> halving-doubling or the ring as buffers grow, the node question
 asked only where the answer matters, and the ring for worlds that are not a
 power of two. The algorithms themselves are checked against direct sums in
-tests/test_ring.py.
+tests/collective/test_ring.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A failing rank ends the job quickly and says why (tests/support/mpi_progs/failure_prog.py).
 
-The jobs run `python prog.py`, not `python -m mpi4py prog.py`: dtlab's own
+The jobs run `python PROG`, not `python -m mpi4py PROG`: dtlab's own
 abort handler has to end them. Each has a timeout far above the few seconds
 an abort takes, so a hang fails the test instead of the suite.
 """

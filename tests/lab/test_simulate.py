@@ -368,7 +368,7 @@ EMULATED_MLP = ["--model", "mlp", "--d-in", "16", "--d-hidden", "1024", "--n-lay
 @pytest.mark.usefixtures("mpiexec")
 @pytest.mark.skipif(bool(cluster.check()), reason=cluster.check() or "-")
 def test_emulated_validation_at_two_link_rates(tmp_path):
-    """compare.py across 2 emulated hosts at 1 and 0.1 Gbit/s, predicted with their links:
+    """dtlab-compare across 2 emulated hosts at 1 and 0.1 Gbit/s, predicted with their links:
     one row per run and rate, the link's time in the 0.1 Gbit/s prediction."""
     cal = tmp_path / "cal.json"
     assert simulate("--calibrate", "--bench", *synthetic_bench(tmp_path),

@@ -3,7 +3,7 @@
 For a layer y = f(x; θ) the scalar checked is L = sum(y * R) with a fixed
 random R, so dL/dy = R is what backward receives. Every parameter and every
 input element of these tiny layers is checked, for leading batch shapes
-(2, 3, d) and (5, d). Tolerance: see tests/gradcheck.py.
+(2, 3, d) and (5, d). Tolerance: see tests/support/gradcheck.py.
 """
 
 from __future__ import annotations

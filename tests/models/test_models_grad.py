@@ -3,7 +3,7 @@
 The scalar is the model's own loss (softmax cross-entropy). Three random
 entries of every parameter tensor are checked (each tensor is covered; the
 layers themselves are checked entry by entry in test_layers.py). Tolerance:
-see tests/gradcheck.py. Also: the transformer is causal end to end,
+see tests/support/gradcheck.py. Also: the transformer is causal end to end,
 recomputation changes no bit of any gradient, and `grad_ready` reports
 final gradients in decreasing offset order.
 """

@@ -4,7 +4,7 @@
 - a 1-expert MoE is the dense FFN; top-k = N without a capacity limit is the dense soft
   mixture sum_e p_e FFN_e(x);
 - the whole layer, router and balancing terms included, against central finite differences
-  in float64 (tests/gradcheck.py), for top-k with drops, dynamic k, noise, shared experts;
+  in float64 (tests/support/gradcheck.py), for top-k with drops, dynamic k, noise, shared experts;
 - router noise: training only, the same for one noise step, another for the next;
 - each balancing method flattens the load of a skewed input within a short run;
 - the statistics are consistent with the routing;

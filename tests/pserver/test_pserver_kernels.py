@@ -1,5 +1,5 @@
 """The C kernels of pserver.common.codec against zlib and NumPy, on both their paths (AVX2 and
-scalar), and the pure-Python fallback wire.py uses where they are not built."""
+scalar), and the pure-Python fallback the codec uses where they are not built."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ own abort handler does that without it.
 
 The environment is this one plus `env`, with PYTHONUNBUFFERED=1 (output
 survives MPI_Abort); dtlab's entry points share the cores among the ranks
-themselves (models/threads.py). Oversubscription (N above the core count) needs
+themselves (models/run/threads.py). Oversubscription (N above the core count) needs
 nothing with MPICH's Hydra: it does not bind ranks to cores by default.
 
 On timeout the whole process group (mpiexec, its proxy and every rank) is

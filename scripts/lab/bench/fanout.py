@@ -28,7 +28,7 @@ shard:
                at once
 
 on the shared-memory path (`shm`, a worker's path to shards on its host)
-and the gRPC one (`fused`). simulate.py --calibrate fits per path
+and the gRPC one (`fused`). dtlab-simulate --calibrate fits per path
 round = alpha + (S - 1) per_shard + n beta over the cold rows
 (simulate/calibrate.py), the parameter server's round on this host, and
 the same form over the CPU column, the CPU a round takes from the cores

@@ -18,7 +18,7 @@ rank-0 metrics and reports, over the steps after warm-up (medians):
                  (same algorithm and N): the error the wire dtype introduces
 
 BLAS threads per rank are chosen by the trainer (cores // N, at least 1,
-models/threads.py; recorded in the `threads` column), so every N uses the
+models/run/threads.py; recorded in the `threads` column), so every N uses the
 same cores. Extra arguments after `--` go to the trainer.
 """
 

@@ -26,7 +26,7 @@ alone, timed in the same launch while the others wait asleep:
     x alone  = makespan / alone step      (N / cores when the sharing is ideal)
     spread   = makespan - the typical process's step (the slowest one's lateness)
 
-simulate.py --validate runs it beside the measured runs and takes the
+dtlab-simulate --validate runs it beside the measured runs and takes the
 compute of its predictions from it (simulate/validate.py).
 """
 

@@ -148,7 +148,7 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
                    help="every process of every run writes a Chrome trace into OUT; after "
                         "each run they are merged into OUT/NAME.trace.json (opens in Perfetto)")
     g.add_argument("--calibration", metavar="FILE", default="",
-                   help="a simulate.py --calibrate JSON: benchmark the model first and set "
+                   help="a dtlab-simulate --calibrate JSON: benchmark the model first and set "
                         "the cost model's predicted step beside each run's measured one")
     g.add_argument("--sweep", choices=["model-size"], default=None,
                    help="instead of comparing topologies, train --sweep-sizes under the first "

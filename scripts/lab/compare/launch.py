@@ -84,7 +84,7 @@ TAIL_LINES = 20
 
 @dataclass(frozen=True)
 class Grid:
-    """The model parallelism of every run's replica (compare.py --tp/--pp/--ep)."""
+    """The model parallelism of every run's replica (dtlab-compare --tp/--pp/--ep)."""
 
     tp: int = 1
     pp: int = 1

@@ -1,4 +1,4 @@
-"""The cost model's step time beside each measured run (compare.py --calibration FILE).
+"""The cost model's step time beside each measured run (dtlab-compare --calibration FILE).
 
 Before the runs, the comparison's own model and batch are benchmarked in one
 process at the BLAS thread counts the runs' processes get

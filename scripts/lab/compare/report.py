@@ -80,7 +80,7 @@ def _ms(seconds: float | None) -> float | None:
 
 def efficiency_table(results: list[Result], runs: list[dict], predicted: bool) -> list[str]:
     """runs: summary.json's, in the order of `results`; predicted: with the cost model's
-    columns (compare.py --calibration)."""
+    columns (dtlab-compare --calibration)."""
     base = results[0]
     base_t = base.stats["time_to_target_s"] if base.stats else None
     extra = " median ms/step | predicted ms/step | error |" if predicted else ""

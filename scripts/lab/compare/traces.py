@@ -1,4 +1,4 @@
-"""One Chrome trace per run (compare.py --trace), merged from its processes' traces.
+"""One Chrome trace per run (dtlab-compare --trace), merged from its processes' traces.
 
 Every sync rank writes OUT/NAME.trace.R.json, every parameter-server shard
 OUT/NAME.trace.sK.json (received pushes, optimizer applies, pulls waiting for

@@ -1,4 +1,4 @@
-"""Cores shared among the processes of a host (models/threads.py), in one process and
+"""Cores shared among the processes of a host (models/run/threads.py), in one process and
 under mpiexec, where every rank must run cores // ranks BLAS threads by itself."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The bucket reducer in both modes equals a direct average (tests/test_buckets.py).
+"""The bucket reducer in both modes equals a direct average (tests/collective/test_buckets.py).
 
     mpiexec -n 3 python -m mpi4py tests/support/mpi_progs/buckets_check.py
     MPI4PY_RC_THREAD_LEVEL=serialized mpiexec -n 2 python -m mpi4py \

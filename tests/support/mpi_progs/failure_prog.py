@@ -1,4 +1,4 @@
-"""Ways for one rank to go wrong, each in a real MPI job (see tests/test_failure.py).
+"""Ways for one rank to go wrong, each in a real MPI job (see tests/collective/test_failure.py).
 
     mpiexec -n 3 python tests/support/mpi_progs/failure_prog.py raise        # job must abort
     mpiexec -n 3 python tests/support/mpi_progs/failure_prog.py thread-raise # job must abort

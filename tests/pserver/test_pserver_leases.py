@@ -30,6 +30,7 @@ from support.pserver_util import (
     connect,
     initial_params,
 )
+from support.waiting import wait_for
 from test_pserver_store import N as TOY_N
 from test_pserver_store import g, join, store
 
@@ -57,17 +58,6 @@ def stats(address: str) -> pb.StatsReply:
     with grpc.insecure_channel(address) as ch:
         return pb.StatsReply.FromString(
             ch.unary_unary(f"/{wire.SERVICE}/Stats")(b"", timeout=10))
-
-
-def wait_for(what: str, check, timeout: float = 20.0, every: float = 0.02):
-    """Poll `check()` until it is truthy (returned), or fail after `timeout` s saying `what`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"not in {timeout} s: {what}")
 
 
 def start_worker(servers: str, tmp: Path, wid: int, name: str, *flags: str,
@@ -208,11 +198,19 @@ def test_ssp_survivors_finish_after_a_killed_worker_is_dropped_and_it_rejoins(tm
             wait_for("worker 2 pushed 5 gradients",
                      lambda: stats(d.address).workers[2].clock >= 5)
             killed = kill9(procs[2])
-            time.sleep(TIMEOUT_S * 0.5)  # its lease still holds: the survivors wait for it
-            st = stats(d.address)
-            assert not st.workers_dropped
-            # a read at lead 1 and its push, no further
-            assert max(st.workers[w].clock for w in (0, 1)) <= st.workers[2].clock + 2
+
+            def lead(st: pb.StatsReply) -> int:
+                return max(st.workers[w].clock for w in (0, 1)) - st.workers[2].clock
+
+            def held() -> pb.StatsReply | None:  # read at lead 1, pushed once more: wait
+                st = stats(d.address)
+                return st if lead(st) >= 2 or st.workers_dropped else None
+
+            st = wait_for("the survivors held by worker 2's clock, or worker 2 dropped", held)
+            if not st.workers_dropped:
+                assert lead(st) == 2  # no further while its lease holds
+            if time.monotonic() - killed < TIMEOUT_S:
+                assert not st.workers_dropped  # dropped only once its lease expired
             wait_for("worker 2 dropped", lambda: stats(d.address).workers_dropped)
             recovery = time.monotonic() - killed
             dead_next = stats(d.address).workers[2].next_step

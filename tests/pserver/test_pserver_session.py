@@ -25,6 +25,7 @@ from support.pserver_util import (
     initial_params,
     serve,
 )
+from support.waiting import wait_for
 
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.protos import dtlab_ps_pb2_grpc as pb_grpc
@@ -47,15 +48,6 @@ def mapped(pid: int) -> list[str]:
     """Segments process `pid` still maps (unlinked ones show as '(deleted)')."""
     return [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
             if shm.PREFIX in line]
-
-
-def wait_for(predicate, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @pytest.mark.parametrize("use_shm", [False, True])
@@ -163,7 +155,7 @@ def test_shared_memory_push_checks_the_checksum_and_is_applied_once():
         finally:
             ch.close()
         del data  # the test's own (the worker's) mapping
-        assert wait_for(lambda: not mapped(os.getpid()))  # and the server's are gone
+        wait_for("the server unmapped its segments", lambda: not mapped(os.getpid()))
 
 
 WORKER = """
@@ -188,7 +180,7 @@ def test_segments_go_when_a_worker_is_killed():
             assert not segments()  # ... and its name is gone already
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=30)
-            assert wait_for(lambda: not mapped(os.getpid()))  # the server let go of it
+            wait_for("the server let go of the segment", lambda: not mapped(os.getpid()))
         finally:
             if proc.poll() is None:
                 proc.kill()

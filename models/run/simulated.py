@@ -33,7 +33,6 @@ simulate_workers, staleness, staleness_lr and schedule_steps.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from collections import deque
@@ -42,13 +41,12 @@ from dataclasses import dataclass
 from dtlab.models.config import ConfigError, add_flags, choice, described, from_namespace
 from dtlab.models.data import ShardedLoader
 from dtlab.models.optim import Schedule, divided_lr
-from dtlab.models.run import moe_report
+from dtlab.models.run import loop, moe_report
+from dtlab.models.run.loop import Summary
 from dtlab.models.run.metrics import MetricsLog
 from dtlab.models.run.progress import Progress
 from dtlab.models.run.session import RunConfig, Session, Setup
-from dtlab.models.run.stop import StopSignals
 from dtlab.models.run.trace import Trace
-from dtlab.models.run.trainer import Summary
 
 
 @dataclass
@@ -153,15 +151,13 @@ class SimulatedWorkers:
         self.s.params.data[...] = values
         return updates
 
-    def push(self, p: int) -> dict:
-        """Push p: worker p mod W's step p // W."""
+    def step(self, p: int) -> dict:
+        """The loop's step p is push p: worker p mod W's step p // W."""
         s, worker = self.s, p % self.W
         t0 = time.perf_counter()
         read = self.read()
         loss = s.replica.compute_grads(self.loaders[worker].next())
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at push {p + 1} (worker {worker}); "
-                                     "lower --lr or enable --clip")
+        loop.check_finite(loss, f"push {p + 1} (worker {worker})")
         t1 = time.perf_counter()
         apply, scaling = s.replica.finish_grads()  # mixed precision: unscaled, overflow checked
         staleness = self.updates - read
@@ -194,40 +190,37 @@ class SimulatedWorkers:
     def run(self) -> Summary:
         """W x --steps pushes, or until SIGTERM / SIGINT (after the push in progress);
         params.data ends holding the live parameters."""
-        run, W = self.s.setup.run, self.W
-        progress = Progress(run.steps, run.log_every)
-        start = time.perf_counter()
-        losses: list[float] = []
-        with StopSignals() as stop:
-            for p in range(run.steps * W):
-                record = self.push(p)
-                rounds = p // W + 1
-                if run.eval_every and p % W == W - 1 and (rounds % run.eval_every == 0
-                                                          or rounds == run.steps):
-                    t = time.perf_counter()
-                    record["eval_loss"] = self.evaluate()
-                    record["eval_s"] = time.perf_counter() - t  # not training time
-                record["elapsed_s"] = time.perf_counter() - start
-                losses.append(record["loss"])
-                self.log.write(record)
-                if p % W == W - 1:
-                    progress.update(rounds - 1, record["loss"],
-                                    f"update {self.updates}  lr {record['lr']:.2e}")
-                if stop.agreed():
-                    print(f"stopped by {stop.name} after push {p + 1}; a simulated run keeps "
-                          "no checkpoint", file=sys.stderr)
-                    break
+        run = self.s.setup.run
+        self.progress = Progress(run.steps, run.log_every)
+        summary = loop.train(self, range(run.steps * self.W), self.s.dataset.floor,
+                             run.batch_size * run.grad_accum)
         if self.past is not None:
             self.s.params.data[...] = self.live
         self.trace.close()
-        summary = Summary.of(losses, time.perf_counter() - start, self.s.dataset.floor,
-                             run.batch_size * run.grad_accum)
-        summary.stopped_by, summary.exit_code = stop.name, stop.exit_code
         summary.extra_lines = [self.describe(), *moe_report.summary_lines(
             moe_report.layer_summaries(self.s.model.moe))]
         if hasattr(self.s.replica, "summary_line"):
             summary.extra_lines.append(self.s.replica.summary_line())
         return summary
+
+    def eval_due(self, p: int) -> bool:
+        """At the end of a round of W pushes, every --eval-every rounds and the last."""
+        run = self.s.setup.run
+        return p % self.W == self.W - 1 and loop.eval_due(p // self.W + 1, run.eval_every,
+                                                          run.steps)
+
+    def report(self, p: int, record: dict) -> None:
+        self.log.write(record)
+        if p % self.W == self.W - 1:
+            self.progress.update(p // self.W, record["loss"],
+                                 f"update {self.updates}  lr {record['lr']:.2e}")
+
+    def checkpoint(self, p: int) -> bool:
+        return False  # a simulated run keeps none
+
+    def stopped(self, signal_name: str, p: int, saved: bool) -> None:
+        print(f"stopped by {signal_name} after push {p + 1}; a simulated run keeps no "
+              "checkpoint", file=sys.stderr)
 
     def describe(self) -> str:
         """The summary's line that says the run was simulated, and how."""

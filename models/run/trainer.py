@@ -1,4 +1,5 @@
-"""The training loop shared by the single-process and sync data-parallel trainers.
+"""The single-process and sync data-parallel trainer: its step, checkpoints and resume
+(the loop around the steps is models/run/loop.py's).
 
 One step:  micro-batches -> Replica.compute_grads -> (reduce across ranks)
            -> Replica.finish_grads (mixed precision: unscale, skip the step on an
@@ -13,73 +14,40 @@ single-process training. Rank 0 (`is_main`) writes metrics and checkpoints.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 import sys
 import time
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from dtlab.models.run import checkpoint, moe_report
+from dtlab.models.run import checkpoint, loop, moe_report
 from dtlab.models.run.checkpoint import CheckpointError
+from dtlab.models.run.loop import Summary
 from dtlab.models.run.metrics import MetricsLog
 from dtlab.models.run.progress import Progress
 from dtlab.models.run.session import GROUPS, Session
-from dtlab.models.run.stop import StopSignals
 from dtlab.models.run.straggler import Straggler
 from dtlab.models.run.trace import Trace
 
 
 class GradReducer(Protocol):
-    def ready(self, offset: int) -> None: ...
+    """The whole contract of a data-parallel gradient exchange with the trainer and
+    dtlab-sync (collective/: DataParallelReducer, ZeroReducer, LocalReducer,
+    CompressReducer)."""
 
-    def wait(self) -> dict: ...
+    overlap: bool  # whether ready() starts reducing while backward still runs
 
-    def average(self, value: float) -> float: ...
+    def ready(self, offset: int) -> None: ...  # gradients at [offset, end) are final
 
+    def wait(self) -> dict: ...  # the reduced gradient in place; the step's comm record
 
-@dataclass
-class Summary:
-    """What a run did: steps this launch ran, their time, and the loss at its end."""
+    def average(self, value: float) -> float: ...  # a logged scalar over the ranks
 
-    steps: int
-    seconds: float
-    final_loss: float  # mean training loss of the last `tail` steps
-    tail: int
-    floor: float | None
-    samples_per_s: float
-    stopped_by: str = ""  # the signal that stopped the run early, agreed by every rank
-    exit_code: int = 0  # 0, or 130 after SIGINT
-    extra_lines: list[str] = dataclasses.field(default_factory=list)  # e.g. the MoE table
+    def plan(self) -> list[dict]: ...  # what each bucket runs, for the header
 
-    @property
-    def gap(self) -> float | None:
-        return None if self.floor is None else self.final_loss - self.floor
-
-    @classmethod
-    def of(cls, losses: list[float], seconds: float, floor: float | None,
-           samples_per_step: int) -> Summary:
-        """Final loss = mean of the last 10% of the steps' losses (at least one step)."""
-        tail = losses[-max(1, len(losses) // 10):]
-        return cls(len(losses), seconds, sum(tail) / len(tail) if tail else math.nan,
-                   len(tail), floor, len(losses) * samples_per_step / seconds if seconds else 0.0)
-
-    def lines(self, flops_per_step: float | None = None) -> list[str]:
-        """The summary a trainer prints at the end."""
-        if not self.steps:
-            return ["no steps run: the run had already reached --steps"]
-        seconds = max(self.seconds, 1e-9)
-        speed = f"steps {self.steps} in {seconds:.2f} s, {self.samples_per_s:,.0f} samples/s"
-        if flops_per_step is not None:
-            speed += f", {flops_per_step * self.steps / seconds / 1e9:.1f} GFLOP/s"
-        last = "the last step" if self.tail == 1 else f"mean of the last {self.tail} steps"
-        loss = f"final training loss {self.final_loss:.4f} ({last})"
-        if self.floor is not None:
-            loss += f"  floor {self.floor:.4f}  gap {self.gap:+.4f} nats"
-        return [speed, loss, *self.extra_lines]
+    def close(self) -> None: ...  # threads and communicators freed
 
 
 class Trainer:
@@ -112,7 +80,6 @@ class Trainer:
         self.progress = Progress(run.steps, run.log_every, enabled=is_main)
         self.samples_per_step = run.batch_size * run.grad_accum * session.world
         self.start_step = self._resume() if run.resume else 0
-        self.losses: list[float] = []
 
     def step(self, step: int) -> dict:
         s, reducer = self.s, self.reducer
@@ -129,8 +96,7 @@ class Trainer:
         comm = reducer.wait() if reducer else {}
         if reducer:
             loss = reducer.average(loss)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or enable --clip")
+        loop.check_finite(loss, f"step {step}")
         t2 = time.perf_counter()
         lr = s.schedule(step)
         apply, scaling = s.replica.finish_grads()  # every rank sees the same reduced gradient
@@ -154,36 +120,41 @@ class Trainer:
         """Train to --steps, or until SIGTERM / SIGINT: then every rank stops after the
         same step and, with --checkpoint-dir, saves it (models/run/stop.py)."""
         run = self.s.setup.run
-        start = time.perf_counter()
-        with StopSignals() as stop:
-            for step in range(self.start_step, run.steps):
-                record = self.step(step)
-                if run.eval_every and ((step + 1) % run.eval_every == 0 or step + 1 == run.steps):
-                    t = time.perf_counter()
-                    record["eval_loss"] = self.s.replica.evaluate(self.s.heldout)
-                    record["eval_s"] = time.perf_counter() - t  # not training time
-                    self.trace.span("eval", t, time.perf_counter())
-                record["elapsed_s"] = time.perf_counter() - start
-                self.losses.append(record["loss"])
-                if self.is_main:
-                    self.log.write(record)
-                    speed = f"lr {record['lr']:.2e}  {record['step_s'] * 1e3:6.1f} ms/step"
-                    self.progress.update(step, record["loss"], speed)
-                saved = bool(run.checkpoint_every and (step + 1) % run.checkpoint_every == 0)
-                if self.saves and saved:
-                    self.save(step + 1)
-                if stop.agreed(self.agree):
-                    self._stopped(stop.name, step + 1, saved)
-                    break
+        summary = loop.train(self, range(self.start_step, run.steps), self.s.dataset.floor,
+                             self.samples_per_step, self.agree)
         self.trace.close()
-        summary = Summary.of(self.losses, time.perf_counter() - start, self.s.dataset.floor,
-                             self.samples_per_step)
-        summary.stopped_by, summary.exit_code = stop.name, stop.exit_code
         every = self.stages(moe_report.layer_summaries(self.s.model.moe))
         summary.extra_lines = moe_report.summary_lines([row for rows in every for row in rows])
         if hasattr(self.s.replica, "summary_line"):
             summary.extra_lines.append(self.s.replica.summary_line())
         return summary
+
+    def eval_due(self, step: int) -> bool:
+        run = self.s.setup.run
+        return loop.eval_due(step + 1, run.eval_every, run.steps)
+
+    def evaluate(self) -> float:
+        t = time.perf_counter()
+        loss = self.s.replica.evaluate(self.s.heldout)
+        self.trace.span("eval", t, time.perf_counter())
+        return loss
+
+    def report(self, step: int, record: dict) -> None:
+        if self.is_main:
+            self.log.write(record)
+            speed = f"lr {record['lr']:.2e}  {record['step_s'] * 1e3:6.1f} ms/step"
+            self.progress.update(step, record["loss"], speed)
+
+    def checkpoint(self, step: int) -> bool:
+        """Saves after `step` when --checkpoint-every says so; whether it was due."""
+        every = self.s.setup.run.checkpoint_every
+        due = bool(every and (step + 1) % every == 0)
+        if self.saves and due:
+            self.save(step + 1)
+        return due
+
+    def stopped(self, signal_name: str, step: int, saved: bool) -> None:
+        self._stopped(signal_name, step + 1, saved)
 
     def _stopped(self, signal_name: str, steps: int, saved: bool) -> None:
         run = self.s.setup.run

@@ -56,11 +56,11 @@ from dtlab.collective.failure import FORWARD_S
 from dtlab.collective.grid import GridError, ProcessGrid
 from dtlab.models.config import ConfigError, build, from_namespace
 from dtlab.models.optim import OptimConfig
+from dtlab.models.run.loop import Summary
 from dtlab.models.run.metrics import MetricsLog, run_header
 from dtlab.models.run.session import PipelineSpec, Session, Setup, build_session
 from dtlab.models.run.threads import share_cores
 from dtlab.models.run.trace import Trace
-from dtlab.models.run.trainer import Summary
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver.common.config import ClientConfig
 from dtlab.pserver.common.partition_specs import specs_json

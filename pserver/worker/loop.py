@@ -89,7 +89,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -109,17 +108,17 @@ from dtlab.models.config import (
 from dtlab.models.data import ShardedLoader
 from dtlab.models.optim import OptimConfig
 from dtlab.models.outer import outer_gradient, round_ends
+from dtlab.models.run import loop as training_loop
 from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.cli import command_name, run_cli
 from dtlab.models.run.launcher import launcher_rank, launcher_size
+from dtlab.models.run.loop import Summary
 from dtlab.models.run.metrics import MetricsLog, run_header
 from dtlab.models.run.progress import Progress
 from dtlab.models.run.session import Session, Setup, build_session, parse
-from dtlab.models.run.stop import StopSignals
 from dtlab.models.run.straggler import Straggler
 from dtlab.models.run.threads import share_cores
 from dtlab.models.run.trace import Trace
-from dtlab.models.run.trainer import Summary
 from dtlab.models.schedule import SCHEDULES
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver.common import codec as wire
@@ -292,7 +291,8 @@ class Worker:
         if changed and self.on_device:
             self.s.params.load(self.host)
 
-    def step(self, step: int, last: bool = False, trace: Trace | None = None) -> dict:
+    def compute_and_push(self, step: int, last: bool = False,
+                         trace: Trace | None = None) -> dict:
         """One step; `last`: push alone (no next step to pull for)."""
         s = self.s
         t0 = time.perf_counter()
@@ -302,8 +302,7 @@ class Worker:
         if self.experts is not None:
             self.experts.begin()
         loss = s.replica.compute_grads(s.loader.next())
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or enable --clip")
+        training_loop.check_finite(loss, f"step {step}")
         apply, scaling = s.replica.finish_grads()  # mixed precision: unscaled, overflow checked
         grad_norm = None
         if apply:
@@ -359,44 +358,15 @@ class Worker:
         """Steps to --steps, or until SIGTERM / SIGINT: the step in progress is finished
         (its push applied), then the worker leaves; the servers keep the state."""
         run = self.s.setup.run
-        progress = Progress(run.steps, run.log_every, prefix=f"worker {self.wid}: ",
-                            enabled=self.main)
-        trace = self.trace()
-        straggler = Straggler(run.straggler, run.delay_ms, run.seed, self.wid)
-        start = time.perf_counter()
-        losses = []
-        paths = None  # the shards' paths (PSClient.paths) as last recorded
-        with StopSignals() as stop:
-            for step in range(first_step, run.steps):
-                last = step == run.steps - 1 and not self.pull_at_end
-                extra = {}
-                if straggler.active:
-                    t = time.perf_counter()
-                    extra["straggle_s"] = straggler.wait(step, self.last_compute_s)
-                    trace.span("straggle", t, time.perf_counter(), "wait")
-                record = {**self.step(step, last, trace), **extra}
-                if run.eval_every and ((step + 1) % run.eval_every == 0
-                                       or step == run.steps - 1):
-                    t_eval = time.perf_counter()
-                    record["eval_loss"] = self.evaluate(trace)
-                    record["eval_s"] = time.perf_counter() - t_eval  # not training time
-                record["elapsed_s"] = time.perf_counter() - start
-                if (now := self.client.paths()) != paths:  # the first step's, then changes
-                    record["paths"] = paths = now
-                losses.append(record["loss"])
-                self.metrics.write(record)
-                progress.update(step, record["loss"],
-                                f"staleness {max(record['staleness'], default=0)}  "
-                                f"{record['step_s'] * 1e3:6.1f} ms/step")
-                if stop.agreed(self.agree):
-                    if self.main:
-                        log.info("stopped by %s after step %d; the servers keep the "
-                                 "parameters", stop.name, step + 1)
-                    break
-        trace.close()
-        summary = Summary.of(losses, time.perf_counter() - start, self.s.dataset.floor,
-                             run.batch_size * run.grad_accum)
-        summary.stopped_by, summary.exit_code = stop.name, stop.exit_code
+        self.progress = Progress(run.steps, run.log_every, prefix=f"worker {self.wid}: ",
+                                 enabled=self.main)
+        self.tracer = self.trace()
+        self.straggler = Straggler(run.straggler, run.delay_ms, run.seed, self.wid)
+        self.paths = None  # the shards' paths (PSClient.paths) as last recorded
+        summary = training_loop.train(self, range(first_step, run.steps),
+                                      self.s.dataset.floor, run.batch_size * run.grad_accum,
+                                      self.agree)
+        self.tracer.close()
         if hasattr(self.s.replica, "summary_line"):
             summary.extra_lines.append(self.s.replica.summary_line())
         if self.late:
@@ -404,11 +374,42 @@ class Worker:
                                        "BSP round closed and were dropped (backup workers)")
         return summary
 
+    def step(self, step: int) -> dict:
+        """The loop's step: the straggler's wait (--straggler), then `compute_and_push`;
+        the last step pushes alone unless a subclass pulls at the end too."""
+        run, extra = self.s.setup.run, {}
+        if self.straggler.active:
+            t = time.perf_counter()
+            extra["straggle_s"] = self.straggler.wait(step, self.last_compute_s)
+            self.tracer.span("straggle", t, time.perf_counter(), "wait")
+        last = step == run.steps - 1 and not self.pull_at_end
+        return {**self.compute_and_push(step, last, self.tracer), **extra}
+
+    def eval_due(self, step: int) -> bool:
+        run = self.s.setup.run
+        return training_loop.eval_due(step + 1, run.eval_every, run.steps)
+
+    def report(self, step: int, record: dict) -> None:
+        if (now := self.client.paths()) != self.paths:  # the first step's, then changes
+            record["paths"] = self.paths = now
+        self.metrics.write(record)
+        self.progress.update(step, record["loss"],
+                             f"staleness {max(record['staleness'], default=0)}  "
+                             f"{record['step_s'] * 1e3:6.1f} ms/step")
+
+    def checkpoint(self, step: int) -> bool:
+        return False  # the servers hold the state and checkpoint it
+
+    def stopped(self, signal_name: str, step: int, saved: bool) -> None:
+        if self.main:
+            log.info("stopped by %s after step %d; the servers keep the parameters",
+                     signal_name, step + 1)
+
     def trace(self) -> Trace:
         """This process's trace (--trace), pid = the worker number."""
         return Trace(self.s.setup.run.trace, pid=self.wid, process=f"async worker {self.wid}")
 
-    def evaluate(self, trace: Trace) -> float:
+    def evaluate(self) -> float:
         """The held-out loss of the parameters the servers hold now (after this step's
         push: the ones the next step would read)."""
         t = time.perf_counter()
@@ -416,7 +417,7 @@ class Worker:
             self.loaded(self.client.pull(self.host))
             self.pulled = True
         loss = self.s.replica.evaluate(self.s.heldout)
-        trace.span("eval", t, time.perf_counter())
+        self.tracer.span("eval", t, time.perf_counter())
         return loss
 
 
@@ -439,7 +440,8 @@ class LocalWorker(Worker):
         """The pulled global parameters into the (locally changed) ones, always."""
         self.s.params.load(self.host)
 
-    def step(self, step: int, last: bool = False, trace: Trace | None = None) -> dict:
+    def compute_and_push(self, step: int, last: bool = False,
+                         trace: Trace | None = None) -> dict:
         s = self.s
         t0 = time.perf_counter()
         if not self.pulled:  # a round's start that no push brought: the first, a rejoin
@@ -447,8 +449,7 @@ class LocalWorker(Worker):
             self.pulled = True
         t1 = time.perf_counter()
         loss = s.replica.compute_grads(s.loader.next())
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or enable --clip")
+        training_loop.check_finite(loss, f"step {step}")
         lr = s.schedule(step)
         apply, scaling = s.replica.finish_grads()  # mixed precision: unscaled, overflow checked
         grad_norm = None

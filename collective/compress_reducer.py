@@ -38,6 +38,7 @@ import time
 import numpy as np
 
 from dtlab.collective.comm import Communicator
+from dtlab.collective.exchange import Exchange
 from dtlab.collective.zero_layout import RingTraffic
 from dtlab.models.backend import array_module
 from dtlab.models.compress import (
@@ -61,13 +62,12 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-class CompressReducer:
+class CompressReducer(Exchange):
     """The trainer's gradient reducer under --compress: `grad` (the flat gradient buffer)
     replaced in wait() by the mean of the ranks' decompressed payloads."""
 
-    overlap = False
-
     def __init__(self, comm: Communicator, grad, cfg: CompressConfig, params, seed: int):
+        super().__init__(comm)
         xp = array_module(grad)
         self.comm, self.grad, self.cfg = comm, grad, cfg
         self.ring = comm.dup("compress", ours="ring")  # our ring at every size: bytes known
@@ -94,7 +94,6 @@ class CompressReducer:
             self.nbytes = (p + q) * b
             self.sent = traffic.allreduce(p, b) + traffic.allreduce(q, b)
             self.collectives = [("ring allreduce (P)", p * b), ("ring allreduce (Q)", q * b)]
-        self._scalar = np.zeros(1)
         self._comm_s = 0.0
 
     def ready(self, offset: int) -> None:
@@ -169,10 +168,6 @@ class CompressReducer:
         q = self.c.q_factors(p)
         self._collective(lambda: self.ring.allreduce(q, average=True))
         self.c.finish(q, out=self.grad)
-
-    def average(self, value: float) -> float:
-        self._scalar[0] = value
-        return float(self.comm.allreduce(self._scalar, average=True, algo="mpi")[0])
 
     def plan(self) -> list[dict]:
         """The collectives of one step (the header's allreduce_buckets)."""

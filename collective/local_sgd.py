@@ -27,7 +27,8 @@ The trainer (models/run/trainer.py) drives this as it drives plain data parallel
 `LocalReducer` stands in for the gradient reducer (nothing to reduce), `LocalOptimizer`
 for the optimizer (the inner step, then at a round's end the outer one). The ranks meet
 only at round ends: the stop agreement too (collective/methods.py, agreement), and the
-logged training loss is rank 0's own.
+logged training loss, the mean over the ranks as for every method, is averaged and
+written for the whole round at its end.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dtlab.collective.comm import Communicator
+from dtlab.collective.exchange import Exchange
 from dtlab.collective.zero_layout import RingTraffic
 from dtlab.models.config import ConfigError, described
 from dtlab.models.outer import LocalSGD, OuterConfig, make_outer, round_ends
@@ -112,16 +114,17 @@ class LocalOptimizer:
         return {**self.inner.state_dict(), **outer}
 
 
-class LocalReducer:
+class LocalReducer(Exchange):
     """The trainer's gradient reducer under --local-steps: every rank keeps its own
-    gradient, and its own loss: the metrics' training loss is rank 0's (averaging it would
-    meet the ranks every step, which local SGD exists to avoid); the held-out loss, at
-    round ends, is of the averaged parameters."""
-
-    overlap = False
+    gradient. The ranks meet only at a round's end, so the step records of a round wait
+    for it: then one all-reduce averages the round's losses, and the records go out with
+    `loss` the mean over the global batch, as every other method logs it (`settled`).
+    The held-out loss, at round ends, is of the averaged parameters."""
 
     def __init__(self, ring: Communicator):
+        super().__init__(ring)
         self.ring = ring  # the outer all-reduce's, freed in close
+        self.pending: list[dict] = []  # this round's records, their losses this rank's
 
     def ready(self, offset: int) -> None:
         """Nothing to start: the gradient stays on this rank."""
@@ -130,7 +133,21 @@ class LocalReducer:
         return {"comm_s": 0.0, "wait_s": 0.0, "wire_bytes": 0}
 
     def average(self, value: float) -> float:
+        """This rank's own: the mean waits for the round's end (`settled`)."""
         return value
+
+    def settled(self, record: dict) -> list[dict]:
+        """The round's records once `record` ends it (its outer all-reduce ran: comm_rounds
+        1), each loss replaced by its mean over the ranks; nothing before."""
+        self.pending.append(record)
+        if not record.get("comm_rounds"):
+            return []
+        losses = np.array([r["loss"] for r in self.pending])  # (steps in the round,)
+        self.ring.allreduce(losses, average=True, algo="mpi")
+        done, self.pending = self.pending, []
+        for r, loss in zip(done, losses.tolist(), strict=True):
+            r["loss"] = loss
+        return done
 
     def plan(self) -> list[dict]:
         return []

@@ -70,13 +70,13 @@ import socket
 import sys
 import time
 
-import numpy as np
 from mpi4py import MPI
 
 from dtlab.collective import flight
 from dtlab.collective.buckets import WIRE_DTYPES, BucketReducer
 from dtlab.collective.choose import OURS
 from dtlab.collective.comm import Communicator
+from dtlab.collective.exchange import Exchange
 from dtlab.collective.failure import FORWARD_S
 from dtlab.collective.grid import GridError, ProcessGrid
 from dtlab.collective.methods import (
@@ -180,7 +180,7 @@ def add_sync_flags(parser: argparse.ArgumentParser) -> None:
     add_method_flags(parser)
 
 
-class DataParallelReducer:
+class DataParallelReducer(Exchange):
     """Adapts BucketReducer to the trainer: averages gradients and logged scalars.
 
     With `experts` (comm, lo, divide) the buffer holds two parameter groups: [0, lo) is
@@ -190,6 +190,7 @@ class DataParallelReducer:
     def __init__(self, comm: Communicator, grad, bucket_bytes: int, allreduce: str,
                  overlap: bool, wire: str = "fp32",
                  experts: tuple[Communicator, int, int] | None = None):
+        super().__init__(comm)
         self.comm, self.grad = comm, grad
         self.lo = grad.size if experts is None else experts[1]
         algo, ours = comm_algorithm(allreduce)
@@ -202,7 +203,6 @@ class DataParallelReducer:
             self.divide = experts[2]
         self.ready = self.buckets.ready
         self.overlap = self.buckets.overlap
-        self._scalar = np.zeros(1)
         sent = [ring_sent_bytes(b) for b in (self.buckets, self.experts) if b is not None]
         self.sent_bytes = None if None in sent else sum(sent)
 
@@ -219,10 +219,6 @@ class DataParallelReducer:
     def plan(self) -> list[dict]:
         """What every bucket's all-reduce runs (BucketReducer.plan), the experts' last."""
         return self.buckets.plan() + (self.experts.plan() if self.experts is not None else [])
-
-    def average(self, value: float) -> float:
-        self._scalar[0] = value
-        return float(self.comm.allreduce(self._scalar, average=True, algo="mpi")[0])
 
     def close(self) -> None:
         self.buckets.close()

@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from dtlab.collective.comm import Communicator
+from dtlab.collective.exchange import Exchange
 from dtlab.collective.zero import Zero, ZeroParams
 from dtlab.models import backend
 from dtlab.models.cost import zero_memory
@@ -160,14 +161,14 @@ class ZeroMixedReplica(ZeroReplica):
         return f"{precision}: {s.skipped} step(s) skipped on overflow, loss scale now {s.scale:g}"
 
 
-class ZeroReducer:
+class ZeroReducer(Exchange):
     """The trainer's reducer: stage 1 reduce-scatters each unit as backward reports it
     final (`ready`); every stage's wait() lets the helper thread finish."""
 
     def __init__(self, zero: Zero):
+        super().__init__(zero.comm)
         self.zero = zero
         self._next = len(zero.layout.units) - 1  # stage 1: units not yet launched this step
-        self._scalar = np.zeros(1)
         self.overlap = zero.stream.overlap
 
     def ready(self, offset: int) -> None:
@@ -184,10 +185,6 @@ class ZeroReducer:
         self.zero.stream.drain()
         return {"comm_s": self.zero.stream.take_seconds(),
                 "wait_s": time.perf_counter() - start}
-
-    def average(self, value: float) -> float:
-        self._scalar[0] = value
-        return float(self.zero.comm.allreduce(self._scalar, average=True, algo="mpi")[0])
 
     def plan(self) -> list[dict]:
         """Each unit: its name, elements and this rank's segment."""

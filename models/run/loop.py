@@ -6,8 +6,8 @@
             if method.eval_due(i):               # held-out loss, timed apart (eval_s)
                 record["eval_loss"] = method.evaluate()
             record["elapsed_s"] = ...
-            losses.append(record["loss"])
-            method.report(i, record)             # its metrics line and progress
+            for done in method.report(i, record):  # the records now final, written
+                losses.append(done["loss"])
             saved = method.checkpoint(i)         # a checkpoint after this step, when due
             if stop.agreed(agree):               # every rank stops after the same step
                 method.stopped(stop.name, i, saved)
@@ -43,7 +43,7 @@ class Method(Protocol):
 
     def evaluate(self) -> float: ...  # the held-out loss of the parameters now
 
-    def report(self, i: int, record: dict) -> None: ...  # metrics line, progress
+    def report(self, i: int, record: dict) -> list[dict]: ...  # final ones written
 
     def checkpoint(self, i: int) -> bool: ...  # save after step i if due; saved?
 
@@ -119,8 +119,7 @@ def train(method: Method, iterations: Iterable[int], floor: float | None,
                 record["eval_loss"] = method.evaluate()
                 record["eval_s"] = time.perf_counter() - t  # not training time
             record["elapsed_s"] = time.perf_counter() - start
-            losses.append(record["loss"])
-            method.report(i, record)
+            losses += [done["loss"] for done in method.report(i, record)]
             saved = method.checkpoint(i)
             if stop.agreed(agree):
                 method.stopped(stop.name, i, saved)

@@ -209,11 +209,12 @@ class SimulatedWorkers:
         return p % self.W == self.W - 1 and loop.eval_due(p // self.W + 1, run.eval_every,
                                                           run.steps)
 
-    def report(self, p: int, record: dict) -> None:
+    def report(self, p: int, record: dict) -> list[dict]:
         self.log.write(record)
         if p % self.W == self.W - 1:
             self.progress.update(p // self.W, record["loss"],
                                  f"update {self.updates}  lr {record['lr']:.2e}")
+        return [record]
 
     def checkpoint(self, p: int) -> bool:
         return False  # a simulated run keeps none

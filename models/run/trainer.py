@@ -45,6 +45,8 @@ class GradReducer(Protocol):
 
     def average(self, value: float) -> float: ...  # a logged scalar over the ranks
 
+    def settled(self, record: dict) -> list[dict]: ...  # the records final after a step
+
     def plan(self) -> list[dict]: ...  # what each bucket runs, for the header
 
     def close(self) -> None: ...  # threads and communicators freed
@@ -139,11 +141,15 @@ class Trainer:
         self.trace.span("eval", t, time.perf_counter())
         return loss
 
-    def report(self, step: int, record: dict) -> None:
-        if self.is_main:
-            self.log.write(record)
-            speed = f"lr {record['lr']:.2e}  {record['step_s'] * 1e3:6.1f} ms/step"
-            self.progress.update(step, record["loss"], speed)
+    def report(self, step: int, record: dict) -> list[dict]:
+        """Writes the records the reducer says are final (local SGD: a round's at its
+        end, their losses then averaged) and returns them."""
+        settled = self.reducer.settled(record) if self.reducer else [record]
+        for done in settled if self.is_main else ():
+            self.log.write(done)
+            speed = f"lr {done['lr']:.2e}  {done['step_s'] * 1e3:6.1f} ms/step"
+            self.progress.update(done["step"] - 1, done["loss"], speed)
+        return settled
 
     def checkpoint(self, step: int) -> bool:
         """Saves after `step` when --checkpoint-every says so; whether it was due."""

@@ -389,13 +389,14 @@ class Worker:
         run = self.s.setup.run
         return training_loop.eval_due(step + 1, run.eval_every, run.steps)
 
-    def report(self, step: int, record: dict) -> None:
+    def report(self, step: int, record: dict) -> list[dict]:
         if (now := self.client.paths()) != self.paths:  # the first step's, then changes
             record["paths"] = self.paths = now
         self.metrics.write(record)
         self.progress.update(step, record["loss"],
                              f"staleness {max(record['staleness'], default=0)}  "
                              f"{record['step_s'] * 1e3:6.1f} ms/step")
+        return [record]
 
     def checkpoint(self, step: int) -> bool:
         return False  # the servers hold the state and checkpoint it

@@ -71,6 +71,8 @@ def two_ranks(tmp_path_factory) -> tuple[dict, object]:
              for dtype in ("32", "64")
              for kind, extra in (("plain", []), ("local", ["--local-steps", "1"]))]
     cases += [{"name": "local", "argv": [*local, "--metrics", str(metrics)]},
+              {"name": "plain_logged", "argv": [*MLP, *SGD, "--steps", "10", "--metrics",
+                                                str(tmp / "plain.jsonl")]},
               {"name": "local_twin", "argv": local, "twin": 2},
               {"name": "diloco", "argv": diloco},
               {"name": "diloco_twin", "argv": diloco, "twin": 2}]
@@ -102,6 +104,19 @@ def test_four_local_steps_are_the_replicas_run_one_after_another(two_ranks):
     n = got["local"].size
     assert {r["sent_bytes"] for r in records if r["comm_rounds"]} == {4 * n}
     assert all(r["sent_bytes"] == 0 for r in records if not r["comm_rounds"])
+
+
+def test_the_logged_loss_is_the_global_batch_mean_as_in_plain_sync(two_ranks):
+    """`loss` means the mean over the step's global batch for every method: local SGD's
+    records wait for their round's end, when one all-reduce averages the round's losses.
+    At step 1 (the same weights and data as plain sync) the two logged losses are equal
+    bit for bit; afterwards the replicas drift apart and so do the losses."""
+    _, metrics = two_ranks
+    local = read_metrics(str(metrics))[1]
+    plain = read_metrics(str(metrics.parent / "plain.jsonl"))[1]
+    assert [r["step"] for r in local] == list(range(1, 11))
+    assert local[0]["loss"] == plain[0]["loss"]
+    assert local[1]["loss"] != plain[1]["loss"]
 
 
 def test_the_ranks_meet_only_at_round_ends_and_a_signal_stops_them_after_one(tmp_path):

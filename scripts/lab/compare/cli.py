@@ -73,7 +73,7 @@ from dtlab.lab.compare import (
     sweep,
     traces,
 )
-from dtlab.lab.compare.launch import Bench, Outcome, Processes, RunSpec
+from dtlab.lab.compare.launch import Outcome, Processes, RunContext, RunSpec
 from dtlab.models.config import ConfigError
 from dtlab.models.data.dataset import in_words
 from dtlab.models.data.factory import source_of
@@ -371,7 +371,7 @@ class Board:
         self.drawn = False
 
 
-def analyse(outcome: Outcome, bench: Bench, global_batch: int, floor: float | None,
+def analyse(outcome: Outcome, ctx: RunContext, global_batch: int, floor: float | None,
             target: float) -> report.Result:
     if outcome.error:
         return report.Result(outcome)
@@ -380,7 +380,7 @@ def analyse(outcome: Outcome, bench: Bench, global_batch: int, floor: float | No
     spec = outcome.spec
     if spec.topology == "simulated":
         records = [analysis.rounds(records[0])]
-    curve, stats = analysis.measure(spec.topology, records, global_batch, bench.ranks,
+    curve, stats = analysis.measure(spec.topology, records, global_batch, ctx.ranks,
                                     spec.consistency, floor, target)
     return report.Result(outcome, curve, stats, analysis.what_ran(spec.topology, headers,
                                                                   records))
@@ -456,10 +456,10 @@ def run_sweep(setup: Setup, spec: RunSpec, argv: list[str], session, out: Path,
             config = dict(data["config"], model=dataclasses.asdict(s["config"]))
             config["run"] = dict(config["run"], steps=s["steps"])
             (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-            bench = Bench(folder, (folder / "config.json").resolve(), opts.ranks, opts.shards,
+            ctx = RunContext(folder, (folder / "config.json").resolve(), opts.ranks, opts.shards,
                           s["steps"], opts.timeout, mpiexec, grid=grid_of(opts))
-            outcome = launch.run(runs[i], bench, procs, board.watch(i, runs[i].name))
-            result = analyse(outcome, bench, data["global_batch"], floor, target)
+            outcome = launch.run(runs[i], ctx, procs, board.watch(i, runs[i].name))
+            result = analyse(outcome, ctx, data["global_batch"], floor, target)
             board.done(i, result)
             if not result.ok:
                 print(f"{PROG}: width {s['width']} failed: {outcome.error}", file=sys.stderr)
@@ -504,7 +504,7 @@ def run_folder(lab: Lab, folder: Path, point: dict, seed: int, specs: list[RunSp
     config["run"] = {**config["run"], "seed": seed}
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-    bench = Bench(folder, (folder / "config.json").resolve(), opts.ranks, opts.shards,
+    ctx = RunContext(folder, (folder / "config.json").resolve(), opts.ranks, opts.shards,
                   lab.setup.run.steps, opts.timeout, lab.mpiexec, lab.hosts, opts.trace,
                   grid_of(opts), opts.real)
     if title:
@@ -513,10 +513,10 @@ def run_folder(lab: Lab, folder: Path, point: dict, seed: int, specs: list[RunSp
     results = []
     try:
         for i, spec in enumerate(specs):
-            outcome = launch.run(spec, bench, lab.procs, board.watch(i, spec.name))
+            outcome = launch.run(spec, ctx, lab.procs, board.watch(i, spec.name))
             if opts.trace:
                 traces.merge_run(outcome, folder)
-            results.append(analyse(outcome, bench, lab.data["global_batch"], lab.floor,
+            results.append(analyse(outcome, ctx, lab.data["global_batch"], lab.floor,
                                    lab.target))
             board.done(i, results[-1])
     finally:

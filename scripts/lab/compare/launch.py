@@ -124,7 +124,7 @@ def placement(grid: Grid) -> str:
 
 
 @dataclass
-class Bench:
+class RunContext:
     """What every run shares: where things go, the shared config, the sizes, the limits."""
 
     out: Path
@@ -208,20 +208,20 @@ def progress_of(paths: list[Path]) -> tuple[int, float | None]:
 Watch = Callable[[int, float | None], None]
 
 
-def run(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch) -> Outcome:
+def run(spec: RunSpec, ctx: RunContext, procs: Processes, watch: Watch) -> Outcome:
     """Run `spec` to its end (or failure, or timeout); its processes are gone afterwards."""
     start = time.monotonic()
-    sent = bench.cluster.bytes_sent() if bench.cluster else None
+    sent = ctx.cluster.bytes_sent() if ctx.cluster else None
     launch = {"sync": run_sync, "async": run_async, "simulated": run_simulated}[spec.topology]
-    outcome = launch(spec, bench, procs, watch, start + bench.timeout_s)
+    outcome = launch(spec, ctx, procs, watch, start + ctx.timeout_s)
     outcome.wall_s = time.monotonic() - start
-    if bench.cluster:
-        outcome.link_bytes = [b - a for a, b in zip(sent, bench.cluster.bytes_sent(),
+    if ctx.cluster:
+        outcome.link_bytes = [b - a for a, b in zip(sent, ctx.cluster.bytes_sent(),
                                                     strict=True)]
     if not outcome.error:
         done = min((count_steps(p) for p in outcome.metrics), default=0)
         # a simulated run's records are pushes: N a step
-        expected = bench.steps * (bench.ranks if spec.topology == "simulated" else 1)
+        expected = ctx.steps * (ctx.ranks if spec.topology == "simulated" else 1)
         if done != expected:
             outcome.error = f"the metrics hold {done} of {expected} records"
     return outcome
@@ -234,27 +234,27 @@ def count_steps(path: Path) -> int:
         return 0
 
 
-def run_sync(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
+def run_sync(spec: RunSpec, ctx: RunContext, procs: Processes, watch: Watch,
              deadline: float) -> Outcome:
-    metrics = bench.out / f"{spec.name}.jsonl"
-    log = bench.out / f"{spec.name}.log"
-    prog = [*program("dtlab-sync"), "--config", str(bench.config),
+    metrics = ctx.out / f"{spec.name}.jsonl"
+    log = ctx.out / f"{spec.name}.log"
+    prog = [*program("dtlab-sync"), "--config", str(ctx.config),
             *(["--zero", str(spec.zero)] if spec.zero else ["--allreduce", spec.allreduce]),
-            *method_flags(spec, bench), "--metrics", str(metrics),
-            *bench.grid.flags(sync=True)]
-    if bench.trace:
-        prog += ["--trace", str(bench.out / f"{spec.name}.trace.{{rank}}.json")]
-    n, env = bench.processes(), bench.cluster.env if bench.cluster else None
-    if bench.hosts:
-        cmd, env = bench.hosts.line([(n, prog)], rank_hosts(n, bench.grid.tp,
-                                                            len(bench.hosts.names)),
-                                    bench.out, spec.name)
+            *method_flags(spec, ctx), "--metrics", str(metrics),
+            *ctx.grid.flags(sync=True)]
+    if ctx.trace:
+        prog += ["--trace", str(ctx.out / f"{spec.name}.trace.{{rank}}.json")]
+    n, env = ctx.processes(), ctx.cluster.env if ctx.cluster else None
+    if ctx.hosts:
+        cmd, env = ctx.hosts.line([(n, prog)], rank_hosts(n, ctx.grid.tp,
+                                                            len(ctx.hosts.names)),
+                                    ctx.out, spec.name)
     else:
-        cmd = [bench.mpiexec, *mpiexec_args(bench), "-n", str(n), *prog]
+        cmd = [ctx.mpiexec, *mpiexec_args(ctx), "-n", str(n), *prog]
     outcome = Outcome(spec, [metrics], [cmd])
     main = procs.start(cmd, log, env)
     try:
-        outcome.error = _wait(procs, main, [], deadline, bench.timeout_s, [metrics], watch)
+        outcome.error = _wait(procs, main, [], deadline, ctx.timeout_s, [metrics], watch)
     finally:
         procs.stop([main])
     if outcome.error:
@@ -262,13 +262,13 @@ def run_sync(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
     return outcome
 
 
-def method_flags(spec: RunSpec, bench: Bench) -> list[str]:
+def method_flags(spec: RunSpec, ctx: RunContext) -> list[str]:
     """A sync run's or an async worker's flags for local SGD (with the held-out loss
     every multiple of H) or compression."""
     out = []
     if spec.local_steps:
         H = spec.local_steps
-        out += ["--local-steps", str(H), "--eval-every", str(-(-bench.eval_every // H) * H)]
+        out += ["--local-steps", str(H), "--eval-every", str(-(-ctx.eval_every // H) * H)]
         if spec.outer == "diloco" and spec.topology == "sync":
             out += ["--outer-optimizer", DILOCO[0], "--outer-lr", str(DILOCO[1]),
                     "--outer-momentum", str(DILOCO[2])]
@@ -278,9 +278,9 @@ def method_flags(spec: RunSpec, bench: Bench) -> list[str]:
     return out + list(spec.sync_flags if spec.topology == "sync" else spec.worker_flags)
 
 
-def server_flags(spec: RunSpec, bench: Bench) -> list[str]:
+def server_flags(spec: RunSpec, ctx: RunContext) -> list[str]:
     """An async run's server flags for its workers (backups included) and their method."""
-    workers = bench.ranks + spec.backups
+    workers = ctx.ranks + spec.backups
     out = ["--consistency", spec.consistency, "--num-workers", str(workers)]
     if spec.backups:
         out += ["--backup-workers", str(spec.backups)]
@@ -294,17 +294,17 @@ def server_flags(spec: RunSpec, bench: Bench) -> list[str]:
     return out + list(spec.server_flags)
 
 
-def run_simulated(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
+def run_simulated(spec: RunSpec, ctx: RunContext, procs: Processes, watch: Watch,
                   deadline: float) -> Outcome:
     """N ASP workers simulated in one process (dtlab-train --simulate-workers N): the
     staleness of an async run without its systems, on this machine (no network)."""
-    metrics, log = bench.out / f"{spec.name}.jsonl", bench.out / f"{spec.name}.log"
-    cmd = [*program("dtlab-train"), "--config", str(bench.config), "--simulate-workers",
-           str(bench.ranks), "--staleness-lr", spec.staleness_lr, "--metrics", str(metrics)]
+    metrics, log = ctx.out / f"{spec.name}.jsonl", ctx.out / f"{spec.name}.log"
+    cmd = [*program("dtlab-train"), "--config", str(ctx.config), "--simulate-workers",
+           str(ctx.ranks), "--staleness-lr", spec.staleness_lr, "--metrics", str(metrics)]
     outcome = Outcome(spec, [metrics], [cmd])
     main = procs.start(cmd, log)
     try:
-        outcome.error = _wait(procs, main, [], deadline, bench.timeout_s, [metrics], watch)
+        outcome.error = _wait(procs, main, [], deadline, ctx.timeout_s, [metrics], watch)
     finally:
         procs.stop([main])
     if outcome.error:
@@ -312,35 +312,35 @@ def run_simulated(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
     return outcome
 
 
-def run_job(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
+def run_job(spec: RunSpec, ctx: RunContext, procs: Processes, watch: Watch,
             deadline: float) -> Outcome:
     """An async run on real hosts: its servers and workers as one job (module docstring),
     which ends by itself once the workers are done (the servers then exit)."""
-    name, out, hosts = spec.name, bench.out, bench.hosts
-    metrics = [out / f"{name}.w{w}.jsonl" for w in range(bench.ranks + spec.backups)]
+    name, out, hosts = spec.name, ctx.out, ctx.hosts
+    metrics = [out / f"{name}.w{w}.jsonl" for w in range(ctx.ranks + spec.backups)]
     if hosts.kind == "mpiexec":
         meet, find = ["--rendezvous", "auto"], []
     else:
         rv = out / f"{name}.rv"
-        meet = ["--rendezvous", str(rv), "--num-shards", str(bench.shards)]
+        meet = ["--rendezvous", str(rv), "--num-shards", str(ctx.shards)]
         find = ["--rendezvous", str(rv)]
-    given = server_flags(spec, bench)
+    given = server_flags(spec, ctx)
     at = given.index("--num-workers")
-    server = [*program("dtlab-pserver"), "serve", "--config", str(bench.config), *meet,
+    server = [*program("dtlab-pserver"), "serve", "--config", str(ctx.config), *meet,
               "--port", "0", *given[:at], *given[at + 2:], "--staleness-lr", spec.staleness_lr,
               *(["--staleness", str(spec.staleness)] if spec.consistency == "ssp" else [])]
-    workers = bench.processes(spec.backups)
-    worker = [*program("dtlab-worker"), "--config", str(bench.config), "--servers", "auto",
+    workers = ctx.processes(spec.backups)
+    worker = [*program("dtlab-worker"), "--config", str(ctx.config), "--servers", "auto",
               *find, "--metrics", str(out / f"{name}.w{{worker}}.jsonl"),
-              *method_flags(spec, bench)]
-    cmd, env = hosts.line([(bench.shards, server), (workers, worker)],
-                          async_hosts(bench.shards, workers, bench.grid.tp, len(hosts.names)),
+              *method_flags(spec, ctx)]
+    cmd, env = hosts.line([(ctx.shards, server), (workers, worker)],
+                          async_hosts(ctx.shards, workers, ctx.grid.tp, len(hosts.names)),
                           out, name)
     outcome = Outcome(spec, metrics, [cmd])
     log = out / f"{name}.log"
     main = procs.start(cmd, log, env)
     try:
-        outcome.error = _wait(procs, main, [], deadline, bench.timeout_s, metrics, watch)
+        outcome.error = _wait(procs, main, [], deadline, ctx.timeout_s, metrics, watch)
     finally:
         procs.stop([main])
     if outcome.error:
@@ -348,30 +348,30 @@ def run_job(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
     return outcome
 
 
-def run_async(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
+def run_async(spec: RunSpec, ctx: RunContext, procs: Processes, watch: Watch,
               deadline: float) -> Outcome:
-    if bench.hosts:
-        return run_job(spec, bench, procs, watch, deadline)
-    name, out = spec.name, bench.out
-    metrics = [out / f"{name}.w{w}.jsonl" for w in range(bench.ranks + spec.backups)]
+    if ctx.hosts:
+        return run_job(spec, ctx, procs, watch, deadline)
+    name, out = spec.name, ctx.out
+    metrics = [out / f"{name}.w{w}.jsonl" for w in range(ctx.ranks + spec.backups)]
     outcome = Outcome(spec, metrics)
     servers, logs, ready = [], [], []
     main = None
     try:
-        for k in range(bench.shards):
+        for k in range(ctx.shards):
             ready.append(out / f"{name}.shard{k}.ready")
             logs.append(out / f"{name}.shard{k}.log")
-            cmd = [*program("dtlab-pserver"), "serve", "--config", str(bench.config),
-                   "--shard", str(k), "--num-shards", str(bench.shards), "--port", "0",
-                   *server_flags(spec, bench), "--staleness-lr", spec.staleness_lr,
+            cmd = [*program("dtlab-pserver"), "serve", "--config", str(ctx.config),
+                   "--shard", str(k), "--num-shards", str(ctx.shards), "--port", "0",
+                   *server_flags(spec, ctx), "--staleness-lr", spec.staleness_lr,
                    "--ready-file", str(ready[k])]
             if spec.consistency == "ssp":
                 cmd += ["--staleness", str(spec.staleness)]
-            if bench.trace:
+            if ctx.trace:
                 cmd += ["--trace", str(out / f"{name}.trace.s{k}.json")]
-            if bench.cluster:
-                host = k % bench.cluster.hosts
-                cmd = bench.cluster.in_host(host, [*cmd, "--bind", bench.cluster.address(host),
+            if ctx.cluster:
+                host = k % ctx.cluster.hosts
+                cmd = ctx.cluster.in_host(host, [*cmd, "--bind", ctx.cluster.address(host),
                                                    "--no-shm"])
             outcome.commands.append(cmd)
             servers.append(procs.start(cmd, logs[k]))
@@ -380,21 +380,21 @@ def run_async(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
             outcome.error, outcome.tail = ports, tail(*logs)
             return outcome
         log = out / f"{name}.log"
-        hosts = [bench.cluster.address(k % bench.cluster.hosts) if bench.cluster else "127.0.0.1"
-                 for k in range(bench.shards)]
-        cmd = [bench.mpiexec, *mpiexec_args(bench), "-n", str(bench.processes(spec.backups)),
-               *program("dtlab-worker"), "--config", str(bench.config),
+        hosts = [ctx.cluster.address(k % ctx.cluster.hosts) if ctx.cluster else "127.0.0.1"
+                 for k in range(ctx.shards)]
+        cmd = [ctx.mpiexec, *mpiexec_args(ctx), "-n", str(ctx.processes(spec.backups)),
+               *program("dtlab-worker"), "--config", str(ctx.config),
                "--servers", ",".join(f"{h}:{p}" for h, p in zip(hosts, ports, strict=True)),
                "--metrics", str(out / f"{name}.w{{worker}}.jsonl"),
-               *method_flags(spec, bench), *bench.grid.flags(sync=False)]
-        if bench.cluster:
+               *method_flags(spec, ctx), *ctx.grid.flags(sync=False)]
+        if ctx.cluster:
             cmd.append("--no-shm")
-        if bench.trace:  # a worker group's ranks trace apart: by their rank in the launch
-            each = "{rank}" if bench.grid.tp * bench.grid.pp > 1 else "w{worker}"
+        if ctx.trace:  # a worker group's ranks trace apart: by their rank in the launch
+            each = "{rank}" if ctx.grid.tp * ctx.grid.pp > 1 else "w{worker}"
             cmd += ["--trace", str(out / f"{name}.trace.{each}.json")]
         outcome.commands.append(cmd)
-        main = procs.start(cmd, log, bench.cluster.env if bench.cluster else None)
-        outcome.error = _wait(procs, main, servers, deadline, bench.timeout_s, metrics, watch)
+        main = procs.start(cmd, log, ctx.cluster.env if ctx.cluster else None)
+        outcome.error = _wait(procs, main, servers, deadline, ctx.timeout_s, metrics, watch)
         if outcome.error:
             outcome.tail = tail(log, *logs)
         return outcome
@@ -404,8 +404,8 @@ def run_async(spec: RunSpec, bench: Bench, procs: Processes, watch: Watch,
             r.unlink(missing_ok=True)
 
 
-def mpiexec_args(bench: Bench) -> list[str]:
-    return bench.cluster.mpiexec_args(slots=bench.grid.tp) if bench.cluster else []
+def mpiexec_args(ctx: RunContext) -> list[str]:
+    return ctx.cluster.mpiexec_args(slots=ctx.grid.tp) if ctx.cluster else []
 
 
 def wait_ready(servers: list[subprocess.Popen], ready: list[Path],

@@ -25,7 +25,8 @@ replicas one after another is the same bits at W = 2, where the ring's sum is a 
 
 The trainer (models/run/trainer.py) drives this as it drives plain data parallelism:
 `LocalReducer` stands in for the gradient reducer (nothing to reduce), `LocalOptimizer`
-for the optimizer (the inner step, then at a round's end the outer one). The ranks meet
+(collective/streaming.py) for the optimizer (the inner step, then at a round's end the
+outer one; with Streaming DiLoCo's flags one fragment of the parameters at a time). The ranks meet
 only at round ends: the stop agreement too (collective/methods.py, agreement), and the
 logged training loss, the mean over the ranks as for every method, is averaged and
 written for the whole round at its end.
@@ -33,16 +34,15 @@ written for the whole round at its end.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from dtlab.collective.comm import Communicator
 from dtlab.collective.exchange import Exchange
-from dtlab.collective.zero_layout import RingTraffic
+from dtlab.collective.streaming import LocalOptimizer, StreamingConfig
 from dtlab.models.config import ConfigError, described
-from dtlab.models.outer import LocalSGD, OuterConfig, make_outer, round_ends
+from dtlab.models.outer import OuterConfig
 
 
 @dataclass
@@ -70,50 +70,6 @@ def outer_config(local: LocalConfig, outer: OuterConfig) -> OuterConfig:
     return outer if outer.enabled else OuterConfig(outer_optimizer="sgd")
 
 
-class LocalOptimizer:
-    """session.optimizer under --local-steps: `inner` (the configured optimizer) steps the
-    rank's own parameters; at a round's end the outer gradient is averaged over `comm`
-    and the outer step applied (models.outer.LocalSGD). `timing` (the replica's: merged
-    into each step's record) gets comm_rounds, sent_bytes and outer_s."""
-
-    def __init__(self, inner, comm: Communicator, outer: OuterConfig, params, local_steps: int,
-                 total_steps: int, timing: dict):
-        self.inner, self.comm = inner, comm
-        self.H, self.total = local_steps, total_steps
-        self.local = LocalSGD(params, make_outer(outer, params))
-        self.timing = timing
-        self.sent = RingTraffic(comm).allreduce(params.size, params.dtype.itemsize)
-
-    @property
-    def steps(self) -> int:
-        return self.inner.steps
-
-    def step(self, param, grad, lr: float | None = None) -> None:
-        self.inner.step(param, grad, lr)
-        if not round_ends(self.inner.steps - 1, self.H, self.total):
-            self.timing.update(comm_rounds=0, sent_bytes=0, outer_s=0.0)
-            return
-        t = time.perf_counter()
-        delta = self.local.outer_gradient(param)  # (n,) theta - theta_r
-        self.comm.allreduce(delta, average=True)  # (n,) their mean, the same on every rank
-        self.local.step(param)
-        self.timing.update(comm_rounds=1, sent_bytes=self.sent, outer_s=time.perf_counter() - t)
-
-    def at_round_ends(self, agree):
-        """`agree` (a collective sum of a small count array) called at a round's end only,
-        zeros in between: after this step's inner step, is it a round's end?"""
-        def agreed(counts):
-            if round_ends(self.inner.steps - 1, self.H, self.total):
-                return agree(counts)
-            return np.zeros_like(counts)
-        return agreed
-
-    def state_dict(self) -> dict:
-        """The inner optimizer's state, the outer one's and the anchor (what a rank holds)."""
-        outer = {f"outer_{k}": v for k, v in self.local.state_dict().items() if k != "steps"}
-        return {**self.inner.state_dict(), **outer}
-
-
 class LocalReducer(Exchange):
     """The trainer's gradient reducer under --local-steps: every rank keeps its own
     gradient. The ranks meet only at a round's end, so the step records of a round wait
@@ -121,9 +77,10 @@ class LocalReducer(Exchange):
     `loss` the mean over the global batch, as every other method logs it (`settled`).
     The held-out loss, at round ends, is of the averaged parameters."""
 
-    def __init__(self, ring: Communicator):
+    def __init__(self, ring: Communicator, optimizer=None):
         super().__init__(ring)
         self.ring = ring  # the outer all-reduce's, freed in close
+        self.optimizer = optimizer  # closed with it (an overlapping exchange's thread)
         self.pending: list[dict] = []  # this round's records, their losses this rank's
 
     def ready(self, offset: int) -> None:
@@ -153,15 +110,20 @@ class LocalReducer(Exchange):
         return []
 
     def close(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.close()
         self.ring.free()
 
 
-def local_session(session, comm: Communicator, local: LocalConfig, outer: OuterConfig):
-    """The session with its optimizer wrapped (LocalOptimizer) and the reducer to go with
-    it; `comm` is the dp communicator (a ring-only duplicate is made of it)."""
+def local_session(session, comm: Communicator, local: LocalConfig, outer: OuterConfig,
+                  streaming: StreamingConfig | None = None):
+    """The session with its optimizer wrapped (collective/streaming.py's LocalOptimizer:
+    one fragment unless Streaming DiLoCo's flags say more) and the reducer to go with it;
+    `comm` is the dp communicator (a ring-only duplicate is made of it)."""
     ring = comm.dup("local-sgd", ours="ring")
-    params = session.params.data
-    session.optimizer = LocalOptimizer(session.optimizer, ring, outer, params,
+    params = session.params
+    tensors = [params.offsets[spec.name] for spec in params.specs]  # in buffer order
+    session.optimizer = LocalOptimizer(session.optimizer, ring, outer, params.data, tensors,
                                        local.local_steps, session.setup.run.steps,
-                                       session.replica.timing)
-    return session, LocalReducer(ring)
+                                       streaming or StreamingConfig(), session.replica.timing)
+    return session, LocalReducer(ring, session.optimizer)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from dtlab.collective.comm import Communicator
 from dtlab.collective.compress_reducer import CompressReducer, describe
-from dtlab.collective.local_sgd import LocalConfig, LocalOptimizer, local_session, outer_config
+from dtlab.collective.local_sgd import LocalConfig, local_session, outer_config
+from dtlab.collective.streaming import LocalOptimizer, StreamingConfig
 from dtlab.models.compress import CompressConfig
 from dtlab.models.config import ConfigError, add_flags, from_namespace
 from dtlab.models.outer import OuterConfig
@@ -31,6 +32,7 @@ class Methods:
     local: LocalConfig
     outer: OuterConfig  # the one local SGD runs (outer SGD lr 1 unless given)
     compress: CompressConfig
+    streaming: StreamingConfig  # Streaming DiLoCo's fragments, overlap, precision
 
     @property
     def enabled(self) -> bool:
@@ -46,6 +48,8 @@ class Methods:
 def add_method_flags(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, LocalConfig, "local SGD / DiLoCo (collective/local_sgd.py)")
     add_flags(parser, OuterConfig, "the outer optimizer of --local-steps (models/outer.py)")
+    add_flags(parser, StreamingConfig, "Streaming DiLoCo, with --local-steps "
+                                       "(collective/streaming.py)")
     add_flags(parser, CompressConfig, "gradient compression (collective/compress_reducer.py)")
 
 
@@ -54,7 +58,9 @@ def method_configs(setup) -> Methods:
     ns = setup.extra
     local = from_namespace(LocalConfig, ns)
     methods = Methods(local, outer_config(local, from_namespace(OuterConfig, ns)),
-                      from_namespace(CompressConfig, ns))
+                      from_namespace(CompressConfig, ns), from_namespace(StreamingConfig, ns))
+    if methods.streaming.enabled:
+        methods.streaming.check(local.local_steps)
     if local.local_steps and methods.compress.compress:
         raise ConfigError(f"--local-steps {local.local_steps} with --compress "
                           f"{methods.compress.compress}: one of them at a time")
@@ -83,12 +89,19 @@ def method_parts(session, comm: Communicator, methods: Methods, seed: int):
     """(session, reducer, header fields, words) of the method: the session's optimizer
     wrapped under --local-steps; `comm` the dp communicator."""
     if methods.local.local_steps:
-        session, reducer = local_session(session, comm, methods.local, methods.outer)
-        o = methods.outer
-        fields = {"local_steps": methods.local.local_steps, "outer": dataclasses.asdict(o)}
-        words = (f"local SGD: {methods.local.local_steps} inner steps per round, outer "
-                 f"{o.outer_optimizer} lr {o.outer_lr:g} momentum {o.outer_momentum:g}, one "
-                 "ring all-reduce of the parameter change per round")
+        H, o, st = methods.local.local_steps, methods.outer, methods.streaming
+        fields = {"local_steps": H, "outer": dataclasses.asdict(o)}
+        words = (f"local SGD: {H} inner steps per round, outer {o.outer_optimizer} lr "
+                 f"{o.outer_lr:g} momentum {o.outer_momentum:g}, ")
+        session, reducer = local_session(session, comm, methods.local, o, st)
+        if st.enabled:
+            fields["streaming"] = {**dataclasses.asdict(st),
+                                   "fragment_ranges": session.optimizer.ranges}
+            words += (f"Streaming DiLoCo: {st.fragments} fragment(s), one synchronised every "
+                      f"{H // st.fragments} steps, overlapping {st.overlap_steps} step(s), "
+                      f"mix {st.mix:g}, outer gradients in {st.outer_precision}")
+        else:
+            words += "one ring all-reduce of the parameter change per round"
     else:
         grad = session.replica.compute_params.grad
         reducer = CompressReducer(comm, grad, methods.compress, session.params, seed)

@@ -73,6 +73,9 @@ def test_run_names_say_the_method():
              "async-bsp-backup2": dict(topology="async", consistency="bsp", backups=2),
              "async-diloco20": dict(topology="async", local_steps=20, outer="diloco"),
              "async-bsp-topk1": dict(topology="async", consistency="bsp", compress="topk:0.01"),
+             "sync-stream30x3-t1-int4": dict(topology="sync", local_steps=30, outer="diloco",
+                                             sync_flags=("--fragments", "3", "--overlap-steps",
+                                                         "1", "--outer-precision", "int4")),
              "async-asp-sign-noef": dict(topology="async", consistency="asp", compress="sign",
                                          error_feedback=False)}
     for name, fields in cases.items():
@@ -91,8 +94,9 @@ def test_run_names_say_the_method():
 def test_every_method_is_one_registry_entry():
     """Each name is matched by exactly one entry, whose exchange exists in the package;
     --list-methods prints every entry."""
-    names = ("sync-ring", "sync-zero2", "sync-diloco50", "sync-powersgd4-noef", "async-local8",
-             "async-bsp-backup2", "async-asp-randk5-noef", "async-ssp3-div", "sim-asp-div")
+    names = ("sync-ring", "sync-zero2", "sync-diloco50", "sync-stream30x3-t1-int4",
+             "sync-powersgd4-noef", "async-local8", "async-bsp-backup2", "async-asp-randk5-noef",
+             "async-ssp3-div", "sim-asp-div")
     for name in names:
         hits = [m for m in registry.METHODS if m.match(name)]
         assert len(hits) == 1, (name, [m.usage for m in hits])

@@ -112,6 +112,17 @@ def _local(topology: str) -> Build:
     return build
 
 
+def _streaming(name: str, m: re.Match) -> RunSpec:
+    H, F, tau = int(m["H"]), int(m["F"]), int(m["tau"] or 0)
+    bits = m["bits"] or "fp32"
+    what = (f"sync Streaming DiLoCo, {H} inner steps a round in {F} fragments (one every "
+            f"{H // F} steps), exchange overlapping {tau} step(s), outer gradients in {bits}, "
+            f"{_outer_words('sync', 'diloco')}")
+    flags = ("--fragments", str(F), "--overlap-steps", str(tau), "--outer-precision", bits)
+    return RunSpec(name, "sync", what, allreduce="ring", local_steps=H, outer="diloco",
+                   sync_flags=flags)
+
+
 def _compressed(topology: str) -> Build:
     def build(name: str, m: re.Match) -> RunSpec:
         compress = compress_flag(name, m["compress"], m["sparse"], m["percent"],
@@ -162,6 +173,11 @@ METHODS: tuple[Method, ...] = (
            "H local steps, then the outer gradient all-reduced (Stich 2019; DiLoCo: outer "
            "Nesterov, Douillard et al. 2023)",
            "dtlab.collective.local_sgd.LocalReducer", _local("sync")),
+    Method("sync-streamHxF[-tT][-int8|-int4]",
+           r"sync-stream(?P<H>[1-9]\d*)x(?P<F>[1-9]\d*)(-t(?P<tau>\d+))?(-(?P<bits>int8|int4))?",
+           "Streaming DiLoCo (Douillard et al. 2025): F fragments, one synchronised every H / "
+           "F steps, its exchange overlapping T steps, outer gradients in fp32, int8 or 4 bits",
+           "dtlab.collective.streaming.LocalOptimizer", _streaming),
     Method("sync-topkP | sync-randkP | sync-sign | sync-powersgdR [-noef]",
            rf"sync-(?P<compress>{SPARSE}|sign|powersgd(?P<rank>[1-9]\d*))(?P<noef>-noef)?",
            "compressed gradients with error feedback (Karimireddy et al. 2019; PowerSGD, "

@@ -13,6 +13,12 @@ own optimizer), written out from the definition, without collective/local_sgd.py
     theta_1) + ...) / W, summed in rank order (at W = 2 the ring's sum, a + b = b + a),
     theta <- the outer optimizer's step with Delta; every replica <- theta
 
+{"name": ..., "argv": [...], "stream_twin": W}: Streaming DiLoCo (--fragments F,
+--overlap-steps tau, --mix alpha, fp32) the same way, from models/streaming.py's
+definition: after each step the pending fragments due merge, then the fragments the
+schedule names take their mean outer gradient (in rank order, then / W); the outer step
+and the merge come tau steps later (at once at the last step, where the merge copies).
+
 World rank 0 saves every case's final parameters (rank 0's: after the last round every
 rank holds the same) under its name in OUT.npz.
 """
@@ -29,6 +35,7 @@ from dtlab.collective.train import parse_args, train
 from dtlab.models import backend
 from dtlab.models.outer import make_outer, round_ends
 from dtlab.models.run.session import build_session
+from dtlab.models.streaming import fragment_ranges, syncing
 
 
 def sync(argv: list[str]) -> np.ndarray:
@@ -57,15 +64,60 @@ def twin(argv: list[str], world: int) -> np.ndarray:
     return theta
 
 
+def stream_twin(argv: list[str], world: int) -> np.ndarray:
+    setup = parse_args(argv)
+    methods, run = setup.extra.methods, setup.run
+    H, st = methods.local.local_steps, methods.streaming
+    replicas = [build_session(setup, rank=r, world=world) for r in range(world)]
+    params = replicas[0].params
+    theta = params.data.copy()  # (n,) the global parameters
+    ranges = fragment_ranges([params.offsets[s.name] for s in params.specs], st.fragments)
+    outers = [make_outer(methods.outer, theta[lo:hi]) for lo, hi in ranges]
+
+    def merge(f: int, mean: np.ndarray, last: bool) -> None:
+        lo, hi = ranges[f]
+        outers[f].step(theta[lo:hi], mean)
+        for s in replicas:
+            if last or not st.mix:
+                s.params.data[lo:hi] = theta[lo:hi]
+            else:
+                s.params.data[lo:hi] *= st.mix
+                s.params.data[lo:hi] += (1 - st.mix) * theta[lo:hi]
+
+    pending: dict[int, tuple[int, np.ndarray]] = {}  # fragment -> (merge step, its mean)
+    for step in range(run.steps):
+        for s in replicas:
+            s.replica.compute_grads(s.loader.next())
+            s.model.clip_grad_norm(s.params, setup.optim.clip)
+            s.optimizer.step(s.params.data, s.params.grad, s.schedule(step))
+        last = step + 1 == run.steps
+        for f, (at, mean) in list(pending.items()):
+            if at == step or last:
+                merge(f, mean, last)
+                del pending[f]
+        for f in syncing(step, H, st.fragments, run.steps):
+            lo, hi = ranges[f]
+            total = theta[lo:hi] - replicas[0].params.data[lo:hi]  # (n_f,)
+            for s in replicas[1:]:
+                total += theta[lo:hi] - s.params.data[lo:hi]
+            if st.overlap_steps and not last:
+                pending[f] = (step + st.overlap_steps, total / world)
+            else:
+                merge(f, total / world, last)
+    return theta
+
+
 cases_path, out = sys.argv[1], sys.argv[2]
 with open(cases_path) as f:
     cases = json.load(f)
 rank = MPI.COMM_WORLD.rank
 results = {}
 for case in cases:
-    if "twin" not in case:
+    if "twin" not in case and "stream_twin" not in case:
         results[case["name"]] = sync(case["argv"])
-    elif rank == 0:
+    elif rank == 0 and "twin" in case:
         results[case["name"]] = twin(case["argv"], case["twin"])
+    elif rank == 0:
+        results[case["name"]] = stream_twin(case["argv"], case["stream_twin"])
 if rank == 0:
     np.savez(out, **results)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from dtlab.collective.comm import Communicator
 from dtlab.collective.compress_reducer import CompressReducer, describe
 from dtlab.collective.local_sgd import LocalConfig, local_session, outer_config
+from dtlab.collective.onebit_adam import OneBitConfig, onebit_session
 from dtlab.collective.streaming import LocalOptimizer, StreamingConfig
 from dtlab.models.compress import CompressConfig
 from dtlab.models.config import ConfigError, add_flags, from_namespace
@@ -33,16 +34,21 @@ class Methods:
     outer: OuterConfig  # the one local SGD runs (outer SGD lr 1 unless given)
     compress: CompressConfig
     streaming: StreamingConfig  # Streaming DiLoCo's fragments, overlap, precision
+    onebit: OneBitConfig
 
     @property
     def enabled(self) -> bool:
-        return bool(self.local.local_steps or self.compress.compress)
+        return bool(self.given())
+
+    def given(self) -> list[str]:
+        """'--local-steps 10', '--compress topk:0.01', '--onebit-adam 100': those asked for."""
+        return [f"--{flag} {value}" for flag, value in (
+            ("local-steps", self.local.local_steps), ("compress", self.compress.compress),
+            ("onebit-adam", self.onebit.onebit_adam)) if value]
 
     def name(self) -> str:
-        """'--local-steps 10' or '--compress topk:0.01', for the refusals."""
-        if self.local.local_steps:
-            return f"--local-steps {self.local.local_steps}"
-        return f"--compress {self.compress.compress}"
+        """The method's flag and value, for the refusals."""
+        return self.given()[0]
 
 
 def add_method_flags(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +57,7 @@ def add_method_flags(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, StreamingConfig, "Streaming DiLoCo, with --local-steps "
                                        "(collective/streaming.py)")
     add_flags(parser, CompressConfig, "gradient compression (collective/compress_reducer.py)")
+    add_flags(parser, OneBitConfig, "1-bit Adam (collective/onebit_adam.py)")
 
 
 def method_configs(setup) -> Methods:
@@ -58,12 +65,16 @@ def method_configs(setup) -> Methods:
     ns = setup.extra
     local = from_namespace(LocalConfig, ns)
     methods = Methods(local, outer_config(local, from_namespace(OuterConfig, ns)),
-                      from_namespace(CompressConfig, ns), from_namespace(StreamingConfig, ns))
+                      from_namespace(CompressConfig, ns), from_namespace(StreamingConfig, ns),
+                      from_namespace(OneBitConfig, ns))
     if methods.streaming.enabled:
         methods.streaming.check(local.local_steps)
-    if local.local_steps and methods.compress.compress:
-        raise ConfigError(f"--local-steps {local.local_steps} with --compress "
-                          f"{methods.compress.compress}: one of them at a time")
+    if len(methods.given()) > 1:
+        raise ConfigError(f"{' with '.join(methods.given())}: one of them at a time")
+    if methods.onebit.onebit_adam and setup.optim.optimizer not in ("adam", "adamw"):
+        raise ConfigError(f"--onebit-adam {methods.onebit.onebit_adam} with --optimizer "
+                          f"{setup.optim.optimizer}: 1-bit Adam compresses Adam's momentum "
+                          "(give --optimizer adam or adamw)")
     if not methods.enabled:
         return methods
     opts, run = setup.extra, setup.run
@@ -85,9 +96,10 @@ def method_configs(setup) -> Methods:
     return methods
 
 
-def method_parts(session, comm: Communicator, methods: Methods, seed: int):
+def method_parts(session, comm: Communicator, methods: Methods, seed: int, plain=None):
     """(session, reducer, header fields, words) of the method: the session's optimizer
-    wrapped under --local-steps; `comm` the dp communicator."""
+    wrapped under --local-steps and --onebit-adam; `comm` the dp communicator; `plain()`
+    makes plain data parallelism's reducer (1-bit Adam's warm-up runs it)."""
     if methods.local.local_steps:
         H, o, st = methods.local.local_steps, methods.outer, methods.streaming
         fields = {"local_steps": H, "outer": dataclasses.asdict(o)}
@@ -102,6 +114,15 @@ def method_parts(session, comm: Communicator, methods: Methods, seed: int):
                       f"mix {st.mix:g}, outer gradients in {st.outer_precision}")
         else:
             words += "one ring all-reduce of the parameter change per round"
+    elif methods.onebit.onebit_adam:
+        W = methods.onebit.onebit_adam
+        session, reducer = onebit_session(session, comm, W, plain())
+        fields = {"onebit_adam": W}
+        words = (f"1-bit Adam: {W} warm-up steps of Adam on the all-reduced gradient, then "
+                 f"the momentum as signs ({session.optimizer.nbytes:,} bytes a rank, "
+                 "all-gathered) with error feedback, the variance frozen")
+        fields.update(allreduce="ring", allreduce_buckets=reducer.plan(), wire="fp32")
+        return session, reducer, fields, words
     else:
         grad = session.replica.compute_params.grad
         reducer = CompressReducer(comm, grad, methods.compress, session.params, seed)

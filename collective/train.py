@@ -408,9 +408,13 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
                  + f", {opts.wire} on the wire, {zero_words(memory)}; "
                  f"{len(reducer.plan())} units")
         replicas = zero  # its checksum is the whole parameters' (collective)
-    elif opts.methods.enabled:  # --local-steps or --compress (collective/methods.py)
+    elif opts.methods.enabled:  # --local-steps, --compress, --onebit-adam (methods.py)
+        def plain() -> DataParallelReducer:
+            return DataParallelReducer(comm, session.replica.compute_params.grad,
+                                       int(opts.bucket_mb * 1e6), opts.allreduce,
+                                       opts.overlap, opts.wire)
         session, reducer, fields, method = method_parts(session, comm, opts.methods,
-                                                        setup.run.seed)
+                                                        setup.run.seed, plain)
         split = memory_split(session, grid)
         fields.update(split)
         words = f"{shard_words(split)}; {method}"

@@ -123,6 +123,13 @@ def _streaming(name: str, m: re.Match) -> RunSpec:
                    sync_flags=flags)
 
 
+def _onebit(name: str, m: re.Match) -> RunSpec:
+    W = int(m["W"])
+    what = (f"sync 1-bit Adam, {W} warm-up steps of Adam, then the momentum's signs with "
+            "error feedback, the variance frozen")
+    return RunSpec(name, "sync", what, allreduce="ring", sync_flags=("--onebit-adam", str(W)))
+
+
 def _compressed(topology: str) -> Build:
     def build(name: str, m: re.Match) -> RunSpec:
         compress = compress_flag(name, m["compress"], m["sparse"], m["percent"],
@@ -178,6 +185,10 @@ METHODS: tuple[Method, ...] = (
            "Streaming DiLoCo (Douillard et al. 2025): F fragments, one synchronised every H / "
            "F steps, its exchange overlapping T steps, outer gradients in fp32, int8 or 4 bits",
            "dtlab.collective.streaming.LocalOptimizer", _streaming),
+    Method("sync-onebitadamW", r"sync-onebitadam(?P<W>[1-9]\d*)",
+           "1-bit Adam (Tang et al. 2021): W warm-up steps of Adam, then the momentum all-"
+           "gathered as signs with error feedback, the variance frozen",
+           "dtlab.collective.onebit_adam.OneBitReducer", _onebit),
     Method("sync-topkP | sync-randkP | sync-sign | sync-powersgdR [-noef]",
            rf"sync-(?P<compress>{SPARSE}|sign|powersgd(?P<rank>[1-9]\d*))(?P<noef>-noef)?",
            "compressed gradients with error feedback (Karimireddy et al. 2019; PowerSGD, "

@@ -19,6 +19,12 @@ definition: after each step the pending fragments due merge, then the fragments 
 schedule names take their mean outer gradient (in rank order, then / W); the outer step
 and the merge come tau steps later (at once at the last step, where the merge copies).
 
+{"name": ..., "argv": [...], "onebit_twin": W}: 1-bit Adam (--onebit-adam K) the same
+way, from collective/onebit_adam.py's docstring: K warm-up steps of the optimizer on the
+replicas' mean gradient (summed in rank order, / W), then each replica's momentum
+b1 m + (1 - b1) g_r plus its error, sent as (|p|_1 / n) sign(p), their mean the shared m,
+the step lr_t m / (sqrt(v) + eps_t) with v frozen at step K.
+
 World rank 0 saves every case's final parameters (rank 0's: after the last round every
 rank holds the same) under its name in OUT.npz.
 """
@@ -107,17 +113,60 @@ def stream_twin(argv: list[str], world: int) -> np.ndarray:
     return theta
 
 
+def onebit_twin(argv: list[str], world: int) -> np.ndarray:
+    setup = parse_args(argv)
+    K, run = setup.extra.methods.onebit.onebit_adam, setup.run
+    replicas = [build_session(setup, rank=r, world=world) for r in range(world)]
+    lead = replicas[0]  # its optimizer and parameters stand for every replica's
+    opt, theta = lead.optimizer, lead.params.data
+    errors = [np.zeros_like(theta) for _ in replicas]
+    for step in range(run.steps):
+        for s in replicas:
+            s.replica.compute_grads(s.loader.next())
+        lr = lead.schedule(step)
+        if step < K:
+            mean = replicas[0].params.grad.copy()  # (n,)
+            for s in replicas[1:]:
+                mean += s.params.grad
+            mean /= world
+            lead.params.grad[...] = mean
+            lead.model.clip_grad_norm(lead.params, setup.optim.clip)
+            opt.step(theta, lead.params.grad, lr)
+        else:
+            b1, b2 = opt.beta1, opt.beta2
+            opt.steps += 1
+            if opt.weight_decay:  # AdamW: decoupled
+                decay = opt._decay(theta)
+                decay *= lr
+                theta -= decay
+            shared = np.zeros_like(theta)  # (n,)
+            for s, e in zip(replicas, errors, strict=True):
+                s.model.clip_grad_norm(s.params, setup.optim.clip)
+                p = opt.m * b1 + s.params.grad * (1 - b1) + e  # (n,) m_r + e_r
+                scale = p.dtype.type(float(np.abs(p).sum(dtype=np.float64)) / p.size)
+                sent = np.where(p >= 0, scale, -scale)
+                e[...] = p - sent
+                shared += sent
+            opt.m[...] = shared / world
+            lr_t = lr * np.sqrt(1 - b2**K) / (1 - b1**opt.steps)
+            eps_t = opt.eps * np.sqrt(1 - b2**K)
+            theta -= opt.m / (np.sqrt(opt.v) + eps_t) * lr_t
+        for s in replicas[1:]:
+            s.params.data[...] = theta
+    return theta
+
+
 cases_path, out = sys.argv[1], sys.argv[2]
 with open(cases_path) as f:
     cases = json.load(f)
 rank = MPI.COMM_WORLD.rank
 results = {}
 for case in cases:
-    if "twin" not in case and "stream_twin" not in case:
+    twins = {"twin": twin, "stream_twin": stream_twin, "onebit_twin": onebit_twin}
+    kind = next((k for k in twins if k in case), None)
+    if kind is None:
         results[case["name"]] = sync(case["argv"])
-    elif rank == 0 and "twin" in case:
-        results[case["name"]] = twin(case["argv"], case["twin"])
     elif rank == 0:
-        results[case["name"]] = stream_twin(case["argv"], case["stream_twin"])
+        results[case["name"]] = twins[kind](case["argv"], case[kind])
 if rank == 0:
     np.savez(out, **results)

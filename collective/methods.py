@@ -22,10 +22,12 @@ from dtlab.collective.comm import Communicator
 from dtlab.collective.compress_reducer import CompressReducer, describe
 from dtlab.collective.local_sgd import LocalConfig, local_session, outer_config
 from dtlab.collective.onebit_adam import OneBitConfig, onebit_session
+from dtlab.collective.quantized_ring import QuantizedConfig, QuantizedReducer
 from dtlab.collective.streaming import LocalOptimizer, StreamingConfig
 from dtlab.models.compress import CompressConfig
 from dtlab.models.config import ConfigError, add_flags, from_namespace
 from dtlab.models.outer import OuterConfig
+from dtlab.models.quantize import BLOCK
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class Methods:
     compress: CompressConfig
     streaming: StreamingConfig  # Streaming DiLoCo's fragments, overlap, precision
     onebit: OneBitConfig
+    quantized: QuantizedConfig
 
     @property
     def enabled(self) -> bool:
@@ -44,7 +47,8 @@ class Methods:
         """'--local-steps 10', '--compress topk:0.01', '--onebit-adam 100': those asked for."""
         return [f"--{flag} {value}" for flag, value in (
             ("local-steps", self.local.local_steps), ("compress", self.compress.compress),
-            ("onebit-adam", self.onebit.onebit_adam)) if value]
+            ("onebit-adam", self.onebit.onebit_adam),
+            ("quantize-grads", self.quantized.quantize_grads)) if value]
 
     def name(self) -> str:
         """The method's flag and value, for the refusals."""
@@ -58,6 +62,8 @@ def add_method_flags(parser: argparse.ArgumentParser) -> None:
                                        "(collective/streaming.py)")
     add_flags(parser, CompressConfig, "gradient compression (collective/compress_reducer.py)")
     add_flags(parser, OneBitConfig, "1-bit Adam (collective/onebit_adam.py)")
+    add_flags(parser, QuantizedConfig, "the quantized ring all-reduce "
+                                       "(collective/quantized_ring.py)")
 
 
 def method_configs(setup) -> Methods:
@@ -66,7 +72,7 @@ def method_configs(setup) -> Methods:
     local = from_namespace(LocalConfig, ns)
     methods = Methods(local, outer_config(local, from_namespace(OuterConfig, ns)),
                       from_namespace(CompressConfig, ns), from_namespace(StreamingConfig, ns),
-                      from_namespace(OneBitConfig, ns))
+                      from_namespace(OneBitConfig, ns), from_namespace(QuantizedConfig, ns))
     if methods.streaming.enabled:
         methods.streaming.check(local.local_steps)
     if len(methods.given()) > 1:
@@ -114,6 +120,15 @@ def method_parts(session, comm: Communicator, methods: Methods, seed: int, plain
                       f"mix {st.mix:g}, outer gradients in {st.outer_precision}")
         else:
             words += "one ring all-reduce of the parameter change per round"
+    elif methods.quantized.quantize_grads:
+        q = methods.quantized.quantize_grads
+        reducer = QuantizedReducer(comm, session.replica.compute_params.grad, int(q[3:]))
+        fields = {"quantize_grads": q}
+        words = (f"gradients averaged through the quantized ring ({q}, a float32 scale per "
+                 f"{BLOCK} values, re-quantized at every hop: {reducer.nbytes:,} bytes a "
+                 "message set)")
+        fields.update(allreduce="ring", allreduce_buckets=reducer.plan(), wire=q)
+        return session, reducer, fields, words
     elif methods.onebit.onebit_adam:
         W = methods.onebit.onebit_adam
         session, reducer = onebit_session(session, comm, W, plain())

@@ -130,6 +130,13 @@ def _onebit(name: str, m: re.Match) -> RunSpec:
     return RunSpec(name, "sync", what, allreduce="ring", sync_flags=("--onebit-adam", str(W)))
 
 
+def _quantized(name: str, m: re.Match) -> RunSpec:
+    q = f"int{m['bits']}"
+    return RunSpec(name, "sync", f"sync, gradients through the quantized ring ({q}, "
+                                 "re-quantized at every hop)", allreduce="ring",
+                   sync_flags=("--quantize-grads", q))
+
+
 def _compressed(topology: str) -> Build:
     def build(name: str, m: re.Match) -> RunSpec:
         compress = compress_flag(name, m["compress"], m["sparse"], m["percent"],
@@ -185,6 +192,10 @@ METHODS: tuple[Method, ...] = (
            "Streaming DiLoCo (Douillard et al. 2025): F fragments, one synchronised every H / "
            "F steps, its exchange overlapping T steps, outer gradients in fp32, int8 or 4 bits",
            "dtlab.collective.streaming.LocalOptimizer", _streaming),
+    Method("sync-qring8 | sync-qring4", r"sync-qring(?P<bits>[84])",
+           "gradients averaged through a ring all-reduce of int8 or 4-bit payloads, a scale per "
+           "256 values, re-quantized at every hop (INTELLECT-1's ring)",
+           "dtlab.collective.quantized_ring.QuantizedReducer", _quantized),
     Method("sync-onebitadamW", r"sync-onebitadam(?P<W>[1-9]\d*)",
            "1-bit Adam (Tang et al. 2021): W warm-up steps of Adam, then the momentum all-"
            "gathered as signs with error feedback, the variance frozen",

@@ -79,8 +79,9 @@ class RunConfig:
                                     "that verifies (damaged newer ones are named and skipped)")
     keep: int = described(0, "keep only the newest K checkpoints that verify (0: keep all)")
     eval_every: int = described(0, "held-out loss every N steps and at the end (0: never)")
-    straggler: str = described("", "RANK:FACTOR: that rank (async: worker) computes FACTOR "
-                                    "times slower, sleeping the difference each step")
+    straggler: str = described("", "RANK:FACTOR[,RANK:FACTOR...]: that rank (async: worker) "
+                                    "computes FACTOR times slower, sleeping the difference "
+                                    "each step")
     delay_ms: float = described(0.0, "a random extra delay per step and rank, exponential "
                                      "with this mean in ms, seeded by (seed, rank, step)")
     trace: str = described("", "write a Chrome trace (JSON, opens in Perfetto) here; {rank} "

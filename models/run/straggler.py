@@ -1,6 +1,7 @@
 """Stragglers on purpose: the same slowdowns for every topology, so their effect compares.
 
     --straggler 1:3       rank (or async worker) 1 takes 3x its compute time each step
+    --straggler 2:2,3:4   ranks 2 and 3 take 2x and 4x: workers of different speeds
     --delay-ms 5          every rank or worker waits a random extra time each step,
                           exponential with mean 5 ms, seeded by (seed, rank, step)
 
@@ -50,14 +51,20 @@ class Straggler:
 
 
 def parse_straggler(spec: str) -> dict[int, float]:
-    """'1:3' -> {1: 3.0}; '' -> {}; anything else a ConfigError naming --straggler."""
-    if not spec:
-        return {}
-    try:
-        rank, factor = spec.split(":")
-        out = {int(rank): float(factor)}
-    except ValueError:
-        raise ConfigError(f"--straggler {spec!r}: expected RANK:FACTOR, e.g. 1:3") from None
-    if int(rank) < 0 or not float(factor) >= 1.0:
-        raise ConfigError(f"--straggler {spec!r}: the rank must be >= 0 and the factor >= 1")
+    """'1:3' -> {1: 3.0}; '1:2,3:4' -> {1: 2.0, 3: 4.0}; '' -> {}; anything else a
+    ConfigError naming --straggler."""
+    out: dict[int, float] = {}
+    for item in spec.split(",") if spec else ():
+        try:
+            rank, factor = item.split(":")
+            r, f = int(rank), float(factor)
+        except ValueError:
+            raise ConfigError(f"--straggler {spec!r}: expected RANK:FACTOR[,RANK:FACTOR...], "
+                              "e.g. 1:3 or 2:2,3:4") from None
+        if r < 0 or not f >= 1.0:
+            raise ConfigError(f"--straggler {spec!r}: each rank must be >= 0 and each factor "
+                              ">= 1")
+        if r in out:
+            raise ConfigError(f"--straggler {spec!r}: rank {r} given twice")
+        out[r] = f
     return out

@@ -7,6 +7,9 @@ expected outcome stated, and the report says whether this run bore it out.
     dtlab-compare --preset diloco                  # sync-ring vs DiLoCo H = 10, 50
     dtlab-compare --preset backup-workers          # BSP, BSP + 1 backup, ASP; delays
     dtlab-compare --preset error-feedback          # top-1% and sign, with and without EF
+    dtlab-compare --preset streaming-diloco        # DiLoCo H = 30 vs 3 fragments, int4
+    dtlab-compare --preset onebit-adam             # Adam vs 1-bit Adam
+    dtlab-compare --preset heterogeneous           # workers 1x, 1x, 2x, 4x slow
 
 Each preset is a set of flags put before the ones given (a flag given wins; a --tune
 given replaces the preset's grid) and a check of the expectation on the summary. What a
@@ -144,6 +147,57 @@ def _error_feedback(summary: dict, out: Path) -> tuple[bool, str]:
                   + f" (noise: {noise:.4f}, the dense seeds' range or 2% of its loss)")
 
 
+def _traffic(summary: dict, name: str, field: str) -> float:
+    """The mean over its final runs of a traffic figure (bytes, rounds, ...) of a method."""
+    return _mean([s["traffic"][field] for s in _final(summary, name)])
+
+
+def _streaming_diloco(summary: dict, out: Path) -> tuple[bool, str]:
+    sync, diloco = _held_loss(summary, "sync-ring"), _held_loss(summary, STREAM[0])
+    stream = _held_loss(summary, STREAM[1])
+    per_sync = [_traffic(summary, n, "bytes") / _traffic(summary, n, "rounds") for n in STREAM]
+    total = [_traffic(summary, n, "bytes") for n in ("sync-ring", *STREAM)]
+    off, peak = (stream - diloco) / diloco, per_sync[0] / per_sync[1]
+    return abs(off) <= 0.05 and peak >= 10, (
+        f"final held-out loss: sync-ring {sync:.4f}, DiLoCo {diloco:.4f}, Streaming DiLoCo "
+        f"{stream:.4f} ({100 * off:+.1f}% against DiLoCo; within 5% needed); bytes a "
+        f"synchronisation {per_sync[0]:,.0f} against {per_sync[1]:,.0f} ({peak:.1f}x less "
+        f"at the peak; 10x needed); bytes in all: sync-ring {total[0]:,.0f}, DiLoCo "
+        f"{total[1]:,.0f}, Streaming {total[2]:,.0f}")
+
+
+def _onebit_adam(summary: dict, out: Path) -> tuple[bool, str]:
+    dense = [s["final_eval_loss"] for s in _final(summary, "sync-ring")]
+    noise = max(max(dense) - min(dense), 0.02 * _mean(dense))
+    base, onebit = _mean(dense), _held_loss(summary, ONEBIT)
+    less = _traffic(summary, "sync-ring", "bytes") / _traffic(summary, ONEBIT, "bytes")
+    return abs(onebit - base) <= noise and less >= 3, (
+        f"final held-out loss: Adam {base:.4f}, 1-bit Adam {onebit:.4f} ({onebit - base:+.4f}; "
+        f"noise {noise:.4f}: the Adam seeds' range or 2% of its loss), with {less:.1f}x fewer "
+        "bytes on the wire (3x needed)")
+
+
+def _heterogeneous(summary: dict, out: Path) -> tuple[bool, str]:
+    times = {}
+    for name in dict.fromkeys(r["name"] for r in summary["runs"]):
+        final = _final(summary, name)
+        stats = [s for s in final if s["eval_steps_to_target"] is not None]
+        if stats:
+            t = [held_time_to_target(s) for s in stats]
+            times[name] = (_mean(t), min(t), max(t), len(stats), len(final))
+    if not times:
+        return False, "no method reached the held-out target"
+    order = sorted(times, key=lambda n: times[n][0])
+    words = "; ".join(f"{n} {t[0]:.2f} s [{t[1]:.2f}-{t[2]:.2f}] ({t[3]}/{t[4]} seeds)"
+                      for n, t in ((n, times[n]) for n in order))
+    sync = times.get("sync-ring")
+    by = "" if sync is None or order[0] == "sync-ring" else \
+        f"; {order[0]} in {times[order[0]][0] / sync[0]:.2f}x sync-ring's time"
+    return order[0] != "sync-ring", f"time to the held-out target: {words}{by}"
+
+
+STREAM = ("sync-diloco30", "sync-stream30x3-t1-int4")
+ONEBIT = "sync-onebitadam100"
 PRESETS = {
     "bsp-equals-sync": Reproduction(
         ("--runs", "sync-ring,async-bsp", "--clip", "0", "--tune", "none", "--seeds", "1"),
@@ -191,6 +245,30 @@ PRESETS = {
         "within the noise of dense (noise: the dense seeds' range, at least 2% of its "
         "loss)", _error_feedback),
 }
+
+
+PRESETS.update({
+    "streaming-diloco": Reproduction(
+        ("--runs", f"sync-ring,{STREAM[0]},{STREAM[1]}", "--ranks", "4", "--eval-every", "30"),
+        "Douillard et al. 2025 (Streaming DiLoCo): 3 fragments, one synchronised every 10 "
+        "of DiLoCo's 30 inner steps, each exchange overlapping 1 step, outer gradients in 4 "
+        "bits, end within 5% of DiLoCo's final held-out loss while a synchronisation moves "
+        "at least 10x fewer bytes (the paper: about two orders of magnitude less peak "
+        "bandwidth, with more fragments and larger models)", _streaming_diloco),
+    "onebit-adam": Reproduction(
+        ("--runs", f"sync-ring,{ONEBIT}"),
+        "Tang et al. 2021 (1-bit Adam): after 100 warm-up steps of Adam, the momentum sent as "
+        "signs with error feedback ends within the noise of Adam's final held-out loss after "
+        "the same steps, with at least 3x fewer bytes on the wire (the paper: up to 5x less "
+        "communication)", _onebit_adam),
+    "heterogeneous": Reproduction(
+        ("--runs", "sync-ring,async-bsp,async-bsp-backup1,async-ssp2,async-asp,"
+                   "async-diloco10", "--ranks", "4", "--straggler", "2:2,3:4"),
+        "workers of different speeds (1x, 1x, 2x, 4x: --straggler 2:2,3:4): sync waits for "
+        "the slowest every step, so a method that does not (backup workers, SSP, ASP, async "
+        "local SGD) reaches the held-out target first in time; the report names the winner "
+        "and by how much", _heterogeneous),
+})
 
 
 def expand(argv: list[str]) -> tuple[list[str], Reproduction | None, str]:

@@ -22,6 +22,8 @@ def test_delays_are_seeded_by_seed_rank_and_step():
     assert a.extra_s(0, 0.0) != Straggler("", 5.0, seed=9, rank=2).extra_s(0, 0.0)
     assert Straggler("1:3", 0.0, seed=0, rank=1).extra_s(0, 0.01) == pytest.approx(0.02)
     assert not Straggler("1:3", 0.0, seed=0, rank=0).active
+    speeds = [Straggler("2:2,3:4", 0.0, seed=0, rank=r).factor for r in range(4)]
+    assert speeds == [1.0, 1.0, 2.0, 4.0]  # workers of different speeds
 
 
 def test_a_sync_run_with_a_straggler_logs_its_delays_and_ends_the_same(tmp_path):
@@ -41,7 +43,8 @@ def test_a_sync_run_with_a_straggler_logs_its_delays_and_ends_the_same(tmp_path)
 
 @pytest.mark.parametrize("flags,message", [
     (["--straggler", "1"], "--straggler '1': expected RANK:FACTOR"),
-    (["--straggler", "1:0.5"], "the factor >= 1"),
+    (["--straggler", "1:0.5"], "each factor >= 1"),
+    (["--straggler", "1:2,1:3"], "rank 1 given twice"),
     (["--delay-ms", "-2"], "--delay-ms must not be negative"),
 ])
 def test_bad_straggler_flags_are_named(flags, message):

@@ -92,6 +92,7 @@ from dtlab.collective.zero_trainer import shard_session, zero_bytes
 from dtlab.models.config import ConfigError
 from dtlab.models.data.dataset import in_words
 from dtlab.models.moe_ep import ExpertParallel
+from dtlab.models.partition import check_pipeline
 from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.checkpoint import CheckpointError
 from dtlab.models.run.cli import command_name, run_cli
@@ -142,7 +143,11 @@ def add_sync_flags(parser: argparse.ArgumentParser) -> None:
                       help="split each MoE layer's routed tokens into this many chunks, one "
                            "chunk's all-to-all overlapping another's expert compute")
     grid.add_argument("--pp-schedule", choices=sorted(SCHEDULES), default="1f1b",
-                      help="pipeline schedule: GPipe, 1F1B (PipeDream-Flush) or zero-bubble ZB-H1")
+                      help="pipeline schedule: GPipe, 1F1B (PipeDream-Flush), interleaved 1F1B, "
+                           "zero-bubble ZB-H1, or ZB-V / DualPipeV (2 chunks a rank in a V)")
+    grid.add_argument("--virtual-stages", type=int, default=None,
+                      help="model chunks per pipeline rank for --pp-schedule interleaved "
+                           "(default 2): the model is cut into pp x this many stages")
     grid.add_argument("--stages", default="",
                       help="modules per stage, e.g. 3,2 (default: balanced by the cost model's "
                            "FLOPs)")
@@ -275,6 +280,7 @@ def parse_args(argv: list[str]) -> Setup:
         raise ConfigError(f"--bucket-mb must be positive (got {opts.bucket_mb})")
     if opts.stages and opts.pp == 1:
         raise ConfigError(f"--stages {opts.stages} has no effect without --pp")
+    check_pipeline(opts.pp, setup.run.grad_accum, opts.pp_schedule, opts.virtual_stages)
     check_ep_flags(setup)
     check_zero_flags(setup)
     opts.methods = method_configs(setup)
@@ -385,8 +391,8 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
     grid = make_grid(opts)
     grid.select_device()
     comm, rank = grid.dp_comm, grid.rank
-    pipeline = PipelineSpec(grid.pp_comm, opts.pp_schedule, opts.stages) if grid.pp_size > 1 \
-        else None
+    pipeline = PipelineSpec(grid.pp_comm, opts.pp_schedule, opts.stages,
+                            opts.virtual_stages) if grid.pp_size > 1 else None
     ep = expert_parallel(grid, opts)
     session = build_session(setup, rank=grid.dp_rank * grid.ep_size + grid.ep_rank,
                             world=grid.dp_size * grid.ep_size,

@@ -2,7 +2,8 @@
 
     costs = module_costs("transformer", config, batch=8)   # FLOPs per body module
     bounds = balance(costs, p=2)          # [0, b, n]: stage s runs modules [b_s, b_{s+1})
-    bounds = explicit("3,2", n=5)         # --stages: modules per stage, as given
+    bounds = explicit("3,2", n=5, p=2)    # --stages: modules per stage, as given
+    bounds = balance(costs, p=4, name="--pp 2 x --virtual-stages 2")   # interleaved
 
 A module's cost is the forward + backward FLOPs models/cost.py counts for it
 (models/parts.py), so the estimate and the balance agree. `balance` picks the
@@ -12,13 +13,16 @@ pipeline's step time), by dynamic programming over (modules, stages):
     best[k][j] = min over i < j of max(best[k-1][i], cost[i:j])
 
 The body of a transformer is [embedding, block_0 .. block_{L-1}, ln_f, head];
-the loss runs on the last stage and is charged to it.
+the loss runs on the last stage and is charged to it. A schedule with v model
+chunks per rank (interleaved 1F1B, the V schedules: models/schedule.py) cuts the
+body into v p stages, so `p` here counts stages, not ranks.
 """
 
 from __future__ import annotations
 
 from dtlab.models.config import ConfigError
 from dtlab.models.parts import Part
+from dtlab.models.schedule import chunks, make
 from dtlab.models.zoo import MODELS
 
 
@@ -38,12 +42,13 @@ def module_costs(model_name: str, config, batch: int, n_modules: int) -> list[in
             for g in module_parts(model_name, config, batch, n_modules)]
 
 
-def balance(costs: list[float], p: int) -> list[int]:
+def balance(costs: list[float], p: int, name: str = "") -> list[int]:
     """Stage bounds [0, ..., len(costs)] minimising the costliest stage; every stage
-    gets at least one module."""
+    gets at least one module. `name`: the flags that asked for p stages (default
+    "--pp p")."""
     n = len(costs)
     if p > n:
-        raise ConfigError(f"--pp {p} is more stages than the model's {n} layers")
+        raise ConfigError(f"{name or f'--pp {p}'} is more stages than the model's {n} layers")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
@@ -63,16 +68,54 @@ def balance(costs: list[float], p: int) -> list[int]:
     return bounds[::-1]
 
 
-def explicit(spec: str, n: int, p: int) -> list[int]:
-    """Bounds from --stages "a,b,...": a modules on stage 0, b on stage 1, ..."""
+def explicit(spec: str, n: int, p: int, per: str = "--pp stage") -> list[int]:
+    """Bounds from --stages "a,b,...": a modules on stage 0, b on stage 1, ... (`per`:
+    what one count is for, in the message)."""
     try:
         counts = [int(x) for x in spec.split(",")]
     except ValueError:
         raise ConfigError(f"--stages {spec!r}: expected comma-separated module counts") from None
     if len(counts) != p or min(counts) < 1 or sum(counts) != n:
-        raise ConfigError(f"--stages {spec!r}: needs {p} positive counts (one per --pp stage) "
+        raise ConfigError(f"--stages {spec!r}: needs {p} positive counts (one per {per}) "
                           f"summing to the model's {n} modules")
     bounds = [0]
     for c in counts:
         bounds.append(bounds[-1] + c)
     return bounds
+
+
+def pipeline_bounds(model_name: str, config, batch: int, n_modules: int, p: int,
+                    schedule: str, v: int | None = None, stages: str = "") -> list[int]:
+    """The bounds of every stage of schedule `schedule` on p ranks (v p stages with v
+    chunks per rank: models/schedule.py's `chunks`): --stages as given, else balanced
+    by the cost model's FLOPs per module."""
+    try:
+        n_stages = p * chunks(schedule, v)
+    except ValueError as e:
+        raise ConfigError(f"--pp-schedule {schedule} --virtual-stages {v}: {e}") from None
+    per = "--pp stage" if n_stages == p else f"virtual stage: --pp {p} x {n_stages // p}"
+    if stages:
+        return explicit(stages, n_modules, n_stages, per)
+    name = "" if n_stages == p else f"--pp {p} x {n_stages // p} chunks = {n_stages}"
+    return balance(module_costs(model_name, config, batch, n_modules), n_stages, name)
+
+
+def check_pipeline(p: int, m: int, schedule: str, v: int | None,
+                   m_flag: str = "--grad-accum") -> None:
+    """ConfigError naming the flag a pipeline of p ranks, m micro-batches (`m_flag`)
+    and `schedule` with v chunks per rank (--virtual-stages) cannot honour."""
+    if v is not None and p == 1:
+        raise ConfigError(f"--virtual-stages {v} has no effect without --pp")
+    try:
+        n = chunks(schedule, v)
+    except ValueError as e:
+        raise ConfigError(f"--virtual-stages {v}: {e}") from None
+    if schedule == "interleaved" and n > 1 and m % p:
+        raise ConfigError(f"--pp-schedule interleaved runs micro-batches in groups of --pp "
+                          f"{p}: {m_flag} {m} is not a multiple of {p}")
+    if p > 1:
+        try:
+            make(schedule, p, m, v)
+        except ValueError as e:
+            raise ConfigError(f"--pp-schedule {schedule} --pp {p} {m_flag} {m}: "
+                              f"{e}") from None

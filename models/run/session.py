@@ -47,10 +47,11 @@ from dtlab.models.model import Model, Replica
 from dtlab.models.moe_ep import ExpertParallel
 from dtlab.models.optim import OptimConfig, Optimizer, Schedule, make_optimizer
 from dtlab.models.params import FlatParams
-from dtlab.models.partition import balance, explicit, module_costs
+from dtlab.models.partition import pipeline_bounds
 from dtlab.models.pipeline import PipelineReplica, PipelineStage
 from dtlab.models.precision import MixedReplica, make_scaler
 from dtlab.models.run.straggler import parse_straggler
+from dtlab.models.schedule import layout
 from dtlab.models.zoo import MODELS, build_model
 
 
@@ -262,6 +263,7 @@ class PipelineSpec:
     pp: Comm
     schedule: str = "1f1b"
     stages: str = ""  # --stages "a,b,...": modules per stage; "" balances by FLOPs
+    virtual: int | None = None  # --virtual-stages: model chunks per rank (interleaved)
 
 
 def build_session(setup: Setup, rank: int = 0, world: int = 1, tp: Comm | None = None,
@@ -280,7 +282,7 @@ def build_session(setup: Setup, rank: int = 0, world: int = 1, tp: Comm | None =
     model = build_model(setup.model_name, model_cfg, tp=tp, ep=ep)
     if pipeline is not None:
         model = PipelineStage(model, stage_bounds(setup, pipeline, len(model.body.modules)),
-                              pipeline.pp)
+                              pipeline.pp, layout(pipeline.schedule))
     params = model.init_params(seed=setup.run.seed, dtype=setup.run.dtype)
     if setup.run.precision != "fp32":
         runner = None if pipeline is None else \
@@ -310,11 +312,9 @@ def heldout_batches(setup: Setup) -> list:
 def stage_bounds(setup: Setup, pipeline: PipelineSpec, n_modules: int) -> list[int]:
     """The body modules of each stage: --stages as given, else balanced by the cost
     model's FLOPs per module (models/partition.py)."""
-    p = pipeline.pp.size
-    if pipeline.stages:
-        return explicit(pipeline.stages, n_modules, p)
-    return balance(module_costs(setup.model_name, setup.model, setup.run.batch_size,
-                                n_modules), p)
+    return pipeline_bounds(setup.model_name, setup.model, setup.run.batch_size, n_modules,
+                           pipeline.pp.size, pipeline.schedule, pipeline.virtual,
+                           pipeline.stages)
 
 
 def dense_param_count(setup: Setup) -> int:

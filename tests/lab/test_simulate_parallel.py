@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dtlab.lab.bench.parallel_formulas import p2p_bytes, tp_payload
+from dtlab.lab.bench.parallel_formulas import HEADER_BYTES, p2p_bytes, tp_payload
 from dtlab.lab.simulate import calibrate, moe, parallel, pipeline, tensor
 from dtlab.lab.simulate.formulas import Network
 from dtlab.lab.simulate.links import Link
@@ -35,8 +35,9 @@ def simulate(*args: str, timeout: float = 120):
                           capture_output=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
-@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (4, 4), (4, 12)])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v",
+                                      "dualpipev"])
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (4, 8), (4, 12)])
 def test_free_communication_uniform_stages_give_the_bubble_formula(schedule, p, m):
     times = [{"F": 1.0, "B": 1.0, "W": 1.0}] * p
     step = pipeline.pipeline_step(make(schedule, p, m), times)
@@ -44,7 +45,8 @@ def test_free_communication_uniform_stages_give_the_bubble_formula(schedule, p, 
     assert step.p2p_s == 0.0
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v",
+                                      "dualpipev"])
 def test_uniform_model_stages_with_free_links_give_the_bubble_formula(schedule):
     # an MLP of equal square layers: one Linear per stage, F = B = W = 2 B d^2 FLOPs
     c, b, p, m = MLPConfig(d_in=16, d_hidden=16, n_layers=3, n_classes=16), 4, 4, 8
@@ -55,6 +57,39 @@ def test_uniform_model_stages_with_free_links_give_the_bubble_formula(schedule):
                                  parallel.Fabric(Network(free, free, 8)), 1e-9, Host(0), 25e6)
     assert row["bubble"] == pytest.approx(bubble_formula(schedule, p, m), abs=1e-12)
     assert row["p2p_s"] == row["tp_s"] == row["a2a_s"] == row["allreduce_s"] == 0.0
+
+
+def test_interleaved_receives_one_message_per_chunk():
+    """Interleaved 1F1B (v = 2, loop layout) crosses v p - 1 = 3 boundaries a way:
+    rank 0 (stages 0, 2) receives 1 activation and 2 gradients a micro-batch, rank 1
+    (stages 1, 3) 2 and 1; each chunk takes half its rank's pass times."""
+    p, m, v = 2, 4, 2
+    ops, times = make("interleaved", p, m, v), [{"F": 1.0, "B": 2.0, "W": 0.0}] * p
+    step = pipeline.pipeline_step(ops, times, pipeline.P2P(0.25, 0.5, 1))
+    assert step.compute_s == [12.0, 12.0]
+    assert step.p2p_s == m * (0.25 + 2 * 0.5)  # rank 0's, the most
+    halves = [{"F": 0.5, "B": 1.0, "W": 0.0}] * (v * p)
+    charged = pipeline.with_receives(halves, pipeline.P2P(0.25, 0.5, 1), p)
+    assert charged == [{"F": 0.5, "B": 1.5, "W": 0.0}, {"F": 0.75, "B": 1.5, "W": 0.0},
+                       {"F": 0.75, "B": 1.5, "W": 0.0}, {"F": 0.75, "B": 1.0, "W": 0.0}]
+    assert step.makespan_s == simulate_replay(ops, stage_times=charged).makespan
+    with pytest.raises(ValueError, match="3 pass times for 2 ranks of 2 chunks"):
+        pipeline.pipeline_step(ops, times[:1] * 3)
+
+
+def test_a_v_keeps_its_bottom_on_one_rank():
+    """ZB-V's stages p - 1 and p sit on rank p - 1: that hand-over is free, so a V of p
+    ranks receives across 2p - 2 boundaries a way, not 2p - 1."""
+    p, m = 2, 4
+    ops = make("zb-v", p, m)
+    charged = pipeline.with_receives([{"F": 1.0, "B": 1.0, "W": 1.0}] * 4,
+                                     pipeline.P2P(0.25, 0.5, 1), p, "v")
+    assert [t["F"] for t in charged] == [1.0, 1.25, 1.0, 1.25]  # stage 2 from stage 1: local
+    assert [t["B"] for t in charged] == [1.5, 1.0, 1.5, 1.0]  # stage 1 from stage 2: local
+    step = pipeline.pipeline_step(ops, [{"F": 2.0, "B": 2.0, "W": 2.0}] * p,
+                                  pipeline.P2P(0.25, 0.5, 1))
+    assert step.p2p_s == m * (0.25 + 0.5)  # each rank: one activation, one gradient
+    assert step.makespan_s == simulate_replay(ops, stage_times=charged).makespan
 
 
 def test_receives_lengthen_the_step_and_count_as_idle():
@@ -77,8 +112,9 @@ def test_receives_lengthen_the_step_and_count_as_idle():
 def test_p2p_bytes_equal_the_pipeline_formula(p, t, m):
     c, b = TransformerConfig(**SMALL), 2
     per = pipeline.P2P.over(Link("bytes", 0.0, 1.0), pipeline.activation_bytes(c, b, 4))
-    # a byte a second: the receive times are the bytes of the messages
-    sent = t * (p - 1) * m * (per.activation_s + per.gradient_s)
+    # a byte a second: the receive times are the bytes of the messages; the shape header
+    # goes once a step and boundary
+    sent = t * (p - 1) * (m * (per.activation_s + per.gradient_s) + HEADER_BYTES)
     assert sent == p2p_bytes(c, b, m, p, t)
 
 
@@ -178,6 +214,8 @@ PRESET = ["--link", "100gbit", "--intra-link", "nvlink", "--gpus-per-node", "8",
     (["--pp-schedule", "zb-h1"], "--pp-schedule zb-h1 has no effect"),
     (["--moe-experts", "4", "--ep", "2", "--moe-alltoall", "mpi"],
      "--moe-alltoall mpi has no effect"),
+    (["--pp", "2", "--pp-schedule", "dualpipev", "--microbatches", "3"],
+     "--microbatches 3: DualPipeV needs at least 2p = 4 micro-batches"),
 ])
 def test_bad_parallel_flags_are_named(flags, message):
     r = simulate(*PRESET, *flags)
@@ -195,6 +233,12 @@ def test_tiny_parallel_prediction_end_to_end(tmp_path):
     for column in ("bubble", "p2p", "tp", "a2a", "allreduce", "step"):
         assert column in head
     data = json.loads(out.read_text())
+    cost = estimate("transformer", TransformerConfig(**{
+        k: v for k, v in data["config"].items() if k in TransformerConfig.__dataclass_fields__}),
+        data["batch_size"] * data["microbatches"])
+    # the data-parallel path's figures: parameters, FLOPs, gradient bytes
+    assert (data["params"], data["flops_step"], data["grad_bytes"]) == (
+        cost.params_total, cost.flops_step, 4 * cost.params_total)
     assert [row["n"] for row in data["rows"]] == [8, 16]  # 4 is below pp ep tp = 8
     assert [row["dp"] for row in data["rows"]] == [1, 2]
     for row in data["rows"]:

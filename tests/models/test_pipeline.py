@@ -2,7 +2,8 @@
 
 The serial twins (tests/support/mpi_progs/pp_twins.py) compare each stage's loss,
 gradients and the global gradient norm with the dense model in float64, for
-every schedule, at pp = 2 and 4 and at pp 2 x tp 2; the training tests run
+every schedule (interleaved 1F1B, ZB-V and DualPipeV with 2 chunks per rank), at
+pp = 2 and 4 and at pp 2 x tp 2; the training tests run
 `dtlab.collective.train --dp a --pp c --tp b` and compare the dense
 parameters its stages and shards make up with single-process training on the
 same global batch.
@@ -61,12 +62,35 @@ def test_grid_training_equals_one_process_on_the_global_batch(tmp_path, argv, B,
     assert all(0.0 <= r["bubble"] < 1.0 for r in records)
 
 
+@pytest.mark.parametrize("schedule", [["interleaved", "--virtual-stages", "2"], ["zb-v"],
+                                      ["dualpipev"]], ids=lambda s: s[0])
+def test_two_chunk_schedules_train_as_one_process_bit_for_bit(tmp_path, schedule):
+    """`dtlab-sync --pp 2 --pp-schedule S`: the model in 4 stages, 2 chunks on each rank
+    (interleaved: stages r and 2 + r; ZB-V and DualPipeV: r and 3 - r), against dtlab-train
+    on the same micro-batches (--grad-accum m). Each gradient accumulates the
+    micro-batches in the dense order and the optimizer is elementwise, so with --clip 0
+    (the clip norm sums the stages' squares in another order) the parameters are equal
+    bit for bit."""
+    argv = [*LM, "--n-layers", "3", "--clip", "0", "--batch-size", "2", "--grad-accum", "4"]
+    single = single_params(tmp_path, [*argv, *RUN], 5)
+    split, header, records = grid_params(tmp_path, [*argv, "--pp-schedule", *schedule],
+                                         1, 2, 1)
+    np.testing.assert_array_equal(split, single)
+    assert all(0.0 <= r["bubble"] < 1.0 for r in records)
+
+
 @pytest.mark.parametrize("n,flags,message", [
     (4, ["--pp", "3"], "--pp 3 --tp 1: pp=3 x ep=1 x tp=1 = 3 does not divide"),
     (2, ["--pp", "2", *MLP, "--n-layers", "0"], "--pp 2 is more stages than the model's 1"),
     (2, ["--pp", "2", *MLP, "--stages", "1,1"], "--stages '1,1': needs 2 positive counts"),
     (2, [*MLP, "--stages", "2,3"], "--stages 2,3 has no effect without --pp"),
     (2, ["--pp", "2", *MLP, "--pp-schedule", "pipedream"], "invalid choice: 'pipedream'"),
+    (2, ["--pp", "2", *MLP, "--virtual-stages", "2"],
+     "--virtual-stages 2: 1f1b runs 1 model chunk(s) per rank, not 2 virtual stages"),
+    (2, ["--pp", "2", *MLP, "--pp-schedule", "interleaved", "--grad-accum", "3"],
+     "--pp-schedule interleaved runs micro-batches in groups of --pp 2: --grad-accum 3"),
+    (2, ["--pp", "2", *MLP, "--pp-schedule", "dualpipev", "--grad-accum", "3"],
+     "--pp-schedule dualpipev --pp 2 --grad-accum 3: DualPipeV needs at least 2p = 4"),
 ])
 def test_bad_pipelines_end_every_rank_with_a_named_error(n, flags, message):
     r = mpirun(n, "-m", "dtlab.collective.train", *flags, "--steps", "2", timeout=60)

@@ -5,7 +5,8 @@
     dtlab-bench parallel --tiny --json out.json              # seconds (tests)
 
 For each size and grid (tp, pp), tp * pp <= 4, dp 1, one `mpiexec -n tp*pp` launch
-(bench/parallel_launch.py) runs every schedule (GPipe, 1F1B, ZB-H1;
+(bench/parallel_launch.py) runs every schedule (GPipe, 1F1B, interleaved 1F1B with 2
+chunks per rank at the m that are multiples of p, ZB-H1, ZB-V, DualPipeV at m >= 2p;
 models/schedule.py) at each micro-batch count m, timing steps after warm-up, and reports:
 
     step_ms       median step time (slowest rank) of compute_grads + clip + optimizer step
@@ -19,19 +20,29 @@ models/schedule.py) at each micro-batch count m, timing steps after warm-up, and
     bubble        measured idle fraction: the time each stage blocked on its neighbours or
                   had finished before the slowest, over the makespan, mean over stages
                   (models/pipeline.py), median over steps; against (p-1)/(m+p-1) for GPipe
-                  and 1F1B and
+                  and 1F1B, (p-1)/(vm+p-1) for interleaved 1F1B (Narayanan et al. 2021) and
                   (p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W)) with unit passes for ZB-H1
-                  (Qi et al. 2024), and `expected`: the schedule replayed with each stage's
-                  measured pass times (unequal stages) and free communication
+                  (Qi et al. 2024), (p-1)/(3m+p-1) for ZB-V and (p-1)/(6m+p-1) for
+                  DualPipeV (their lists' replay with equal passes; models/schedule.py
+                  sets it beside the published figures), and `expected`: the schedule
+                  replayed with each stage's
+                  measured pass times (unequal stages) and free communication, and `+p2p`:
+                  the same with every receive taking its measured time (a ping-pong of an
+                  activation between pp ranks 0 and 1; simulate/pipeline.py's replay): what
+                  the transfers cost the bubble
     ovh           the executor's own time (posting sends, shape headers, bookkeeping) over
                   the makespan: neither compute nor idle, shown beside the bubble
+    per micro-batch costs, beside the bubble: p2p = one activation's (or gradient's)
+                  measured transfer between pp ranks 0 and 1 (us), send = posting one
+                  isend (us), ovh/op = the executor's own time per op of a rank's list (us)
     mem           parameters + gradients + optimizer state of the largest rank against
                   models/cost.py's accounting of its stage's Parts, tensor-split
     act           peak bytes of in-flight micro-batches on the largest rank against the
                   Parts' context bytes replayed over the stage's op list
 
-Floors, on the medians over --launches: |bubble - formula| <= 0.05 for GPipe and 1F1B at
-m >= 2p; ZB-H1's bubble below 1F1B's at the same m and p; memory within 5% of the estimate.
+Floors, on the medians over --launches: |bubble - formula| <= 0.05 for GPipe, 1F1B and
+interleaved 1F1B at m >= 2p; ZB-H1's, ZB-V's and DualPipeV's bubble below 1F1B's at the
+same m and p; memory within 5% of the estimate.
 The timing floors are checked only where tp * pp <= the cores: oversubscribed ranks (4 on 2
 cores) share a core, so a rank waiting on its neighbour (the waits poll and yield) still
 takes CPU from it and the measured idle time is inflated; those rows are shown, not judged.
@@ -57,7 +68,9 @@ import sys
 import tempfile
 
 GRIDS = [(1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (2, 2)]  # (tp, pp)
-TIMED = ("step_ms", "bubble", "bubble_expected", "overhead")
+TIMED = ("step_ms", "bubble", "bubble_expected", "bubble_p2p", "overhead")
+FORMULA_JUDGED = ("gpipe", "1f1b", "interleaved")  # |bubble - formula| judged at m >= 2p
+BELOW_1F1B = ("zb-h1", "zb-v", "dualpipev")  # judged against 1F1B's bubble
 TOLERANCE, MEMORY_TOLERANCE = 0.05, 0.05
 
 
@@ -128,13 +141,17 @@ def table(rows: list[dict], cores: int, launches: int) -> str:
         "# legend: vs 1x1 = step / tp1 pp1 step (same size, m); comm = bytes handed to the "
         "communicators per step (p2p sends + tp all-reduce payload x 2(t-1)/t, nccl-tests "
         "busbw convention), form = from the config; bubble = idle fraction, form = "
-        "uniform-stage formula, exp = replay with measured per-stage pass times, ovh = "
-        "executor time (not idle, not compute) / makespan; mem = params "
+        "uniform-stage formula, exp = replay with measured per-stage pass times, +p2p = the "
+        "same with each receive at its measured ping-pong time, ovh = "
+        "executor time (not idle, not compute) / makespan; p2p us = one activation's "
+        "measured transfer, send us = posting one isend, ovh/op us = executor "
+        "time per op; mem = params "
         "+ grads + optimizer MB of the largest rank, est = models.cost; act = peak in-flight "
         "activation MB; * = tp*pp > cores (oversubscribed: waits poll and yield, idle inflated)",
-        f"# {'size':>5} {'tp':>2} {'pp':>2} {'sched':>5} {'m':>2} {'step(ms)':>9} {'vs 1x1':>6} "
+        f"# {'size':>5} {'tp':>2} {'pp':>2} {'sched':>11} {'m':>2} {'step(ms)':>9} "
+        f"{'vs 1x1':>6} "
         f"{'comm(MB)':>9} {'form':>9} {'ratio':>6} {'bubble':>6} {'form':>6} {'exp':>6} "
-        f"{'ovh':>5} "
+        f"{'+p2p':>6} {'ovh':>5} {'p2p us':>6} {'send':>5} {'ovh/op':>6} "
         f"{'mem(MB)':>8} {'est':>8} {'ratio':>6} {'act(MB)':>8} {'est':>8} {'ratio':>6}"]
     for r in rows:
         ratio = r["comm_bytes"] / r["comm_bytes_formula"] if r["comm_bytes_formula"] else 1.0
@@ -142,11 +159,13 @@ def table(rows: list[dict], cores: int, launches: int) -> str:
             if (r["size"], r["microbatches"]) in base else float("nan")
         star = "*" if r["world"] > cores else " "
         lines.append(
-            f" {star}{r['size']:>5} {r['tp']:>2} {r['pp']:>2} {r['schedule']:>5} "
+            f" {star}{r['size']:>5} {r['tp']:>2} {r['pp']:>2} {r['schedule']:>11} "
             f"{r['microbatches']:>2} {r['step_ms']:>9.1f} {vs:>6.2f} "
             f"{r['comm_bytes'] / 1e6:>9.3f} {r['comm_bytes_formula'] / 1e6:>9.3f} {ratio:>6.3f} "
             f"{r['bubble']:>6.3f} {r['bubble_formula']:>6.3f} {r['bubble_expected']:>6.3f} "
-            f"{r['overhead']:>5.3f} "
+            f"{r['bubble_p2p']:>6.3f} {r['overhead']:>5.3f} "
+            f"{r.get('p2p_us', 0.0):>6.1f} "
+            f"{r.get('send_us', 0.0):>5.1f} {r.get('overhead_us_per_op', 0.0):>6.1f} "
             f"{r['state_bytes_per_rank'] / 1e6:>8.3f} {r['state_bytes_estimate'] / 1e6:>8.3f} "
             f"{r['memory_ratio']:>6.3f} {r['activation_bytes_per_rank'] / 1e6:>8.3f} "
             f"{r['activation_bytes_estimate'] / 1e6:>8.3f} {r['activation_ratio']:>6.3f}")
@@ -163,11 +182,11 @@ def floors(rows: list[dict], cores: int, timing: bool = True) -> list[str]:
             missed.append(f"{case}: memory {r['memory_ratio']:.3f} x the estimate")
         if not timing or r["world"] > cores or r["pp"] == 1:
             continue
-        if r["schedule"] in ("gpipe", "1f1b") and r["microbatches"] >= 2 * r["pp"] \
+        if r["schedule"] in FORMULA_JUDGED and r["microbatches"] >= 2 * r["pp"] \
                 and abs(r["bubble"] - r["bubble_formula"]) > TOLERANCE:
             missed.append(f"{case}: bubble {r['bubble']:.3f}, formula "
                           f"{r['bubble_formula']:.3f}")
-        if r["schedule"] == "zb-h1":
+        if r["schedule"] in BELOW_1F1B:
             ref = next(x for x in rows if x["schedule"] == "1f1b" and all(
                 x[k] == r[k] for k in ("size", "tp", "pp", "microbatches")))
             if r["bubble"] >= ref["bubble"]:
@@ -207,7 +226,8 @@ def main(argv=None) -> int:
     print(table(rows, cores, args.launches))
     missed = floors(rows, cores, timing=not args.tiny)
     which = ("memory within 5% (bubbles not judged at --tiny)" if args.tiny else
-             "bubble within 0.05 of its formula at m >= 2p for gpipe/1f1b, zb-h1 below 1f1b, "
+             "bubble within 0.05 of its formula at m >= 2p for gpipe/1f1b/interleaved, "
+             "zb-h1/zb-v/dualpipev below 1f1b, "
              f"memory within 5%; bubbles judged where tp*pp <= {cores} cores")
     print(f"# floors ({which}): " + ("met" if not missed else "NOT met: " + "; ".join(missed)))
     print(f"# on {cores} cores: the bubble of a pipeline of <= {cores} stages against its formula, "

@@ -3,9 +3,12 @@
 With N = b T tokens per micro-batch, m micro-batches, p stages, t tensor-parallel ranks, L
 blocks, float32 (4 bytes) activations and the pipeline's 64-byte shape header:
 
-    p2p bytes  = t (p - 1) m (2 N d 4 + 64)
+    p2p bytes  = t k (2 m N d 4 + 64)
                  (each of the t pipelines: every micro-batch's activation forward through
-                 p - 1 boundaries with its header, its gradient back through them)
+                 the k boundaries between stages on different ranks, its gradient back
+                 through them, and once a step the activation's shape header; k = p - 1,
+                 v p - 1 with v chunks a rank in a loop (interleaved 1F1B), 2p - 2 in a V,
+                 whose bottom stays on one rank)
     tp bytes   = t m [(N d (4 L + 2) + 2 N) 4 2(t - 1)/t  +  t N 4 (t - 1)/t]
                  (per rank and micro-batch, the all-reduce payloads of Megatron's g and f:
                  the vocabulary-parallel embedding's g, per block attention-out and FFN-out g
@@ -32,9 +35,9 @@ from __future__ import annotations
 from dtlab.models.cost import OPTIMIZER_STATES
 from dtlab.models.parts import FLOAT_BYTES, TOKEN_BYTES, Part
 from dtlab.models.pipeline import MAX_NDIM
-from dtlab.models.schedule import Op
+from dtlab.models.schedule import Op, virtual_stage
 
-HEADER_BYTES = (MAX_NDIM + 1) * 8  # the int64 shape header before every activation
+HEADER_BYTES = (MAX_NDIM + 1) * 8  # the int64 shape header, once a step and boundary
 
 _COMMON = ["--model", "transformer", "--vocab", "64", "--seq-len", "64", "--n-layers", "4"]
 SIZES = {  # name -> (model flags, samples per micro-batch)
@@ -50,9 +53,16 @@ def ring_factor(t: int) -> float:
     return 2 * (t - 1) / t
 
 
-def p2p_bytes(c, b: int, m: int, p: int, t: int) -> int:
+def crossings(layout: str, p: int, v: int) -> int:
+    """Boundaries between consecutive stages held by different ranks."""
+    rank = {virtual_stage(layout, p, r, c): r for r in range(p) for c in range(v)}
+    return sum(rank[g] != rank[g + 1] for g in range(v * p - 1))
+
+
+def p2p_bytes(c, b: int, m: int, p: int, t: int, k: int | None = None) -> int:
+    """k: the boundaries between ranks (default p - 1: one stage a rank)."""
     act = b * c.seq_len * c.d_model * FLOAT_BYTES
-    return t * (p - 1) * m * (2 * act + HEADER_BYTES)
+    return t * (p - 1 if k is None else k) * (2 * m * act + HEADER_BYTES)
 
 
 def tp_payload(c, b: int, t: int) -> tuple[int, int]:
@@ -117,16 +127,17 @@ def stage_estimate(groups: list[list[Part]], c, b: int, t: int, optimizer: str) 
             "queue_bytes": sum(weight_queue_bytes(q, c, b, t) for q in parts)}
 
 
-def peak_held(ops: list[Op], context: float, queue: float) -> float:
-    """Most bytes held at once by one stage's list: F..B a context, B..W a weight queue."""
-    held: dict[int, float] = {}
+def peak_held(ops: list[Op], context: list[float], queue: list[float]) -> float:
+    """Most bytes held at once by one rank's list: F..B a context, B..W a weight queue,
+    each of the chunk the op runs (context[c], queue[c])."""
+    held: dict[tuple[int, int], float] = {}
     most = 0.0
-    for kind, i in ops:
+    for kind, i, c in ops:
         if kind == "F":
-            held[i] = context
+            held[i, c] = context[c]
         elif kind == "B":
-            held[i] = queue
+            held[i, c] = queue[c]
         else:
-            held.pop(i)
+            held.pop((i, c))
         most = max(most, sum(held.values()))
     return most

@@ -17,12 +17,20 @@ import numpy as np
 from dtlab.collective.grid import ProcessGrid
 from dtlab.lab.bench import parallel_formulas as formulas
 from dtlab.lab.bench.parallel_formulas import SIZES
+from dtlab.lab.simulate import pipeline as sim_pipeline
 from dtlab.models.memory import context_bytes
 from dtlab.models.partition import module_parts
 from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.session import PipelineSpec, build_session, parse
 from dtlab.models.run.threads import share_cores
-from dtlab.models.schedule import SCHEDULES, bubble_formula, make, simulate
+from dtlab.models.schedule import (
+    SCHEDULES,
+    bubble_formula,
+    layout,
+    make,
+    simulate,
+    virtual_stage,
+)
 
 
 class CountingComm:
@@ -52,30 +60,31 @@ class CountingComm:
         return getattr(self._comm, name)
 
 
-class PassClock:
-    """Seconds spent in forward (+ loss), backward (B, or BW) and deferred W passes."""
-
-    def __init__(self, model, params):
-        self.s = dict.fromkeys("FBW", 0.0)
-        model.body.forward = self._timed(model.body.forward, "F")
-        model.loss = self._timed(model.loss, "F")
-        model.body.backward = self._timed(model.body.backward, "B")
-        params.run_weight_grads = self._timed(params.run_weight_grads, "W")
-
-    def _timed(self, fn, kind: str):
-        def timed(*args, **kw):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kw)
-            finally:
-                self.s[kind] += time.perf_counter() - t
-        return timed
-
-
 def micro_batches(vocab: int, b: int, T: int, m: int, seed: int = 0) -> list:
     """m (inputs, targets) pairs of uniform tokens, (b, T) each, contiguous."""
     tokens = np.random.default_rng(seed).integers(0, vocab, size=(m, b, T + 1))  # (m, b, T+1)
     return [(np.ascontiguousarray(x[:, :-1]), np.ascontiguousarray(x[:, 1:])) for x in tokens]
+
+
+def rank_stages(bounds: list[int], pp: int, rank: int, schedule: str) -> list[int]:
+    """The stages (in chunk order) that `rank` holds under `schedule`."""
+    v = (len(bounds) - 1) // pp
+    return [virtual_stage(layout(schedule), pp, rank, c) for c in range(v)]
+
+
+def stage_groups(setup, b: int, bounds: list[int], stages: list[int]) -> list[list]:
+    """Per stage of `stages`, its body modules' Parts."""
+    groups = module_parts(setup.model_name, setup.model, b, bounds[-1])
+    return [groups[bounds[g]:bounds[g + 1]] for g in stages]
+
+
+def cases(pp: int, ms: list[int]) -> list[tuple[str, list[int]]]:
+    """(schedule, its micro-batch counts): every schedule with p > 1 at the m it can
+    take (interleaved 1F1B: multiples of p; DualPipeV: m >= 2p), none without."""
+    if pp == 1:
+        return [("-", ms)]
+    fits = {"interleaved": lambda m: m % pp == 0, "dualpipev": lambda m: m >= 2 * pp}
+    return [(s, [m for m in ms if fits.get(s, lambda m: True)(m)]) for s in SCHEDULES]
 
 
 def run(size: str, tp: int, pp: int, ms: list[int], steps: int, warmup: int, out: str) -> None:
@@ -86,32 +95,21 @@ def run(size: str, tp: int, pp: int, ms: list[int], steps: int, warmup: int, out
     flags, b = SIZES[size]
     setup = parse([*flags, "--batch-size", str(b), "--n-tokens", "4096"], prog="bench_parallel")
     counter = CountingComm(grid.tp_comm) if tp > 1 else None
-    pipeline = PipelineSpec(grid.pp_comm) if pp > 1 else None
-    session = build_session(setup, tp=counter, pipeline=pipeline)
-    model, P, c = session.model, session.params, setup.model
-    bounds = model.bounds if pp > 1 else [0, len(model.body.modules)]
-    groups = module_parts(setup.model_name, c, b, bounds[-1])[bounds[grid.pp_rank]:
-                                                              bounds[grid.pp_rank + 1]]
-    est = formulas.stage_estimate(groups, c, b, tp, setup.optim.optimizer)
-    states = [v for k, v in session.optimizer.state_dict().items() if k != "steps"]
-    mine = {"pp_rank": grid.pp_rank, "tp_rank": grid.tp_rank, "param_bytes": P.nbytes,
-            "state_bytes": P.nbytes + P.grad.nbytes + sum(v.nbytes for v in states),
-            "state_bytes_estimate": est["state_bytes"]}
-    if pp == 1:  # one micro-batch's context at a time: measure it directly
-        _, ctx = model.forward(P, micro_batches(c.vocab, b, c.seq_len, 1)[0])
-        mine["context_bytes"] = context_bytes(ctx)
-        del ctx
-    clock = PassClock(model, P)
     mpi = grid.world.mpi
     rows = []
-    for schedule in (list(SCHEDULES) if pp > 1 else ["-"]):
+    for schedule, counts in cases(pp, ms):
+        pipeline = PipelineSpec(grid.pp_comm, schedule) if pp > 1 else None
+        session = build_session(setup, tp=counter, pipeline=pipeline)
+        model, P, c = session.model, session.params, setup.model
+        bounds = model.bounds if pp > 1 else [0, len(model.body.modules)]
+        mine = {"pp_rank": grid.pp_rank, "tp_rank": grid.tp_rank,
+                **rank_memory(session, setup, b, tp, bounds, pp, schedule, grid.pp_rank)}
         if pp > 1:
-            session.replica.schedule = schedule
-        for m in ms:
+            mine["p2p_s"] = ping_pong(grid.pp_comm, activation_bytes(c, b), P.dtype)
+        for m in counts:
             batches = micro_batches(c.vocab, b, c.seq_len, m)
             timed = []
             for k in range(warmup + steps):
-                clock.s = dict.fromkeys("FBW", 0.0)
                 if counter:
                     counter.take()
                 grid.world.barrier()
@@ -122,7 +120,8 @@ def run(size: str, tp: int, pp: int, ms: list[int], steps: int, warmup: int, out
                 session.optimizer.step(P.data, P.grad)
                 step_s = time.perf_counter() - t0
                 if k >= warmup:
-                    timed.append({"step_s": step_s, "tp_sent": tp_sent, "pass_s": dict(clock.s),
+                    timed.append({"step_s": step_s, "tp_sent": tp_sent,
+                                  "pipe_pass_s": getattr(session.replica, "pass_times", []),
                                   **session.replica.timing})
             every = mpi.gather({**mine, "timed": timed}, root=0)
             if grid.rank == 0:
@@ -133,49 +132,89 @@ def run(size: str, tp: int, pp: int, ms: list[int], steps: int, warmup: int, out
     grid.free()
 
 
+def rank_memory(session, setup, b: int, tp: int, bounds: list[int], pp: int, schedule: str,
+                rank: int) -> dict:
+    """This rank's parameter and state bytes, measured and estimated; without a pipeline
+    one micro-batch's context, measured directly."""
+    P, c = session.params, setup.model
+    groups = [g for chunk in stage_groups(setup, b, bounds, rank_stages(bounds, pp, rank,
+                                                                         schedule))
+              for g in chunk]
+    est = formulas.stage_estimate(groups, c, b, tp, setup.optim.optimizer)
+    states = [v for k, v in session.optimizer.state_dict().items() if k != "steps"]
+    out = {"param_bytes": P.nbytes,
+           "state_bytes": P.nbytes + P.grad.nbytes + sum(v.nbytes for v in states),
+           "state_bytes_estimate": est["state_bytes"]}
+    if pp == 1:  # one micro-batch's context at a time: measure it directly
+        _, ctx = session.model.forward(P, micro_batches(c.vocab, b, c.seq_len, 1)[0])
+        out["context_bytes"] = context_bytes(ctx)
+    return out
+
+
+def activation_bytes(c, b: int) -> int:
+    return b * c.seq_len * c.d_model * 4
+
+
+def ping_pong(pp, nbytes: int, dtype, rounds: int = 20) -> float:
+    """Seconds of one activation's (or gradient's) transfer between neighbouring ranks as
+    the executor makes it (an isend and its wait, a blocking receive): half a round trip
+    between ranks 0 and 1, median of `rounds`; the other ranks wait."""
+    data = np.zeros(nbytes // np.dtype(dtype).itemsize, dtype=dtype)
+    spent = []
+    for _ in range(rounds):
+        pp.barrier()
+        t = time.perf_counter()
+        if pp.rank in (0, 1):
+            peer = 1 - pp.rank
+            for turn in (0, 1):
+                if pp.rank == turn:
+                    pp.isend(data, peer, 0).wait()
+                else:
+                    pp.recv(data, peer, 0)
+        spent.append((time.perf_counter() - t) / 2)
+    return statistics.median(spent)
+
+
 def row(size, setup, b, tp, pp, schedule, m, bounds, every) -> dict:
     """One table row from every rank's figures (`every`, in world rank order)."""
     c = setup.model
     n = len(every[0]["timed"])
+    v = (len(bounds) - 1) // pp
+    shape = layout(schedule) if pp > 1 else "loop"
     step_s = [max(r["timed"][k]["step_s"] for r in every) for k in range(n)]
     last = [r["timed"][-1] for r in every]
     p2p = sum(t.get("pipe_bytes_sent", 0) for t in last)
     tp_sent = formulas.tp_bytes(sum(t["tp_sent"][0] for t in last),
                                 sum(t["tp_sent"][1] for t in last), tp)
     ar, ag = formulas.tp_payload(c, b, tp)
-    p2p_formula = formulas.p2p_bytes(c, b, m, pp, tp) if pp > 1 else 0
+    p2p_formula = formulas.p2p_bytes(c, b, m, pp, tp, formulas.crossings(shape, pp, v)) \
+        if pp > 1 else 0
     tp_formula = tp * m * formulas.tp_bytes(ar, ag, tp)
     out = {"size": size, "tp": tp, "pp": pp, "world": tp * pp, "microbatches": m,
-           "schedule": schedule, "batch": b, "d_model": c.d_model, "seq_len": c.seq_len,
-           "n_layers": c.n_layers, "stage_bounds": bounds,
+           "schedule": schedule, "chunks": v, "batch": b, "d_model": c.d_model,
+           "seq_len": c.seq_len, "n_layers": c.n_layers, "stage_bounds": bounds,
            "step_ms": 1e3 * statistics.median(step_s), "step_ms_steps": [1e3 * s for s in step_s],
            "comm_bytes": round(p2p + tp_sent),
            "comm_bytes_formula": round(p2p_formula + tp_formula),
            "comm_bytes_p2p": p2p, "comm_bytes_p2p_formula": p2p_formula,
            "comm_bytes_tp": round(tp_sent), "comm_bytes_tp_formula": round(tp_formula),
-           "bubble": 0.0, "bubble_formula": 0.0, "bubble_expected": 0.0, "overhead": 0.0}
+           "bubble": 0.0, "bubble_formula": 0.0, "bubble_expected": 0.0,
+           "bubble_p2p": 0.0, "overhead": 0.0}
     ops = make(schedule, pp, m) if pp > 1 else [[]]
     if pp > 1:
-        for key, measured in (("bubble", "bubble"), ("overhead", "pipe_overhead")):
-            out[key] = statistics.median(
-                statistics.mean(r["timed"][k][measured] for r in every) for k in range(n))
-        out["bubble_formula"] = bubble_formula(schedule, pp, m)
-        times = [{kind: statistics.mean(t["pass_s"][kind] / m for r in every
-                                        if r["pp_rank"] == s for t in r["timed"])
-                  for kind in "FBW"} for s in range(pp)]
-        out["pass_ms"] = [{k: 1e3 * v for k, v in t.items()} for t in times]
-        out["bubble_expected"] = simulate(ops, stage_times=times).bubble
+        out.update(pipeline_figures(every, schedule, pp, m, v, ops))
     acts, act_est = [], []
     for r in every:
-        s = r["pp_rank"]
-        groups = module_parts(setup.model_name, c, b, bounds[-1])[bounds[s]:bounds[s + 1]]
-        est = formulas.stage_estimate(groups, c, b, tp, setup.optim.optimizer)
+        stages = rank_stages(bounds, pp, r["pp_rank"], schedule) if pp > 1 else [0]
+        est = [formulas.stage_estimate(g, c, b, tp, setup.optim.optimizer)
+               for g in stage_groups(setup, b, bounds, stages)]
         if pp > 1:
             acts.append(r["timed"][-1]["pipe_peak_activation_bytes"])
-            act_est.append(formulas.peak_held(ops[s], est["context_bytes"], est["queue_bytes"]))
+            act_est.append(formulas.peak_held(ops[r["pp_rank"]], [e["context_bytes"] for e in est],
+                                              [e["queue_bytes"] for e in est]))
         else:
             acts.append(r["context_bytes"])
-            act_est.append(est["context_bytes"])
+            act_est.append(est[0]["context_bytes"])
     mem = [r["state_bytes"] / r["state_bytes_estimate"] for r in every]
     act = [a / e for a, e in zip(acts, act_est, strict=True)]
     top = max(range(len(every)), key=lambda i: every[i]["state_bytes"])
@@ -189,3 +228,37 @@ def row(size, setup, b, tp, pp, schedule, m, bounds, every) -> dict:
                activation_ratio=max(act, key=lambda x: abs(x - 1)),
                activation_bytes_ranks=acts)
     return out
+
+
+def pipeline_figures(every: list[dict], schedule: str, pp: int, m: int, v: int,
+                     ops) -> dict:
+    """The bubble measured, by formula and replayed (with each stage's measured pass
+    times: free communication, then each receive at its ping-pong time), and the
+    per-micro-batch costs beside them: the executor's time per op and per message."""
+    n = len(every[0]["timed"])
+    shape = layout(schedule)
+
+    def median_of_means(key: str) -> float:
+        return statistics.median(statistics.mean(r["timed"][k][key] for r in every)
+                                 for k in range(n))
+
+    times = [{}] * (v * pp)  # per stage: mean seconds of one micro-batch's passes
+    for r in every:
+        for c, g in enumerate(virtual_stage(shape, pp, r["pp_rank"], c) for c in range(v)):
+            times[g] = {kind: statistics.mean(t["pipe_pass_s"][c][kind] / m
+                                              for t in r["timed"]) for kind in "FBW"}
+    link = every[0]["p2p_s"]  # ranks 0 and 1 measured it
+    paid = sim_pipeline.pipeline_step(ops, times, sim_pipeline.P2P(link, link, 0), shape)
+    makespan = median_of_means("pipe_makespan_s")
+    ops_per_rank = len(ops[0])
+    messages = [t["pipe_messages"] for r in every for t in r["timed"]]
+    sends = [t["pipe_send_s"] for r in every for t in r["timed"]]
+    return {"bubble": median_of_means("bubble"), "overhead": median_of_means("pipe_overhead"),
+            "bubble_formula": bubble_formula(schedule, pp, m, v=v),
+            "bubble_expected": simulate(ops, stage_times=times, layout=shape).bubble,
+            "bubble_p2p": paid.bubble,
+            "pass_ms": [{k: 1e3 * x for k, x in t.items()} for t in times],
+            "p2p_us": 1e6 * link,
+            "send_us": 1e6 * sum(sends) / max(1, sum(messages)),
+            "overhead_us_per_op": 1e6 * median_of_means("pipe_overhead") * makespan
+            / ops_per_rank}

@@ -11,6 +11,9 @@ training, predicted by alpha-beta-gamma formulas, calibrated on this host, valid
     dtlab-simulate --link 400gbit --intra-link nvlink --gpus-per-node 8 \\
         --tflops 400 --pp 4 --pp-schedule zb-h1 --microbatches 16 --tp 8 \\
         --moe-experts 64 --moe-top-k 2 --ep 8 --d-model 4096 --n-layers 32
+    dtlab-simulate --cluster dgx-a100-hdr --precision bf16 --tp 8 --pp 4 \\
+        --pp-schedule interleaved --sequence-parallel --grad-accum 16 --d-model 8192
+    dtlab-simulate --reproduce                   # published results against predictions
     flock /tmp/dtlab-bench.lock dtlab-simulate --validate-parallel \\
         --out runs/sim-par                          # pipelines (pp 2) and MoE ep 2, measured
     flock /tmp/dtlab-bench.lock dtlab-simulate --validate --ranks 2,3,4 \\
@@ -59,17 +62,34 @@ tp and a2a columns of the dimensions used.
 
 Links: --link (between nodes) and --intra-link (within one, default the
 same) name a preset (simulate/links.py: nvlink, 400gbit, 200gbit,
-100gbit, 25gbit, 10gbit, 1gbit) or `local`, this host as --calibration
+100gbit, 25gbit, 10gbit, 1gbit, and the spec-sheet generations nvlink2/3/4,
+ib-edr/hdr/ndr, roce-100/200) or `local`, this host as --calibration
 measured it (every rank on it, sharing its cores). --alpha-us / --gbit
 replace the inter-node link's figures (a cluster measured elsewhere, an
-emulated one at a set rate).
+emulated one at a set rate), --intra-alpha-us / --intra-gbit the intra-node
+link's, --nics-per-node how many NICs a node's GPUs share.
+
+GPUs: --gpu NAME computes at that GPU's achieved rate for the model's width
+(simulate/hardware.py: spec-sheet peak and HBM bandwidth, a roofline per
+matmul, the elementwise work at HBM speed, one fitted efficiency per GPU) in
+place of --tflops; --cluster NAME (simulate/clusters.py) sets the GPU, both
+links, GPUs and NICs a node at once. Bytes per tensor class follow the
+trainers' --dtype, --precision fp16|bf16 and --wire (simulate/precision.py).
+On GPU presets the naive and parameter-server columns print only when
+--shards is given. --sequence-parallel and --scatter-gather (Korthikanti et
+al. 2022; Narayanan et al. 2021) send 1/tp of an activation between stages;
+--recompute repeats the blocks' tp all-reduces in backward.
+
+--reproduce prints published results (simulate/published.py: Megatron-LM's
+throughput tables, nccl-tests bus bandwidths, a scaling efficiency) beside
+the predictions of their flags, with each ratio (simulate/reproduce.py).
 
 --calibrate fits the constants to benchmark JSON (simulate/calibrate.py)
 and writes them to --calibration with their fit errors. --validate runs
 dtlab-compare at each N of --ranks (or reads --measured DIR) and
 prints predicted against measured step time per run, the relative error
 and whether it is within 25% (simulate/validate.py); with --hosts H the
-runs go across H emulated hosts (compare.py --hosts H --link-gbit X, at every
+runs go across H emulated hosts (dtlab-compare --hosts H --link-gbit X, at every
 rate of --link-gbit) and are predicted with that link (simulate/emulated.py:
 one rank or worker per host). --validate-parallel measures the pipeline rows of
 dtlab.lab.bench.parallel (pp 2: GPipe, 1F1B, ZB-H1 at m 4 and 8) and a
@@ -94,6 +114,8 @@ from dtlab.lab import presets
 from dtlab.lab.compare import cluster
 from dtlab.lab.simulate import (
     calibrate,
+    clusters,
+    hardware,
     links,
     methods,
     parallel,
@@ -116,6 +138,7 @@ from dtlab.lab.simulate.formulas import Network
 from dtlab.lab.simulate.step import ComputeRate, Host, Workload, compute_rate
 from dtlab.models.config import ConfigError
 from dtlab.models.cost import estimate
+from dtlab.models.partition import check_pipeline
 from dtlab.models.run.cli import run_cli
 from dtlab.models.run.session import parse, replica_cost
 from dtlab.models.schedule import SCHEDULES
@@ -123,6 +146,24 @@ from dtlab.models.schedule import SCHEDULES
 PROG = "dtlab-simulate"
 DEFAULT_CALIBRATION = "runs/calibration.json"
 BUCKET_MB = 25.0  # dtlab-sync's --bucket-mb default
+DEFAULT_RANKS = "2,3,4"
+
+
+def apply_cluster(o) -> None:
+    """--cluster NAME: its GPU, links, GPUs and NICs a node wherever their own flags are
+    left at their defaults."""
+    if not o.cluster:
+        return
+    c = clusters.cluster(o.cluster)
+    if o.link == links.LOCAL:
+        o.link = c.inter
+    o.intra_link = o.intra_link or c.intra
+    if o.gpus_per_node == 1:
+        o.gpus_per_node = c.gpus_per_node
+    if o.nics_per_node is None:
+        o.nics_per_node = c.nics_per_node
+    if not o.gpu and o.tflops is None:
+        o.gpu = c.gpu
 
 
 def int_list(text: str, flag: str) -> list[int]:
@@ -157,12 +198,35 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="latency of the link between nodes, in place of the preset's")
     g.add_argument("--gbit", type=float, default=None,
                    help="bandwidth of the link between nodes in Gbit/s, in place of the preset's")
+    g.add_argument("--intra-alpha-us", type=float, default=None,
+                   help="latency of the link within a node, in place of the preset's")
+    g.add_argument("--intra-gbit", type=float, default=None,
+                   help="bandwidth of the link within a node in Gbit/s (a GPU's, one "
+                        "direction), in place of the preset's")
+    g.add_argument("--nics-per-node", type=int, default=None,
+                   help="NICs a node: its GPUs share them across nodes (default one a GPU)")
+    g.add_argument("--cluster", default="", choices=("", *clusters.NAMES), metavar="NAME",
+                   help="a GPU cluster preset (simulate/clusters.py: "
+                        f"{', '.join(clusters.NAMES)}): its GPU, links, GPUs and NICs a "
+                        "node; each can still be set by its own flag")
+    g.add_argument("--gpu", default="", choices=("", *hardware.GPU_NAMES), metavar="NAME",
+                   help="compute at this GPU's achieved rate for the model's size "
+                        f"(simulate/hardware.py: {', '.join(hardware.GPU_NAMES)}) at the "
+                        "--precision's (or --dtype's) compute dtype")
     g.add_argument("--tflops", type=float, default=None,
                    help="a rank's sustained TFLOP/s (default: this host's calibrated rate)")
+    g.add_argument("--wire", choices=("fp32", "fp16", "bf16"), default="fp32",
+                   help="dtype the gradient all-reduce moves, as dtlab-sync's --wire "
+                        "(--precision fp16|bf16 moves half gradients already)")
+    g.add_argument("--reproduce", action="store_true",
+                   help="the table of published results against this model's predictions "
+                        "(simulate/published.py, simulate/reproduce.py)")
     g.add_argument("--workers", default=",".join(map(str, scale.DEFAULT_WORKERS)),
                    help="N to predict, comma-separated (default 1,2,4,...,1024)")
-    g.add_argument("--shards", type=int, default=8,
-                   help="parameter-server shards S of the predictions (default 8)")
+    g.add_argument("--shards", type=int, default=None,
+                   help="parameter-server shards S of the predictions; the naive and "
+                        "parameter-server columns print with --link local or when this is "
+                        "given (default 8)")
     g.add_argument("--steps-to-target", type=int, default=None,
                    help="steps to the target loss (from a measured run) for time to target")
     g.add_argument("--bucket-mb", type=float, default=BUCKET_MB,
@@ -175,17 +239,18 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bench", nargs="+", default=[], metavar="FILE",
                    help="benchmark JSON (bench_allreduce, bench_pserver, bench_model) to fit")
     g.add_argument("--validate", action="store_true",
-                   help="predicted vs measured step time of compare.py runs on this host")
+                   help="predicted vs measured step time of dtlab-compare runs on this host")
     g.add_argument("--measured", default="", metavar="DIR",
-                   help="--validate: read compare.py folders under DIR instead of running")
-    g.add_argument("--ranks", default="2,3,4", help="--validate: N of the runs (default 2,3,4)")
+                   help="--validate: read dtlab-compare folders under DIR instead of running")
+    g.add_argument("--ranks", default=None,
+                   help=f"--validate: N of the runs (default {DEFAULT_RANKS})")
     g.add_argument("--val-runs", default="sync-ring,sync-naive,async-bsp",
-                   help="--validate: compare.py runs at every N (default "
+                   help="--validate: dtlab-compare runs at every N (default "
                         "sync-ring,sync-naive,async-bsp)")
     g.add_argument("--val-shards", type=int, default=2,
                    help="--validate: shards of the async runs (default 2)")
     g.add_argument("--hosts", type=int, default=1,
-                   help="--validate: run compare.py across this many emulated hosts (root; "
+                   help="--validate: run dtlab-compare across this many emulated hosts (root; "
                         "one rank or worker per host) and predict with their shaped links "
                         "(simulate/emulated.py); 1: this host (default)")
     g.add_argument("--link-gbit", default="1,0.1",
@@ -193,7 +258,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "each measured and predicted (default 1,0.1)")
     g.add_argument("--tcp-cc", default="reno",
                    help="--validate --hosts H: the emulated hosts' TCP congestion control "
-                        "(compare.py --tcp-cc; default reno)")
+                        "(dtlab-compare --tcp-cc; default reno)")
     g.add_argument("--val-steps", type=int, default=200,
                    help="--validate: steps of every run (default 200)")
     g.add_argument("--out", default="", metavar="DIR",
@@ -222,6 +287,16 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="pipeline schedule: GPipe, 1F1B or ZB-H1 (default 1f1b)")
     m.add_argument("--microbatches", type=int, default=None,
                    help="micro-batches of --batch-size per step (default --grad-accum)")
+    m.add_argument("--virtual-stages", type=int, default=None,
+                   help="--pp-schedule interleaved: model chunks per rank (default 2)")
+    m.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron's sequence parallelism (Korthikanti et al. 2022): norms "
+                        "split over tp, 1/tp of an activation sent between stages (a "
+                        "prediction of Megatron-LM's runs: dtlab-sync has none)")
+    m.add_argument("--scatter-gather", action="store_true",
+                   help="Megatron's scatter-gather (Narayanan et al. 2021): each tp rank sends "
+                        "1/tp of an activation between stages (on with --sequence-parallel; "
+                        "dtlab-sync sends it whole)")
     m.add_argument("--stages", default="",
                    help="modules per stage, e.g. 3,2 (default: balanced by FLOPs)")
     m.add_argument("--tp", type=int, default=1,
@@ -242,15 +317,46 @@ def parse_args(argv: list[str]):
     setup = parse(presets.resolve(argv) if named else
                   ["--config", str(presets.config_path(presets.DEFAULT)), *argv], prog=PROG,
                   description=__doc__.split("\n\n")[0], add_extra=add_flags,
-                  flags={"optim": ("optimizer",), "run": ("batch_size", "grad_accum", "dtype")},
+                  flags={"optim": ("optimizer",),
+                         "run": ("batch_size", "grad_accum", "dtype", "precision")},
                   why="the simulation runs no training of its own")
     o = setup.extra
+    if o.reproduce:
+        others = [a.split("=", 1)[0] for i, a in enumerate(argv) if a.startswith("--")
+                  and a.split("=", 1)[0] not in ("--reproduce", "--json")]
+        if others:
+            raise ConfigError(f"--reproduce takes only --json: its rows carry their own "
+                              f"flags (simulate/published.py); got {' '.join(others)}")
+    if o.ranks is not None and not o.validate:
+        raise ConfigError(f"--ranks {o.ranks} is --validate's (the N of the runs it measures); "
+                          "a prediction's N are --workers")
+    o.shards_given = o.shards is not None
+    o.shards = 8 if o.shards is None else o.shards
+    apply_cluster(o)
     for flag, value in (("--link", o.link), ("--intra-link", o.intra_link)):
         if value and value != links.LOCAL:
             links.preset(value, flag)  # an unknown name is a ConfigError
-    if o.link == links.LOCAL and (o.alpha_us is not None or o.gbit is not None):
-        raise ConfigError("--alpha-us and --gbit replace a preset's figures; with --link local "
+    if o.link == links.LOCAL and any(v is not None for v in (
+            o.alpha_us, o.gbit, o.intra_alpha_us, o.intra_gbit, o.nics_per_node)):
+        raise ConfigError("--alpha-us, --gbit, --intra-alpha-us, --intra-gbit and "
+                          "--nics-per-node replace a preset's figures; with --link local "
                           "they come from --calibration")
+    if o.gpu and o.tflops is not None:
+        raise ConfigError(f"--gpu {o.gpu} and --tflops {o.tflops:g} both set the compute "
+                          "rate: give one")
+    if o.gpu and o.link == links.LOCAL:
+        raise ConfigError(f"--gpu {o.gpu} predicts GPUs: give their links (--link, "
+                          "--intra-link) or a --cluster, not this host's calibration")
+    if o.nics_per_node is not None and o.nics_per_node < 1:
+        raise ConfigError(f"--nics-per-node must be at least 1 (got {o.nics_per_node})")
+    if o.link != links.LOCAL:
+        preset_network(o)  # a figure out of range is a ConfigError naming its flag
+    if (o.sequence_parallel or o.scatter_gather) and o.tp == 1:
+        raise ConfigError("--sequence-parallel and --scatter-gather split over tp ranks: "
+                          "they need --tp > 1")
+    if o.virtual_stages is not None and o.pp_schedule != "interleaved":
+        raise ConfigError(f"--virtual-stages {o.virtual_stages} has no effect without "
+                          "--pp-schedule interleaved")
     if o.intra_link == links.LOCAL and o.link != links.LOCAL:
         raise ConfigError("--intra-link local needs --link local: the host's calibration is "
                           "one host")
@@ -270,6 +376,7 @@ def parse_args(argv: list[str]):
     if o.hosts < 1:
         raise ConfigError(f"--hosts must be at least 1 (got {o.hosts})")
     o.rates = float_list(o.link_gbit, "--link-gbit")
+    o.ranks = o.ranks or DEFAULT_RANKS
     if o.hosts > 1 and not o.measured and max(int_list(o.ranks, "--ranks")) > o.hosts:
         raise ConfigError(f"--hosts {o.hosts}: the emulated-cluster model takes one rank or "
                           f"worker per host; give --ranks of at most {o.hosts}")
@@ -417,7 +524,7 @@ def do_validate(setup, o) -> int:
           f"compute: {len(together)} benchmark(s) of N processes stepping together "
           f"(bench together) and {len(benches)} of the model in one process "
           f"({', '.join(str(p) for p in benches[:3])}{' ...' if len(benches) > 3 else ''}); "
-          f"runs in {out}, {len(folders)} compare.py folder(s)")
+          f"runs in {out}, {len(folders)} dtlab-compare folder(s)")
     for gbit in sorted({r["link_gbit"] for r in rows if r["link_gbit"]}, reverse=True):
         hosts = next(r["hosts"] for r in rows if r["link_gbit"] == gbit)
         print(f"# emulated: {Cluster(hosts, gbit).describe(cal)}; rank, worker or shard i on "
@@ -442,21 +549,38 @@ def parallel_work(setup, o) -> parallel.Work:
     """The layout's step as `setup` and the model-parallel flags describe it."""
     b = setup.run.batch_size
     m = o.microbatches or setup.run.grad_accum
+    check_pipeline(o.pp, m, o.pp_schedule, o.virtual_stages, "--microbatches")
     w = validate.workload_of(setup)
     bounds = pipeline.stage_bounds(setup.model_name, setup.model, b, o.pp, o.stages)
     flops = estimate(setup.model_name, setup.model, b, optimizer=w.optimizer).flops_step
     work = parallel.Work(setup.model_name, setup.model, b, m, o.pp_schedule,
-                         8 if setup.run.dtype == "float64" else 4, tuple(bounds), flops)
+                         8 if setup.run.dtype == "float64" else 4, tuple(bounds), flops,
+                         validate.precision_of(setup), o.scatter_gather or o.sequence_parallel,
+                         o.virtual_stages)
     parallel.check(work, parallel.Layout(1, o.pp, o.ep, o.tp))
     return work
 
 
-def rate_of(o, cal: dict | None, work: Workload, local: bool):
-    """threads -> the compute rate of `work`: --tflops, or the calibration's fit at that
-    many threads (on this host) or at the calibrated host's cores."""
+def gpu_rate(setup, o, tp: int = 1) -> ComputeRate:
+    """--gpu: the achieved rate of one micro-batch of the model on one of tp ranks (at
+    o.gpu_spec where set: simulate/reproduce.py's fit tries other constants)."""
+    p = validate.precision_of(setup)
+    g = getattr(o, "gpu_spec", None) or hardware.gpu(o.gpu)
+    return hardware.achieved_rate(g, setup.model_name, setup.model,
+                                  setup.run.batch_size, p.compute, p.activation,
+                                  p.activation, tp, o.sequence_parallel)
+
+
+def rate_of(o, cal: dict | None, work: Workload, local: bool,
+            on_gpu: ComputeRate | None = None):
+    """threads -> the compute rate of `work`: --tflops, --gpu's achieved rate (`on_gpu`),
+    or the calibration's fit at that many threads (on this host) or at the calibrated
+    host's cores."""
     def rate_at(threads: int) -> ComputeRate:
         if o.tflops is not None:
             return ComputeRate(o.tflops * 1e12, source=f"--tflops {o.tflops:g}")
+        if on_gpu is not None:
+            return on_gpu
         try:
             return compute_rate(cal, work, threads if local else cal["cores"])
         except LookupError as e:
@@ -464,13 +588,35 @@ def rate_of(o, cal: dict | None, work: Workload, local: bool):
     return rate_at
 
 
-def do_predict_parallel(setup, o) -> int:
+def preset_network(o) -> Network:
+    """The links of --link / --intra-link (or --cluster), with the flags that replace
+    their figures."""
+    inter = links.custom(links.preset(o.link), o.alpha_us, o.gbit)
+    intra = links.custom(links.preset(o.intra_link) if o.intra_link else inter,
+                         o.intra_alpha_us, o.intra_gbit, ("--intra-alpha-us", "--intra-gbit"))
+    return Network(intra, inter, o.gpus_per_node, nics_per_node=o.nics_per_node or 0)
+
+
+def where_words(o, net: Network | None) -> str:
+    if net is None:
+        return "this host (all ranks on it, sharing its cores)"
+    k = net.nics_per_node
+    nics = f", {k:g} NIC{'' if k == 1 else 's'} a node" if k else ""
+    return (f"{net.gpus_per_node} per node{nics}; within: {net.intra.describe()}; between: "
+            f"{net.inter.describe()}" + (f" (cluster {o.cluster})" if o.cluster else ""))
+
+
+def parallel_prediction(setup, o) -> tuple[parallel.Work, list[dict], Network | None]:
+    """(the layout's work, one row per N of --workers, the preset network or None on this
+    host): what do_predict_parallel prints, and simulate/reproduce.py's rows use."""
     work = parallel_work(setup, o)
     layout = parallel.Layout(1, o.pp, o.ep, o.tp)
     local = o.link == links.LOCAL
-    cal = calibrate.load(o.calibration) if local or o.tflops is None else None
+    cal = calibrate.load(o.calibration) if local or (o.tflops is None and not o.gpu) \
+        else None
     w = validate.workload_of(setup)
     micro = replace(w, batch_size=work.batch, flops_step=work.flops_microbatch)
+    net = None
     if local:
         host = Host(os.cpu_count() or 1)
         a2a = host_alltoall(cal, o.moe_alltoall) if o.ep > 1 else None
@@ -480,90 +626,116 @@ def do_predict_parallel(setup, o) -> int:
             return parallel.Fabric(host_network(cal, n), p2p, a2a, one_host=True)
     else:
         host = Host(0)
-        inter = links.custom(links.preset(o.link), o.alpha_us, o.gbit)
-        intra = links.preset(o.intra_link) if o.intra_link else inter
-        net = Network(intra, inter, o.gpus_per_node)
+        net = preset_network(o)
 
         def fabric_at(n: int) -> parallel.Fabric:
             return parallel.Fabric(net)
 
-    rate_at = rate_of(o, cal, micro, local)
+    rate_at = rate_of(o, cal, micro, local, gpu_rate(setup, o, o.tp) if o.gpu else None)
     rows = scale.parallel_rows(work, layout, o.workers_list, fabric_at, rate_at, host,
                                o.bucket_mb * 1e6)
     if not rows:
         raise ConfigError(f"--workers {o.workers}: no N is a multiple of pp x ep x tp = "
                           f"{layout.model_parallel}")
-    where = ("this host (all ranks on it, sharing its cores)" if local else
-             f"{o.gpus_per_node} per node; within: {intra.describe()}; between: "
-             f"{inter.describe()}")
+    return work, rows, net
+
+
+def do_predict_parallel(setup, o) -> int:
+    work, rows, net = parallel_prediction(setup, o)
+    w = validate.workload_of(setup)
     sizes = [hi - lo for lo, hi in zip(work.bounds, work.bounds[1:], strict=False)]
-    print(f"# {work.model}: pp {o.pp} ({o.pp_schedule}, {work.microbatches} micro-batches of "
-          f"{work.batch}, modules per stage {','.join(map(str, sizes))}), tp {o.tp}, ep {o.ep}; "
-          f"{work.flops_microbatch / 1e9:.4g} GFLOP a micro-batch of the whole model; {where}; "
+    cost = replica_cost(setup)
+    print(f"# {work.model}: {cost.params_total:,} parameters; pp {o.pp} ({o.pp_schedule}, "
+          f"{work.microbatches} micro-batches of {work.batch}, modules per stage "
+          f"{','.join(map(str, sizes))}), tp {o.tp}"
+          + (" sequence-parallel" if o.sequence_parallel else "")
+          + (" scatter-gather" if work.scatter_gather and not o.sequence_parallel else "")
+          + f", ep {o.ep}; {work.flops_microbatch / 1e9:.4g} GFLOP a micro-batch of the "
+          f"whole model; {work.precision.describe()}; {where_words(o, net)}; "
           f"compute {rows[0]['compute_source']}; steps to target "
           f"{o.steps_to_target if o.steps_to_target else 'not given'}")
     print(table.parallel_predictions(rows, o.steps_to_target))
-    write_json(o.json, {"model": work.model, "config": w.config, "pp": o.pp, "tp": o.tp,
+    write_json(o.json, {"model": work.model, "config": w.config, "params": cost.params_total,
+                        "flops_step": work.flops_microbatch * work.microbatches,
+                        "flops_microbatch": work.flops_microbatch,
+                        "grad_bytes": w.grad_bytes,
+                        "precision": vars(work.precision), "pp": o.pp, "tp": o.tp,
                         "ep": o.ep, "schedule": o.pp_schedule, "microbatches": work.microbatches,
+                        "virtual_stages": o.virtual_stages,
+                        "sequence_parallel": o.sequence_parallel,
+                        "scatter_gather": work.scatter_gather,
                         "batch_size": work.batch, "stage_bounds": list(work.bounds),
                         "link": o.link, "intra_link": o.intra_link or o.link,
-                        "gpus_per_node": o.gpus_per_node,
+                        "gpus_per_node": o.gpus_per_node, "cluster": o.cluster or None,
+                        "gpu": o.gpu or None,
                         "steps_to_target": o.steps_to_target, "rows": rows})
     return 0
 
 
-def do_predict(setup, o) -> int:
+def dp_prediction(setup, o):
+    """(workload, one row per N of --workers, the preset network or None on this host,
+    precision, the ZeRO spec, the methods' compute, whether the ps columns show): what
+    do_predict prints, and simulate/reproduce.py's data-parallel rows use."""
     cost = replica_cost(setup)
     w = validate.workload_of(setup)
+    prec = validate.precision_of(setup)
     local = o.link == links.LOCAL
-    need_cal = local or o.tflops is None
+    need_cal = local or (o.tflops is None and not o.gpu)
     # a preset with --tflops needs none, but takes the servers' apply rate from one there is
     cal = calibrate.load(o.calibration) if need_cal or Path(o.calibration).exists() else None
+    net = None
     if local:
         host = Host(os.cpu_count() or 1)
-        net = host_network(cal, max(o.workers_list))
+        network = host_network(cal, max(o.workers_list))
         ps = host_server(cal, w.optimizer)
     else:
         host = Host(0)
-        inter = links.custom(links.preset(o.link), o.alpha_us, o.gbit)
-        intra = links.preset(o.intra_link) if o.intra_link else inter
-        net = Network(intra, inter, o.gpus_per_node)
-        ps = preset_server(inter, cal, w.optimizer)
+        net = network = preset_network(o)
+        ps = preset_server(network.inter, cal, w.optimizer)
 
-    rate_at = rate_of(o, cal, w, local)
-    itemsize = 8 if setup.run.dtype == "float64" else 4
+    rate_at = rate_of(o, cal, w, local, gpu_rate(setup, o) if o.gpu else None)
     spec = zero.ZeroSpec(o.zero_stages, zero.unit_bytes(w.model, setup.model, w.batch_size,
-                                                        itemsize),
-                         cost.params_total, setup.run.precision, itemsize) \
+                                                        prec.gradient),
+                         cost.params_total, setup.run.precision,
+                         8 if setup.run.dtype == "float64" else 4,
+                         prec.gather / prec.gradient, setup.run.grad_accum) \
         if o.zero_stages else None
     extra = None
     if o.method_list:
-        grad = methods.gradient_of(w.model, setup.model, itemsize)
+        grad = methods.gradient_of(w.model, setup.model, prec.gradient)
         cc = (methods.measured_compute(o.method_list, grad) if local else
               methods.preset_compute(o.method_list, grad, o.mem_gbs,
                                      rate_at(1).flops_per_s))
 
         def extra(n, compute, late):
-            return methods.method_columns(o.method_list, grad, n, net, compute, host, late,
-                                          cc)
-    rows = scale.rows(w, o.workers_list, net, ps, o.shards, rate_at, host, o.bucket_mb * 1e6,
-                      spec, extra)
-    where = ("this host (all ranks on it, sharing its cores)" if local else
-             f"{net.gpus_per_node} per node; within: {net.intra.describe()}; between: "
-             f"{net.inter.describe()}")
+            return methods.method_columns(o.method_list, grad, n, network, compute, host,
+                                          late, cc)
+    show_ps = local or o.shards_given
+    rows = scale.rows(w, o.workers_list, network, ps, o.shards, rate_at, host,
+                      o.bucket_mb * 1e6, spec, extra, kinds=None if show_ps else ("ring",))
+    return w, rows, net, prec, spec, (cc if extra else None), show_ps
+
+
+def do_predict(setup, o) -> int:
+    cost = replica_cost(setup)
+    w, rows, net, prec, spec, cc, show_ps = dp_prediction(setup, o)
     print(f"# {w.model}: {cost.params_total:,} parameters, {cost.flops_step / 1e9:.4g} GFLOP a "
-          f"step of batch {w.batch_size} a rank; gradient {w.grad_bytes / 1e6:.4g} MB in "
-          f"{o.bucket_mb:g} MB buckets; {where}; parameter server: {o.shards} shards; compute "
-          f"{rows[0]['compute_source']}; steps to target "
+          f"step of batch {w.batch_size} a rank ({setup.run.grad_accum} micro-batch(es)); "
+          f"gradient {w.grad_bytes / 1e6:.4g} MB in {o.bucket_mb:g} MB buckets; "
+          f"{prec.describe()}; {where_words(o, net)}; "
+          + (f"parameter server: {o.shards} shards; " if show_ps else "")
+          + f"compute {rows[0]['compute_source']}; steps to target "
           f"{o.steps_to_target if o.steps_to_target else 'not given'}"
           + (f"; ZeRO stages {','.join(map(str, spec.stages))}, memory at {spec.precision} "
              f"with {w.optimizer}" if spec else "")
-          + (f"; methods {o.methods}, compression compute {cc.source}" if extra else ""))
+          + (f"; methods {o.methods}, compression compute {cc.source}" if cc else ""))
     print(table.predictions(rows, o.steps_to_target))
     write_json(o.json, {"model": w.model, "config": w.config, "params": cost.params_total,
                         "flops_step": w.flops_step, "grad_bytes": w.grad_bytes,
+                        "precision": vars(prec), "microbatches": w.microbatches,
                         "link": o.link, "intra_link": o.intra_link or o.link,
-                        "gpus_per_node": o.gpus_per_node, "shards": o.shards,
+                        "gpus_per_node": o.gpus_per_node, "cluster": o.cluster or None,
+                        "gpu": o.gpu or None, "shards": o.shards if show_ps else None,
                         "steps_to_target": o.steps_to_target,
                         "zero_stages": list(o.zero_stages),
                         "methods": [m.label for m in o.method_list], "rows": rows})
@@ -596,13 +768,17 @@ def nominal(o) -> bool:
 def main(argv: list[str]) -> int:
     setup = parse_args(argv)
     o = setup.extra
-    nominal(o)
+    if not o.reproduce:
+        nominal(o)
     if o.calibrate:
         return do_calibrate(o)
     if o.validate:
         return do_validate(setup, o)
     if o.validate_parallel:
         return validate_parallel.main(o, new_folder)
+    if o.reproduce:
+        from dtlab.lab.simulate import reproduce  # it predicts through this module's functions
+        return reproduce.main(o.json)
     return do_predict_parallel(setup, o) if o.parallel else do_predict(setup, o)
 
 

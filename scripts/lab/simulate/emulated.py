@@ -1,4 +1,4 @@
-"""The step on an emulated cluster (compare.py --hosts H --link-gbit X): H network
+"""The step on an emulated cluster (dtlab-compare --hosts H --link-gbit X): H network
 namespaces of this one host, each host's egress shaped by a token bucket, the CPUs shared.
 
 Placement is compare/launch.py's: rank, worker or shard i on host i mod H.

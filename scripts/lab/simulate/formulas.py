@@ -23,7 +23,9 @@ hierarchy and Horovod's hierarchical all-reduce do: reduce-scatter within
 the node (G-1 alpha_i + (G-1)/G n beta_i + (G-1)/G n gamma), an all-reduce
 of n/G bytes across the M nodes run by each of the G GPUs at once on its
 own NIC (rail-optimised), all-gather within the node (G-1 alpha_i + (G-1)/G
-n beta_i). The naive all-reduce is flat: its root's link is the node's NIC.
+n beta_i). With K < G NICs a node (`nics_per_node`), the G GPUs' cross-node all-reduces
+share them: that term takes G / K times as long. The naive all-reduce is flat: its
+root's link is the node's NIC.
 
 Parameter server, S shards on hosts of their own, W workers (Li et al.
 2014): every worker pushes n/S bytes to every shard and pulls n/S back; a
@@ -85,6 +87,11 @@ class Network:
     inter: Link
     gpus_per_node: int = 1
     per_algo: dict[str, Link] | None = None
+    nics_per_node: float = 0  # 0: one NIC per GPU (rail-optimised)
+
+    def nic_share(self, g: int) -> float:
+        """How many of a node's g GPUs share one NIC (1 when each has its own)."""
+        return max(1.0, g / self.nics_per_node) if self.nics_per_node else 1.0
 
     def link(self, algo: str, base: Link) -> Link:
         if self.per_algo and algo in self.per_algo:
@@ -110,7 +117,8 @@ def sync_allreduce_s(kind: str, nbytes: float, n_ranks: int, net: Network,
     across = ours(inner, nodes, False)
     # reduce-scatter + all-gather within the node: together the ring's terms over G
     local = allreduce_s("ring", nbytes, G, net.intra)
-    return local + allreduce_s(across, inner, nodes, net.inter), f"2-level/{across}"
+    return (local + net.nic_share(G) * allreduce_s(across, inner, nodes, net.inter),
+            f"2-level/{across}")
 
 
 def bucketed_allreduce_s(kind: str, grad_bytes: float, bucket_bytes: float, n_ranks: int,

@@ -18,8 +18,17 @@ charged once, to each rank in proportion to the parameters it holds.
 Gradient all-reduce (collective/train.py): a rank's dense parameters (its stage, over
 t) are averaged over dp x ep, its experts' (over ep and t) over dp, after the
 schedule's flush when pp > 1 (a pipeline's gradients are final only then). With
-pp = 1 the dense buckets overlap backward as in step.sync_step; the experts' range
-(laid out last, reduced over another communicator) is counted exposed.
+pp = 1 the dense buckets overlap the last micro-batch's backward as in step.sync_step
+(dtlab-sync starts the reducer in the last micro-batch only: 2/3 of compute / m); the
+experts' range (laid out last, reduced over another communicator) is counted exposed.
+
+Bytes per element by tensor class (simulate/precision.py, from --dtype, --precision and
+--wire): tp's all-reduces and the pipeline's sends at `Precision.tp` / `.p2p`, the
+gradient all-reduce at `.gradient`. With sequence parallelism or Megatron's
+scatter-gather optimisation (Narayanan et al. 2021, section 4.1), each tp rank sends
+only its 1/t of an activation between stages (the next stage all-gathers it over its tp
+ranks on the intra-node link, counted in its receive); without, every tp rank sends the
+whole activation.
 
 Placement: ranks are numbered dp x pp x ep x tp, tp fastest (collective/grid.py),
 G to a node. A group whose span (its stride times its size) fits in G runs on the
@@ -35,6 +44,7 @@ from dataclasses import dataclass, replace
 from dtlab.lab.simulate import moe, pipeline, tensor
 from dtlab.lab.simulate.formulas import Network, bucketed_allreduce_s
 from dtlab.lab.simulate.links import Link
+from dtlab.lab.simulate.precision import Precision
 from dtlab.lab.simulate.step import BACKWARD_SHARE, Host
 from dtlab.models.config import ConfigError
 from dtlab.models.schedule import make
@@ -95,7 +105,12 @@ class Fabric:
         return self.alltoall or self.by_span(span)
 
     def group(self, per_node: int) -> Network:
-        return replace(self.net, gpus_per_node=per_node)
+        """The network of a group with `per_node` ranks on each node; the node's GPUs
+        all run their groups' collectives at once, so each still shares its NIC with
+        G / K others (formulas.Network.nic_share)."""
+        net, K = self.net, self.net.nics_per_node
+        return replace(net, gpus_per_node=per_node,
+                       nics_per_node=per_node * K / net.gpus_per_node if K else 0)
 
 
 @dataclass(frozen=True)
@@ -110,6 +125,21 @@ class Work:
     itemsize: int
     bounds: tuple[int, ...]  # stage s: body modules [bounds[s], bounds[s + 1])
     flops_microbatch: float  # the whole model's step of one micro-batch (models/cost.py)
+    precision: Precision | None = None  # bytes per tensor class (None: all `itemsize`)
+    scatter_gather: bool = False  # each tp rank sends 1/t of an activation between stages
+    virtual: int | None = None  # the interleaved schedule's model chunks per rank
+
+    @property
+    def tp_bytes(self) -> int:
+        return self.precision.tp if self.precision else self.itemsize
+
+    @property
+    def p2p_bytes(self) -> int:
+        return self.precision.p2p if self.precision else self.itemsize
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.precision.gradient if self.precision else self.itemsize
 
     @property
     def stages(self) -> int:
@@ -144,10 +174,10 @@ def stage_seconds(work: Work, layout: Layout, fabric: Fabric, s_per_flop: float,
     a2a_link = fabric.exchange(layout.span("ep"))
     times, comm = [], []
     for f, parts in zip(flops, work.stage_parts(), strict=True):
-        msgs = tensor.stage_messages(parts, work.config, work.batch, t, work.itemsize)
+        msgs = tensor.stage_messages(parts, work.config, work.batch, t, work.tp_bytes)
         tp_f, tp_b = tensor.stage_tp_s(msgs, t, tp_net, fabric.one_host)
         layers = sum(p.count for p in parts if moe.is_moe(p))
-        a2a_f, a2a_b = moe.layer_alltoall_s(work.config, work.batch, work.itemsize, e,
+        a2a_f, a2a_b = moe.layer_alltoall_s(work.config, work.batch, work.tp_bytes, e,
                                             a2a_link) if layers else (0.0, 0.0)
         times.append({"F": share * (f["F"] / t * s_per_flop + tp_f + layers * a2a_f),
                       "B": share * (f["B"] / t * s_per_flop + tp_b + layers * a2a_b),
@@ -162,9 +192,24 @@ def gradient_bytes(work: Work, layout: Layout) -> list[tuple[float, float]]:
     for parts in work.stage_parts():
         experts = sum(p.count * moe.expert_params(work.config, p) for p in parts)
         dense = sum(p.count * p.params for p in parts) - experts
-        out.append((dense / layout.tp * work.itemsize,
-                    experts / (layout.ep * layout.tp) * work.itemsize))
+        out.append((dense / layout.tp * work.grad_bytes,
+                    experts / (layout.ep * layout.tp) * work.grad_bytes))
     return out
+
+
+def stage_p2p(work: Work, layout: Layout, fabric: Fabric) -> pipeline.P2P:
+    """One micro-batch's receives between stages: the whole activation from every tp
+    rank, or with scatter-gather 1/t of it and an all-gather over the tp ranks."""
+    if layout.pp == 1:
+        return pipeline.FREE
+    link = fabric.point_to_point(layout.span("pp"))
+    whole = pipeline.activation_bytes(work.config, work.batch, work.p2p_bytes)
+    if not (work.scatter_gather and layout.tp > 1):
+        return pipeline.P2P.over(link, whole)
+    t = layout.tp
+    sent = pipeline.P2P.over(link, whole // t)
+    gather = tensor.allgather_s(whole, t, fabric.net.link("ring", fabric.net.intra))
+    return pipeline.P2P(sent.activation_s + gather, sent.gradient_s + gather, whole // t)
 
 
 def parallel_step(work: Work, layout: Layout, fabric: Fabric, s_per_flop: float, host: Host,
@@ -175,11 +220,8 @@ def parallel_step(work: Work, layout: Layout, fabric: Fabric, s_per_flop: float,
     n = layout.ranks
     share = host.share(n)
     times, comm = stage_seconds(work, layout, fabric, s_per_flop, share)
-    ops = make(work.schedule, layout.pp, work.microbatches)
-    p2p = pipeline.P2P.over(fabric.point_to_point(layout.span("pp")),
-                            pipeline.activation_bytes(work.config, work.batch, work.itemsize))
-    if layout.pp == 1:
-        p2p = pipeline.FREE
+    ops = make(work.schedule, layout.pp, work.microbatches, work.virtual)
+    p2p = stage_p2p(work, layout, fabric)
     piped = pipeline.pipeline_step(ops, times, replace(
         p2p, activation_s=share * p2p.activation_s, gradient_s=share * p2p.gradient_s))
     G = fabric.net.gpus_per_node
@@ -188,7 +230,7 @@ def parallel_step(work: Work, layout: Layout, fabric: Fabric, s_per_flop: float,
     reduce_s = []
     held = gradient_bytes(work, layout)
     whole = sum(p.count * p.params for parts in work.stage_parts() for p in parts)
-    update = share * update_s * max(d + x for d, x in held) / (whole * work.itemsize)
+    update = share * update_s * max(d + x for d, x in held) / (whole * work.grad_bytes)
     for dense, experts in held:
         d_all, d_last, _ = bucketed_allreduce_s(
             "ring", dense, bucket_bytes, layout.dp * layout.ep, dense_net,
@@ -198,7 +240,7 @@ def parallel_step(work: Work, layout: Layout, fabric: Fabric, s_per_flop: float,
         reduce_s.append((share * d_all, share * d_last, share * x_all))
     ranks_here = n if host.cores else min(n, G)
     if layout.pp == 1 and host.overlap(ranks_here):
-        backward = BACKWARD_SHARE * piped.compute_s[0]
+        backward = BACKWARD_SHARE * piped.compute_s[0] / work.microbatches  # the last one
         d_all, d_last, x_all = reduce_s[0]
         exposed = d_last + max(0.0, d_all - d_last - backward) + x_all
     else:

@@ -14,31 +14,37 @@ Pass FLOPs per micro-batch of b samples, from the Parts of the stage's body modu
 
 Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) divides every pass's FLOPs by t.
 
-Point-to-point transfers. The executor (models/pipeline.py) sends an activation as
-two messages (an int64 shape header, then the data) and a gradient as one, with
-non-blocking sends and blocking receives, so a transfer is on the critical path of
-the receiving pass: in the replay a receive is charged to the pass that receives,
-from the moment both the data and the receiving stage are ready:
+Point-to-point transfers. The executor (models/pipeline.py) sends an activation and
+a gradient as one message each (the activation's int64 shape header goes once a step,
+with its first micro-batch: not charged), with non-blocking sends and blocking
+receives, so a transfer is on the critical path of the receiving pass: in the replay a
+receive is charged to the pass that receives, from the moment both the data and the
+receiving stage are ready:
 
-    F on stage s > 0         += 2 alpha + (b T d size + header) beta
-    B / BW on stage s < p-1  += alpha + b T d size beta
+    F on stage g > 0         += alpha + b T d size beta
+    B / BW on stage g < S-1  += alpha + b T d size beta
 
-models/schedule.py's `simulate` replays the real op lists (GPipe, 1F1B, ZB-H1) with
+(S stages: p, or v p with v model chunks per rank, where a neighbouring stage on the
+same rank, the bottom of a V, is handed the array for free). models/schedule.py's
+`simulate` replays the real op lists (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V,
+DualPipeV) with
 these per-stage times; the predicted bubble counts receive time as idle, as the
 executor measures it (blocked in receives):
 
-    bubble = mean over stages of (makespan - compute of the stage) / makespan
+    bubble = mean over ranks of (makespan - compute of the rank) / makespan
+
+Pass times come per stage, or per rank: then each of a rank's v chunks takes 1/v of
+them (the balanced split Narayanan et al. 2021 assume for the interleaved schedule).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtlab.lab.bench.parallel_formulas import HEADER_BYTES
 from dtlab.lab.simulate.links import Link
 from dtlab.models.partition import balance, explicit, module_costs
 from dtlab.models.parts import Part
-from dtlab.models.schedule import Schedule, simulate
+from dtlab.models.schedule import Schedule, layout_of, simulate, virtual_stage
 from dtlab.models.zoo import MODELS
 
 PASSES = ("F", "B", "W")
@@ -92,7 +98,7 @@ def activation_bytes(c, b: int, itemsize: int) -> int:
 
 @dataclass(frozen=True)
 class P2P:
-    """One micro-batch's receives: an activation (header + data) and a gradient."""
+    """One micro-batch's receives: an activation and a gradient."""
 
     activation_s: float
     gradient_s: float
@@ -100,8 +106,8 @@ class P2P:
 
     @staticmethod
     def over(link: Link, nbytes: int) -> P2P:
-        return P2P(2 * link.alpha_s + (nbytes + HEADER_BYTES) * link.beta_s_per_byte,
-                   link.alpha_s + nbytes * link.beta_s_per_byte, nbytes)
+        one = link.alpha_s + nbytes * link.beta_s_per_byte
+        return P2P(one, one, nbytes)
 
 
 FREE = P2P(0.0, 0.0, 0)
@@ -115,22 +121,48 @@ class PipelineStep:
     p2p_s: float  # the most time a stage spends receiving
 
 
-def with_receives(times: list[dict[str, float]], p2p: P2P) -> list[dict[str, float]]:
-    """Per-stage pass times with each pass's receive added (see the module docstring)."""
-    p = len(times)
-    return [{"F": t["F"] + (p2p.activation_s if s > 0 else 0.0),
-             "B": t["B"] + (p2p.gradient_s if s < p - 1 else 0.0), "W": t["W"]}
-            for s, t in enumerate(times)]
+def per_stage(times: list[dict[str, float]], p: int, v: int,
+              layout: str = "loop") -> list[dict[str, float]]:
+    """Pass times of each of the v p stages: as given (one per stage), or one per rank
+    split evenly over its v chunks."""
+    if len(times) == v * p:
+        return times
+    if len(times) != p:
+        raise ValueError(f"{len(times)} pass times for {p} ranks of {v} chunks each")
+    out = [{}] * (v * p)
+    for r in range(p):
+        for c in range(v):
+            out[virtual_stage(layout, p, r, c)] = {k: x / v for k, x in times[r].items()}
+    return out
 
 
-def pipeline_step(ops: Schedule, times: list[dict[str, float]], p2p: P2P = FREE) -> PipelineStep:
-    """Replay `ops` (models/schedule.py op lists) with per-stage pass seconds `times`
-    and the receives of `p2p`."""
-    m = sum(op.kind == "F" for op in ops[0])
-    line = simulate(ops, stage_times=with_receives(times, p2p))
-    compute = [m * sum(t[k] for k in PASSES) for t in times]
+def with_receives(times: list[dict[str, float]], p2p: P2P, p: int | None = None,
+                  layout: str = "loop") -> list[dict[str, float]]:
+    """Per-stage pass times with each pass's receive added (see the module docstring);
+    p: the ranks the len(times) stages sit on (default one stage each)."""
+    S, p = len(times), p or len(times)
+    rank = {virtual_stage(layout, p, r, c): r for r in range(p) for c in range(S // p)}
+    return [{"F": t["F"] + (p2p.activation_s if g > 0 and rank[g - 1] != rank[g] else 0.0),
+             "B": t["B"] + (p2p.gradient_s if g < S - 1 and rank[g + 1] != rank[g] else 0.0),
+             "W": t["W"]}
+            for g, t in enumerate(times)]
+
+
+def pipeline_step(ops: Schedule, times: list[dict[str, float]], p2p: P2P = FREE,
+                  layout: str | None = None) -> PipelineStep:
+    """Replay `ops` (models/schedule.py op lists, their stages placed by `layout`, by
+    default the one they carry) with pass seconds `times` (per stage, or per rank:
+    `per_stage`) and the receives of `p2p`."""
+    layout = layout or layout_of(ops)
     p = len(ops)
-    received = [m * ((p2p.activation_s if s > 0 else 0.0)
-                     + (p2p.gradient_s if s < p - 1 else 0.0)) for s in range(p)]
+    v = 1 + max(op.chunk for stage in ops for op in stage)
+    m = sum(op.kind == "F" for op in ops[0]) // v
+    stages = per_stage(times, p, v, layout)
+    paid = with_receives(stages, p2p, p, layout)
+    line = simulate(ops, stage_times=paid, layout=layout)
+    where = [[virtual_stage(layout, p, r, c) for c in range(v)] for r in range(p)]
+    compute = [m * sum(stages[g][k] for g in where[r] for k in PASSES) for r in range(p)]
+    received = [m * sum(paid[g][k] - stages[g][k] for g in where[r] for k in PASSES)
+                for r in range(p)]
     bubble = sum(line.makespan - c for c in compute) / (p * line.makespan)
     return PipelineStep(line.makespan, bubble, compute, max(received))

@@ -19,19 +19,23 @@ DEFAULT_WORKERS = tuple(2 ** k for k in range(11))  # 1 .. 1024
 
 def rows(w: Workload, workers: list[int], net: Network, ps: ServerLink, shards: int,
          rate_at, host: Host, bucket_bytes: float, zero: ZeroSpec | None = None,
-         extra=None) -> list[dict]:
+         extra=None, kinds: tuple[str, ...] | None = None) -> list[dict]:
     """rate_at(threads) -> ComputeRate; one dict per N (steps as dicts); with `zero`, its
     stages' steps and every stage's memory per rank (zero.zero_columns); with `extra`,
-    extra(N, compute_s, straggler_s) -> more entries (methods.method_columns)."""
+    extra(N, compute_s, straggler_s) -> more entries (methods.method_columns); `kinds`:
+    which of ring, naive and ps to predict (default all three)."""
+    kinds = kinds or ("ring", "naive", "ps")
     out = []
     for n in workers:
         rate: ComputeRate = rate_at(host.threads(n))
         compute = rate.seconds(w.flops_step) * host.share(n)
         late = rate.straggler_s(n) * host.share(n)
-        steps = {"ring": sync_step("ring", w, n, net, compute, bucket_bytes, host, late),
-                 "naive": sync_step("naive", w, n, net, compute, bucket_bytes, host, late),
-                 "ps": ps_step(w, n, shards, ps, rate.seconds(w.flops_step), host,
-                               rate.straggler_s(n))}
+        steps = {"ring": sync_step("ring", w, n, net, compute, bucket_bytes, host, late)}
+        if "naive" in kinds:
+            steps["naive"] = sync_step("naive", w, n, net, compute, bucket_bytes, host, late)
+        if "ps" in kinds:
+            steps["ps"] = ps_step(w, n, shards, ps, rate.seconds(w.flops_step), host,
+                                  rate.straggler_s(n))
         row = {"n": n, "nodes": math.ceil(n / net.gpus_per_node), "compute_s": compute,
                "compute_source": rate.source}
         for name, s in steps.items():

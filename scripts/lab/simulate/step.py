@@ -22,8 +22,13 @@ as none.
 Overlap. The sync trainer starts each gradient bucket's all-reduce on a
 comm thread as soon as backward has produced it (collective/buckets.py), so
 all but the last bucket can hide behind the rest of backward (2/3 of the
-matmul FLOPs). That needs somewhere for the comm thread to run: a GPU
-computes while the host communicates, a CPU rank needs a core of its own.
+matmul FLOPs). With k micro-batches a step (--grad-accum k) the gradients are
+final only in the last micro-batch's backward, and dtlab-sync starts the
+bucket reducer there alone (models/model.py Replica.compute_grads passes
+grad_ready to the last backward only, as DDP's no_sync): the all-reduce hides
+behind 2/3 of one micro-batch's compute, compute / k, not the step's. That
+needs somewhere for the comm thread to run: a GPU computes while the host
+communicates, a CPU rank needs a core of its own.
 With as many ranks as cores or more on one host, the comm thread takes its
 time from compute, so nothing is hidden.
 
@@ -37,7 +42,7 @@ a pull or push round is taken as one core busy (the worker and its shard
 take turns), and the parts are stretched in proportion.
 
 Measured together. Where N processes were timed computing at once on the
-host (dtlab.lab.bench.together, as simulate.py --validate does), their
+host (dtlab.lab.bench.together, as dtlab-simulate --validate does), their
 typical step and the slowest one's lateness replace the two estimates
 above: the sharing of cores, caches and the scheduler's slices is in them.
 What they leave out is communication: an all-reduce as below, and for an
@@ -73,6 +78,13 @@ class Workload:
     flops_step: float
     grad_bytes: float
     optimizer: str
+    microbatches: int = 1  # --grad-accum: flops_step is all of them; only the last hides
+
+    @property
+    def last_backward_share(self) -> float:
+        """The step's compute fraction the all-reduce can hide behind: the last
+        micro-batch's backward."""
+        return BACKWARD_SHARE / self.microbatches
 
 
 @dataclass(frozen=True)
@@ -177,7 +189,7 @@ def sync_step(kind: str, w: Workload, n: int, net: Network, compute_s: float,
                                              one_host_shm=bool(host.cores))
     total, last = total * host.share(n), last * host.share(n)  # the ranks' turns on the cores
     if host.overlap(ranks_here):
-        exposed = last + max(0.0, total - last - BACKWARD_SHARE * compute_s)
+        exposed = last + max(0.0, total - last - w.last_backward_share * compute_s)
     else:
         exposed = total
     return Step(kind, n, compute_s, straggler_s + exposed, algo,

@@ -1,4 +1,4 @@
-"""The nccl-tests style tables simulate.py prints: predictions by N, fits, validation."""
+"""The nccl-tests style tables dtlab-simulate prints: predictions by N, fits, validation."""
 
 from __future__ import annotations
 
@@ -12,56 +12,69 @@ def fmt_s(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:,.2f}"
 
 
+def render(columns: list[tuple[str, str, list[str]]]) -> list[str]:
+    """Header, units and one line per row of right-aligned columns (head, unit, cells),
+    each as wide as its widest cell plus two spaces, so large numbers never run
+    together."""
+    widths = [max(len(head), len(unit), *(len(c) for c in cells)) + 2
+              for head, unit, cells in columns]
+    n = len(columns[0][2]) if columns else 0
+    head = "#" + "".join(f"{h:>{w}}" for (h, _, _), w in zip(columns, widths, strict=True))
+    unit = "#" + "".join(f"{u:>{w}}" for (_, u, _), w in zip(columns, widths, strict=True))
+    lines = [" " + "".join(f"{cells[i]:>{w}}" for (_, _, cells), w
+                           in zip(columns, widths, strict=True)) for i in range(n)]
+    return [head, unit, *lines]
+
+
 def predictions(rows: list[dict], steps_to_target: int | None) -> str:
-    """The prediction rows; with --zero (rows holding "dp_memory") also plain DP's memory
-    per rank and each ZeRO stage's exposed communication, step and memory."""
-    stages = sorted(int(k[len("zero"):]) for k in (rows[0] if rows else {})
-                    if k.startswith("zero"))
-    zero = bool(rows) and "dp_memory" in rows[0]
-    labels = [k[len("method:"):] for k in (rows[0] if rows else {}) if k.startswith("method:")]
-    unit, scale = ("GB", 1e9) if zero and rows[0]["dp_memory"]["total"] >= 1e9 else ("MB", 1e6)
-    head = (f"#{'N':>6}{'nodes':>7}{'compute':>10}{'ring':>10}{'algo':>16}{'step':>10}"
-            f"{'eff':>6}{'naive':>11}{'step':>10}{'ps':>10}{'step':>10}{'ring TTT':>12}"
-            f"{'naive TTT':>12}{'ps TTT':>12}")
-    units = (f"#{'':>6}{'':>7}{'(ms)':>10}{'(ms)':>10}{'':>16}{'(ms)':>10}{'':>6}"
-             f"{'(ms)':>11}{'(ms)':>10}{'(ms)':>10}{'(ms)':>10}{'(s)':>12}{'(s)':>12}"
-             f"{'(s)':>12}")
+    """The prediction rows; the naive and parameter-server columns where the rows hold
+    them; with --zero (rows holding "dp_memory") also plain DP's memory per rank and each
+    ZeRO stage's exposed communication, step and memory."""
+    r0 = rows[0] if rows else {}
+    stages = sorted(int(k[len("zero"):]) for k in r0 if k.startswith("zero"))
+    zero = "dp_memory" in r0
+    labels = [k[len("method:"):] for k in r0 if k.startswith("method:")]
+    kinds = [k for k in ("ring", "naive", "ps") if k in r0]
+    unit, scale = ("GB", 1e9) if zero and r0["dp_memory"]["total"] >= 1e9 else ("MB", 1e6)
+
+    def ttt(k: str) -> list[str]:
+        return [fmt_s(None if steps_to_target is None else r[k]["step_s"] * steps_to_target)
+                for r in rows]
+
+    cols = [("N", "", [str(r["n"]) for r in rows]),
+            ("nodes", "", [str(r["nodes"]) for r in rows]),
+            ("compute", "(ms)", [fmt_ms(r["compute_s"]) for r in rows]),
+            ("ring", "(ms)", [fmt_ms(r["ring"]["comm_s"]) for r in rows]),
+            ("algo", "", [r["ring"]["algo"] for r in rows]),
+            ("step", "(ms)", [fmt_ms(r["ring"]["step_s"]) for r in rows]),
+            ("eff", "", [f"{r['efficiency']:.2f}" for r in rows])]
+    for k in kinds[1:]:
+        cols += [(k, "(ms)", [fmt_ms(r[k]["comm_s"]) for r in rows]),
+                 ("step", "(ms)", [fmt_ms(r[k]["step_s"]) for r in rows])]
+    cols += [(f"{k} TTT", "(s)", ttt(k)) for k in kinds]
     if zero:
-        head += f"{'dp mem':>10}" + "".join(f"{f'z{z} comm':>10}{f'z{z} step':>10}"
-                                            f"{f'z{z} mem':>10}" for z in stages)
-        units += f"{f'({unit})':>10}" + f"{'(ms)':>10}{'(ms)':>10}{f'({unit})':>10}" * len(stages)
+        cols.append(("dp mem", f"({unit})", [f"{r['dp_memory']['total'] / scale:.4g}"
+                                              for r in rows]))
+        for z in stages:
+            cols += [(f"z{z} comm", "(ms)", [fmt_ms(r[f"zero{z}"]["comm_s"]) for r in rows]),
+                     (f"z{z} step", "(ms)", [fmt_ms(r[f"zero{z}"]["step_s"]) for r in rows]),
+                     (f"z{z} mem", f"({unit})", [f"{r[f'zero{z}']['memory']['total'] / scale:.4g}"
+                                                 for r in rows])]
     for label in labels:
-        head += f"{label[:9] + ' comm':>15}{'step':>10}"
-        units += f"{'(ms)':>15}{'(ms)':>10}"
-    out = [head, units]
-    for r in rows:
-        ring, naive, ps = r["ring"], r["naive"], r["ps"]
-        ttt = [None if steps_to_target is None else k["step_s"] * steps_to_target
-               for k in (ring, naive, ps)]
-        line = (f" {r['n']:>6}{r['nodes']:>7}{fmt_ms(r['compute_s']):>10}"
-                f"{fmt_ms(ring['comm_s']):>10}{ring['algo']:>16}{fmt_ms(ring['step_s']):>10}"
-                f"{r['efficiency']:>6.2f}{fmt_ms(naive['comm_s']):>11}"
-                f"{fmt_ms(naive['step_s']):>10}{fmt_ms(ps['comm_s']):>10}"
-                f"{fmt_ms(ps['step_s']):>10}{fmt_s(ttt[0]):>12}{fmt_s(ttt[1]):>12}"
-                f"{fmt_s(ttt[2]):>12}")
-        if zero:
-            line += f"{r['dp_memory']['total'] / scale:>10.4g}"
-            for z in stages:
-                s = r[f"zero{z}"]
-                line += (f"{fmt_ms(s['comm_s']):>10}{fmt_ms(s['step_s']):>10}"
-                         f"{s['memory']['total'] / scale:>10.4g}")
-        for label in labels:
-            s = r[f"method:{label}"]
-            line += f"{fmt_ms(s['comm_s']):>15}{fmt_ms(s['step_s']):>10}"
-        out.append(line)
+        cols += [(f"{label[:9]} comm", "(ms)", [fmt_ms(r[f"method:{label}"]["comm_s"])
+                                                 for r in rows]),
+                 ("step", "(ms)", [fmt_ms(r[f"method:{label}"]["step_s"]) for r in rows])]
+    out = render(cols)
     out.append("# legend: N ranks (sync) = workers (async); nodes = ceil(N / gpus per node); "
                "compute = forward + backward + update of one rank's batch; ring = exposed "
                "all-reduce of our ring family (algo: the one collective/choose.py picks, "
                "2-level/X: intra-node ring + X across nodes); step = compute + exposed "
                "communication; eff = compute / ring step (weak scaling: N = 1 is compute "
-               "alone); naive = reduce to rank 0 + broadcast; ps = pull + push with the "
-               "parameter-server shards; "
-               "TTT = step x steps to target (-: no --steps-to-target)")
+               "alone); "
+               + ("naive = reduce to rank 0 + broadcast; ps = pull + push with the "
+                  "parameter-server shards (with --link local or --shards); " if len(kinds) > 1
+                  else "")
+               + "TTT = step x steps to target (-: no --steps-to-target)")
     if zero:
         out.append("# ZeRO (simulate/zero.py): dp mem = plain data parallelism's bytes per "
                    "rank (weights, gradients, optimizer state); zS comm = stage S's exposed "
@@ -161,21 +174,17 @@ def parallel_predictions(rows: list[dict], steps_to_target: int | None) -> str:
     extra = [(key, label, fmt) for key, label, fmt, dim in (
         ("bubble", "bubble", lambda v: f"{v:.3f}", "pp"), ("p2p_s", "p2p", fmt_ms, "pp"),
         ("tp_s", "tp", fmt_ms, "tp"), ("a2a_s", "a2a", fmt_ms, "ep")) if r0.get(dim, 1) > 1]
-    head = f"#{'N':>6}{'dp':>6}{'nodes':>7}{'compute':>10}"
-    unit = f"#{'':>6}{'':>6}{'':>7}{'(ms)':>10}"
-    for _, label, _ in extra:
-        head += f"{label:>9}"
-        unit += f"{'' if label == 'bubble' else '(ms)':>9}"
-    head += f"{'allreduce':>11}{'step':>10}{'eff':>6}{'TTT':>12}"
-    unit += f"{'(ms)':>11}{'(ms)':>10}{'':>6}{'(s)':>12}"
-    out = [head, unit]
-    for r in rows:
-        ttt = None if steps_to_target is None else r["step_s"] * steps_to_target
-        line = f" {r['n']:>6}{r['dp']:>6}{r['nodes']:>7}{fmt_ms(r['compute_s']):>10}"
-        for key, _, fmt in extra:
-            line += f"{fmt(r[key]):>9}"
-        out.append(line + f"{fmt_ms(r['allreduce_s']):>11}{fmt_ms(r['step_s']):>10}"
-                          f"{r['efficiency']:>6.2f}{fmt_s(ttt):>12}")
+    cols = [("N", "", [str(r["n"]) for r in rows]), ("dp", "", [str(r["dp"]) for r in rows]),
+            ("nodes", "", [str(r["nodes"]) for r in rows]),
+            ("compute", "(ms)", [fmt_ms(r["compute_s"]) for r in rows])]
+    for key, label, fmt in extra:
+        cols.append((label, "" if label == "bubble" else "(ms)", [fmt(r[key]) for r in rows]))
+    cols += [("allreduce", "(ms)", [fmt_ms(r["allreduce_s"]) for r in rows]),
+             ("step", "(ms)", [fmt_ms(r["step_s"]) for r in rows]),
+             ("eff", "", [f"{r['efficiency']:.2f}" for r in rows]),
+             ("TTT", "(s)", [fmt_s(None if steps_to_target is None
+                                   else r["step_s"] * steps_to_target) for r in rows])]
+    out = render(cols)
     out.append("# legend: N ranks = dp x pp x ep x tp (N not a multiple of pp ep tp left out); "
                "compute = the busiest stage's passes over a step's micro-batches (FLOPs / tp at "
                "the compute rate); bubble = predicted idle fraction of the schedule's replay "

@@ -9,6 +9,13 @@ dtlab.lab.bench.parallel_formulas.tp_payload's bytes, split by the stage they ru
 They run within a node (tp is the grid's fastest dimension), on the intra-node link at
 the all-reduce collective/choose.py picks; the all-gather of n output bytes costs
 (t - 1) alpha + (t - 1)/t n beta (a ring).
+
+Recomputation (--recompute) runs each block's forward again in backward, its two
+all-reduces with it: a block then all-reduces 2 times forward and 4 times backward
+(Korthikanti et al. 2022, section 4.2). Sequence parallelism (Korthikanti et al. 2022,
+section 4.2.2) turns each all-reduce into a reduce-scatter plus an all-gather of the same
+tensor: on a ring the same bytes and steps, so the same time here; what it changes is
+the norms' and dropouts' work and memory, split over t (simulate/hardware.py).
 """
 
 from __future__ import annotations
@@ -40,13 +47,14 @@ def stage_messages(parts: list[Part], c, b: int, t: int, itemsize: int) -> Stage
     N = b * c.seq_len
     act = N * c.d_model * itemsize
     fwd, bwd, gather = [], [], []
+    again = 2 if getattr(c, "recompute", False) else 1  # a recomputed block's forward twice
     for p in parts:
         name = p.name.removeprefix("h.")
         if name == "embedding":
             fwd.append(act)
         elif name == "attention" or name.startswith(("ffn", "moe")):
             fwd += [act] * p.count
-            bwd += [act] * p.count
+            bwd += [act] * (again * p.count)
         elif name == "head":
             bwd.append(act)
         elif name.startswith("loss"):

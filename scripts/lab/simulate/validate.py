@@ -34,6 +34,7 @@ from dtlab.lab.bench import model as bench_model
 from dtlab.lab.simulate.calibrate import exact_rows
 from dtlab.lab.simulate.calibrated import host_network, host_server
 from dtlab.lab.simulate.emulated import Cluster, ps_step_on, sync_step_on
+from dtlab.lab.simulate.precision import Precision
 from dtlab.lab.simulate.step import (
     Host,
     Workload,
@@ -58,13 +59,20 @@ BOUND = 0.25
 def workload_of(setup) -> Workload:
     """What one rank's step of a session.Setup costs (models/cost.py), its gradient in bytes."""
     cost = replica_cost(setup)
-    itemsize = 8 if setup.run.dtype == "float64" else 4
+    wire = precision_of(setup).gradient
     return Workload(setup.model_name, cost.config, cost.batch_size, cost.flops_step,
-                    cost.params_total * itemsize, cost.optimizer)
+                    cost.params_total * wire, cost.optimizer, setup.run.grad_accum)
+
+
+def precision_of(setup) -> Precision:
+    """The bytes of each tensor class as the run's --dtype, --precision and --wire set
+    them (simulate/precision.py)."""
+    return Precision.of(setup.run.dtype, setup.run.precision,
+                        getattr(setup.extra, "wire", None) or "fp32")
 
 
 def workload(config_path: str) -> Workload:
-    return workload_of(parse(["--config", config_path], prog="simulate.py --validate"))
+    return workload_of(parse(["--config", config_path], prog="dtlab-simulate --validate"))
 
 
 def bench_compute(config_path: str, threads: list[int], out: Path, reps: int = 40,
@@ -76,7 +84,7 @@ def bench_compute(config_path: str, threads: list[int], out: Path, reps: int = 4
     as bench model JSON rows. The process keeps freed memory from then on, as the
     trainers whose steps this predicts do (models/run/allocator.py)."""
     keep_freed_memory()  # as every trainer does: the same allocator as the runs timed
-    setup = parse(["--config", config_path], prog="simulate.py --validate")
+    setup = parse(["--config", config_path], prog="dtlab-simulate --validate")
     batch = setup.run.batch_size * setup.run.grad_accum
     model = build_model(setup.model_name, setup.model)
     P = model.init_params(setup.run.seed)
@@ -135,7 +143,7 @@ def bench_together(config_path: str, ranks: list[int], roles: list[str], out: Pa
 
 
 def roles_of(runs: str) -> list[str]:
-    """bench together's roles that compare.py's runs (a comma list of names) need."""
+    """bench together's roles that dtlab-compare's runs (a comma list of names) need."""
     names = runs.split(",")
     return [role for role, prefix in (("rank", "sync-"), ("worker", "async-"))
             if any(n.startswith(prefix) for n in names)]
@@ -186,7 +194,7 @@ def compute_rows(paths: list[Path]) -> list[dict]:
 def run_comparisons(config_path: str, ranks: list[int], runs: str, shards: int, steps: int,
                     folder: Path, timeout_s: float, hosts: int = 1,
                     rates: tuple[float, ...] = (), tcp_cc: str = "reno") -> list[Path]:
-    """compare.py at every N of `ranks` into FOLDER/nN (on `hosts` emulated hosts running
+    """dtlab-compare at every N of `ranks` into FOLDER/nN (on `hosts` emulated hosts running
     TCP congestion control `tcp_cc`: at every link rate of `rates`, into FOLDER/nN-gX);
     the folders."""
     dirs = []
@@ -204,7 +212,7 @@ def run_comparisons(config_path: str, ranks: list[int], runs: str, shards: int, 
             done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                   text=True)
             if done.returncode not in (0, 1):  # 1: a run failed, which the table leaves out
-                raise RuntimeError(f"compare.py at N={n} exited with {done.returncode}: "
+                raise RuntimeError(f"dtlab-compare at N={n} exited with {done.returncode}: "
                                    f"{done.stderr.strip()[-2000:]}")
             dirs.append(d)
     return dirs
@@ -214,7 +222,7 @@ def measured_dirs(root: str) -> list[Path]:
     base = Path(root)
     found = sorted({p.parent for p in base.glob("**/summary.json")})
     if not found:
-        raise ConfigError(f"--measured {root}: no compare.py folder (summary.json) under it")
+        raise ConfigError(f"--measured {root}: no dtlab-compare folder (summary.json) under it")
     return found
 
 
@@ -242,7 +250,7 @@ def measure(run: dict, folder: Path) -> dict:
 def predict_run(name: str, w: Workload, n: int, shards: int, cal: dict, host: Host,
                 bucket_bytes: float, cluster: Cluster | None = None,
                 together: dict[tuple[str, int], Together] | None = None):
-    """The step of run `name` (compare.py's run names) at N ranks or workers on this host,
+    """The step of run `name` (dtlab-compare's run names) at N ranks or workers on this host,
     or across `cluster`'s emulated hosts (simulate/emulated.py). On this host the
     compute is `together`'s (N processes measured stepping at once) where it holds N for
     the run's role, else one process's rate over its share of the cores."""
@@ -276,13 +284,13 @@ def predict_run(name: str, w: Workload, n: int, shards: int, cal: dict, host: Ho
 
 
 def cluster_of(summary: dict) -> Cluster | None:
-    """The emulated cluster a compare.py folder ran on (its summary's `emulated`), if any."""
+    """The emulated cluster a dtlab-compare folder ran on (its summary's `emulated`), if any."""
     e = summary.get("emulated")
     return Cluster(e["hosts"], e["link_gbit"]) if e else None
 
 
 def any_local(folders: list[Path]) -> bool:
-    """Whether any compare.py folder ran on this host alone (not across emulated hosts)."""
+    """Whether any dtlab-compare folder ran on this host alone (not across emulated hosts)."""
     return any(cluster_of(json.loads((f / "summary.json").read_text())) is None for f in folders)
 
 
@@ -302,7 +310,7 @@ def launch_calibration(cal: dict, folder: Path) -> dict:
 
 def load_of(folder: Path, summary: dict) -> float | None:
     """The host's highest 1-minute load average around `folder`'s launch (its load.json), or
-    around its runs (compare.py's summary), if recorded."""
+    around its runs (dtlab-compare's summary), if recorded."""
     path = folder.parent / "load.json"
     if path.exists():
         return max(json.loads(path.read_text()).values())

@@ -44,7 +44,7 @@ MOE_EP = 2
 
 
 def write_config(flags: list[str], folder: Path) -> Path:
-    setup = parse(flags, prog="simulate.py --validate-parallel")
+    setup = parse(flags, prog="dtlab-simulate --validate-parallel")
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "config.json"
     path.write_text(json.dumps(setup.as_dict(), indent=1) + "\n")
@@ -97,7 +97,7 @@ def compute_of(folder: Path) -> tuple[float, float, object]:
     """(seconds per FLOP of forward + backward, the optimizer's update in seconds, the
     setup) from the one-process benchmark of folder's config (its model-t*.json: the
     launch's, validate.bench_compute)."""
-    setup = parse(["--config", str(folder / "config.json")], prog="simulate.py")
+    setup = parse(["--config", str(folder / "config.json")], prog="dtlab-simulate")
     rows = [json.loads(p.read_text())["rows"][0] for p in sorted(folder.glob("model-t*.json"))]
     if not rows:
         raise ConfigError(f"{folder}: no compute benchmark (model-t*.json)")

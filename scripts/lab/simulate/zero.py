@@ -15,10 +15,11 @@ the N dp ranks: a reduce-scatter of a unit's n_u bytes and an all-gather of them
 so RS = sum rs(n_u) and AG = sum ag(n_u) move the ring all-reduce's bytes (with one unit
 they are exactly formulas.terms("ring")): stages 1 and 2 send what plain data
 parallelism sends, 2(N-1)/N Psi; stage 3 gathers the parameters twice (before forward
-and again before backward), 3(N-1)/N Psi, the paper's 1.5x. The gathered parameters are
-taken at the gradient's bytes. On one node the ring goes at the intra-node link, across
-nodes at the inter-node one (the slowest hop paces every step of a flat ring); on a
-calibrated host at its ring fit.
+and again before backward), 3(N-1)/N Psi, the paper's 1.5x. The reduce-scatters move the
+gradient's wire bytes and the gathers the parameters' compute bytes (simulate/precision.py:
+2 each under --precision fp16|bf16; with --wire bf16 over float32, 2 and 4). On one
+node the ring goes at the intra-node link, across nodes at the inter-node one (the
+slowest hop paces every step of a flat ring); on a calibrated host at its ring fit.
 
 Overlap, where the ranks have somewhere to communicate (step.py's rule: a GPU, or a core
 of its own), with backward 2/3 of the compute (BACKWARD_SHARE) and forward the rest;
@@ -33,8 +34,12 @@ unit 0 is the first in forward, unit L-1 the last:
                  and in backward, but the first of each pass; the reduce-scatters behind
                  backward but the last)
 
-and all of it where they have not. On a shared host every collective takes N / cores
-turns, as the all-reduce does (step.sync_step).
+and all of it where they have not. With k micro-batches a step (--grad-accum k), as
+collective/zero.py runs them: stage 1 reduce-scatters in the last micro-batch's backward
+only (as plain data parallelism, step.py), stage 2 in every micro-batch's, stage 3 also
+gathers every micro-batch; backward and forward above are then one micro-batch's, and
+stage 2's reduce-scatter part and all of stage 3's come k times. On a shared host every
+collective takes N / cores turns, as the all-reduce does (step.sync_step).
 
 Memory per rank: the paper's per-parameter bytes, models/cost.py zero_memory (mixed
 precision with Adam, K = 12: plain DP (2 + 2 + K) Psi, stage 1 4 Psi + K Psi / N, stage 2
@@ -65,6 +70,9 @@ class ZeroSpec:
     params: int
     precision: str = "fp32"
     itemsize: int = 4  # --dtype's (8: float64) in full precision
+    gather_scale: float = 1.0  # gathered parameters' bytes per element over the units'
+    # (the units are at the gradient's wire bytes: --wire bf16 over float32 gathers 2)
+    microbatches: int = 1  # --grad-accum
 
     def memory(self, stage: int, n: int, optimizer: str) -> dict[str, float]:
         """Bytes per rank of `stage` (0: plain data parallelism) over n ranks."""
@@ -98,31 +106,35 @@ def ring_link(net: Network, n: int) -> Link:
 
 
 def zero_step(stage: int, units: tuple[float, ...], n: int, net: Network, compute_s: float,
-              host: Host, straggler_s: float = 0.0) -> Step:
-    """One step of ZeRO `stage` over n ranks with units of these bytes (module docstring);
-    straggler_s: how much later than the median the slowest rank ends backward (every
-    rank waits for it)."""
+              host: Host, straggler_s: float = 0.0, gather_scale: float = 1.0,
+              microbatches: int = 1) -> Step:
+    """One step of ZeRO `stage` over n ranks with units of these bytes and `microbatches`
+    micro-batches (module docstring); straggler_s: how much later than the median the
+    slowest rank ends backward (every rank waits for it)."""
     if stage not in STAGES:
         raise ValueError(f"ZeRO stage must be one of {STAGES}, not {stage}")
     link, share = ring_link(net, n), host.share(n)
     rs = [reduce_scatter_s(b, n, link) * share for b in units]  # (L,) per unit
-    ag = [allgather_s(b, n, link) * share for b in units]  # (L,)
+    ag = [allgather_s(b * gather_scale, n, link) * share for b in units]  # (L,)
     RS, AG = sum(rs), sum(ag)
-    gathers = 2 if stage == 3 else 1
+    k = microbatches
+    gathers = 2 * k if stage == 3 else 1  # all-gathers of the units a step
+    scatters = 1 if stage == 1 else k  # reduce-scatters of the units a step
     ranks_here = min(n, net.gpus_per_node) if not host.cores else n
     overlap = host.overlap(ranks_here)
-    backward = BACKWARD_SHARE * compute_s
+    backward = BACKWARD_SHARE * compute_s / k  # one micro-batch's
+    forward = compute_s / k - backward
     if not overlap:
-        exposed = RS + gathers * AG
+        exposed = scatters * RS + gathers * AG
     elif stage == 3:
-        exposed = (ag[0] + max(0.0, AG - ag[0] - (compute_s - backward))
-                   + ag[-1] + rs[0] + max(0.0, AG - ag[-1] + RS - rs[0] - backward))
+        exposed = k * (ag[0] + max(0.0, AG - ag[0] - forward)
+                       + ag[-1] + rs[0] + max(0.0, AG - ag[-1] + RS - rs[0] - backward))
     else:
-        exposed = rs[0] + max(0.0, RS - rs[0] - backward) + AG
-    sent = (1 + gathers) * (n - 1) / n * sum(units)
+        exposed = scatters * (rs[0] + max(0.0, RS - rs[0] - backward)) + AG
+    sent = (scatters + gathers * gather_scale) * (n - 1) / n * sum(units)
     return Step(f"zero{stage}", n, compute_s, straggler_s + exposed, "ring",
-                {"reduce_scatter_s": RS, "allgather_s": gathers * AG, "sent_bytes": sent,
-                 "straggler_s": straggler_s, "overlap": overlap})
+                {"reduce_scatter_s": scatters * RS, "allgather_s": gathers * AG,
+                 "sent_bytes": sent, "straggler_s": straggler_s, "overlap": overlap})
 
 
 def zero_columns(spec: ZeroSpec, optimizer: str, n: int, net: Network, compute_s: float,
@@ -131,7 +143,8 @@ def zero_columns(spec: ZeroSpec, optimizer: str, n: int, net: Network, compute_s
     rank) and "zero<S>" for each stage: comm_s, step_s, its collectives, memory."""
     out = {"dp_memory": spec.memory(0, n, optimizer)}
     for stage in spec.stages:
-        s = zero_step(stage, spec.units, n, net, compute_s, host, straggler_s)
+        s = zero_step(stage, spec.units, n, net, compute_s, host, straggler_s,
+                      spec.gather_scale, spec.microbatches)
         out[f"zero{stage}"] = {"comm_s": s.comm_s, "step_s": s.step_s, **s.parts,
                                "memory": spec.memory(stage, n, optimizer)}
     return out

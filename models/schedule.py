@@ -246,8 +246,9 @@ def zb_v(p: int, m: int) -> Schedule:
 
 def dualpipe_v(p: int, m: int) -> Schedule:
     """DualPipeV (DeepSeek-AI 2024, DualPipe cut in half: one V of 2 chunks a rank),
-    its eight steps as DeepSeek's dualpipev.py and PyTorch's ScheduleDualPipeV take
-    them, with each overlapped forward-and-backward pair run as its F, then its BW:
+    its eight steps as DeepSeek's DualPipe repository (its dualpipev module) and PyTorch's
+    ScheduleDualPipeV take them, with each overlapped forward-and-backward pair run as its
+    F, then its BW:
 
         1  2(p - r - 1) x F0             5  (p - r - 1) x BW1, F1 BW0
         2  (r + 1) x F0 F1               6  (r + 1) x B1 B0 (BW before the middle)

@@ -208,14 +208,15 @@ PRESET = ["--link", "100gbit", "--intra-link", "nvlink", "--gpus-per-node", "8",
     (["--moe-experts", "4", "--ep", "3"], "--moe-experts 4 is not divisible by --ep 3"),
     (["--ep", "2"], "--ep 2 needs a model with experts"),
     (["--tp", "16"], "--tp 16 exceeds --gpus-per-node 8"),
-    (["--pp", "2", "--microbatches", "0"], "--microbatches must be at least 1"),
+    (["--pp", "2", "--grad-accum", "0"], "--grad-accum must be positive"),
+    (["--pp", "2", "--microbatches", "4"], "unrecognized arguments: --microbatches"),
     (["--stages", "2,2"], "--stages 2,2 has no effect without --pp"),
     (["--pp", "2", "--workers", "3"], "no N is a multiple of pp x ep x tp"),
     (["--pp-schedule", "zb-h1"], "--pp-schedule zb-h1 has no effect"),
     (["--moe-experts", "4", "--ep", "2", "--moe-alltoall", "mpi"],
      "--moe-alltoall mpi has no effect"),
-    (["--pp", "2", "--pp-schedule", "dualpipev", "--microbatches", "3"],
-     "--microbatches 3: DualPipeV needs at least 2p = 4 micro-batches"),
+    (["--pp", "2", "--pp-schedule", "dualpipev", "--grad-accum", "3"],
+     "--grad-accum 3: DualPipeV needs at least 2p = 4 micro-batches"),
 ])
 def test_bad_parallel_flags_are_named(flags, message):
     r = simulate(*PRESET, *flags)
@@ -225,7 +226,7 @@ def test_bad_parallel_flags_are_named(flags, message):
 
 def test_tiny_parallel_prediction_end_to_end(tmp_path):
     out = tmp_path / "pred.json"
-    r = simulate(*PRESET, "--pp", "2", "--pp-schedule", "zb-h1", "--microbatches", "4",
+    r = simulate(*PRESET, "--pp", "2", "--pp-schedule", "zb-h1", "--grad-accum", "4",
                  "--tp", "2", "--moe-experts", "4", "--ep", "2", "--workers", "4,8,16",
                  "--json", str(out))
     assert r.returncode == 0, r.stderr

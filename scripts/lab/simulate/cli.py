@@ -9,7 +9,7 @@ training, predicted by alpha-beta-gamma formulas, calibrated on this host, valid
     dtlab-simulate --link 400gbit --intra-link nvlink --gpus-per-node 8 \
         --tflops 400 --zero 1,2,3                # ZeRO stages' steps and memory per rank
     dtlab-simulate --link 400gbit --intra-link nvlink --gpus-per-node 8 \\
-        --tflops 400 --pp 4 --pp-schedule zb-h1 --microbatches 16 --tp 8 \\
+        --tflops 400 --pp 4 --pp-schedule zb-h1 --grad-accum 16 --tp 8 \\
         --moe-experts 64 --moe-top-k 2 --ep 8 --d-model 4096 --n-layers 32
     dtlab-simulate --cluster dgx-a100-hdr --precision bf16 --tp 8 --pp 4 \\
         --pp-schedule interleaved --sequence-parallel --grad-accum 16 --d-model 8192
@@ -46,8 +46,8 @@ adds each method's exposed communication and step beside plain data parallelism'
 payload's all-gather or all-reduce plus the compressors' compute, measured here with
 --link local, from memory passes at --mem-gbs at a preset).
 
-Model parallelism: --pp P (--pp-schedule gpipe|1f1b|zb-h1, --microbatches M,
-default --grad-accum; --stages as dtlab-sync's), --tp T, --ep E (with
+Model parallelism: --pp P (--pp-schedule and --virtual-stages, --grad-accum M
+micro-batches a step and --stages as dtlab-sync takes them), --tp T, --ep E (with
 --moe-experts N --moe-top-k k) predict a dp x pp x ep x tp layout instead:
 N = dp P E T ranks (N not a multiple of P E T is left out); the step is the
 schedule's op lists (models/schedule.py) replayed with each stage's F/B/W
@@ -284,9 +284,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model parallelism (a dp x pp x ep x tp layout)")
     m.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     m.add_argument("--pp-schedule", choices=sorted(SCHEDULES), default="1f1b",
-                   help="pipeline schedule: GPipe, 1F1B or ZB-H1 (default 1f1b)")
-    m.add_argument("--microbatches", type=int, default=None,
-                   help="micro-batches of --batch-size per step (default --grad-accum)")
+                   help="pipeline schedule, as dtlab-sync's (default 1f1b); its micro-batches "
+                        "are --grad-accum")
     m.add_argument("--virtual-stages", type=int, default=None,
                    help="--pp-schedule interleaved: model chunks per rank (default 2)")
     m.add_argument("--sequence-parallel", action="store_true",
@@ -386,15 +385,9 @@ def parse_args(argv: list[str]):
                         ("--moe-steps", o.moe_steps)):
         if value < 1:
             raise ConfigError(f"{flag} must be at least 1 (got {value})")
-    if o.microbatches is not None and o.microbatches < 1:
-        raise ConfigError(f"--microbatches must be at least 1 (got {o.microbatches})")
-    if o.microbatches is not None and setup.run.grad_accum not in (1, o.microbatches):
-        raise ConfigError(f"--microbatches {o.microbatches} and --grad-accum "
-                          f"{setup.run.grad_accum} disagree: give one")
     o.parallel = o.pp > 1 or o.tp > 1 or o.ep > 1
     for flag, value, default, needs in (
             ("--pp-schedule", o.pp_schedule, "1f1b", o.pp > 1),
-            ("--microbatches", o.microbatches, None, o.parallel),
             ("--moe-alltoall", o.moe_alltoall, "ours", o.ep > 1 and o.link == links.LOCAL)):
         if value != default and not needs:
             raise ConfigError(f"{flag} {value} has no effect here (it needs --pp for the "
@@ -548,8 +541,8 @@ def do_validate(setup, o) -> int:
 def parallel_work(setup, o) -> parallel.Work:
     """The layout's step as `setup` and the model-parallel flags describe it."""
     b = setup.run.batch_size
-    m = o.microbatches or setup.run.grad_accum
-    check_pipeline(o.pp, m, o.pp_schedule, o.virtual_stages, "--microbatches")
+    m = setup.run.grad_accum
+    check_pipeline(o.pp, m, o.pp_schedule, o.virtual_stages, "--grad-accum")
     w = validate.workload_of(setup)
     bounds = pipeline.stage_bounds(setup.model_name, setup.model, b, o.pp, o.stages)
     flops = estimate(setup.model_name, setup.model, b, optimizer=w.optimizer).flops_step

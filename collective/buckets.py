@@ -1,6 +1,6 @@
 """Bucketed gradient averaging across data-parallel ranks, overlapped with backward.
 
-    reducer = BucketReducer(grid.dp_comm, params.grad, bucket_bytes=25 << 20)
+    reducer = BucketReducer(grid.dp_comm, params.grad, bucket_bytes=25_000_000)
     loss = replica.compute_grads(micro_batches, grad_ready=reducer.ready)
     timing = reducer.wait()          # every rank now holds the mean gradient
 
@@ -17,10 +17,10 @@ With `overlap=True` a background thread all-reduces each bucket as soon as
 issue collectives on one communicator), while the main thread goes on with
 backward: NumPy's matmuls, `np.add` and MPI waits all release the GIL. This
 is PyTorch DDP's design (Li et al., "PyTorch Distributed", VLDB 2020);
-25 MiB is its default bucket size, large enough that per-call latency is
-small against the bandwidth term, small enough that the first bucket starts
-early. `wait()` launches whatever `ready` never covered (so the result is
-right even if `ready` is never called), blocks until all buckets are
+its default bucket, 25 MiB, is ours too in round numbers (25 MB, --bucket-mb):
+large enough that per-call latency is small against the bandwidth term, small
+enough that the first bucket starts early. `wait()` launches whatever `ready`
+never covered (so the result is right even if `ready` is never called), blocks until all buckets are
 averaged, and returns the time spent communicating and the time the caller
 waited; the difference is communication hidden behind backward.
 
@@ -51,7 +51,7 @@ from mpi4py import MPI
 from dtlab.collective.comm import Communicator
 from dtlab.models.backend import array_module
 
-DEFAULT_BUCKET_BYTES = 25 << 20
+DEFAULT_BUCKET_BYTES = 25_000_000  # dtlab-sync --bucket-mb 25 (MB: 1e6 bytes)
 WIRE_DTYPES = {"fp32": None, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 
 

@@ -83,18 +83,16 @@ def method_configs(setup) -> Methods:
                           "(give --optimizer adam or adamw)")
     if not methods.enabled:
         return methods
-    opts, run = setup.extra, setup.run
-    for flag, value, default in (
-            ("--zero", opts.zero, 0), ("--tp", opts.tp, 1), ("--pp", opts.pp, 1),
-            ("--ep", opts.ep, 1), ("--moe-experts", getattr(setup.model, "moe_experts", 0), 0),
-            ("--precision", run.precision, "fp32"), ("--wire", opts.wire, "fp32"),
-            ("--allreduce", opts.allreduce, "ring"), ("--bucket-mb", opts.bucket_mb, 25.0),
-            ("--checkpoint-dir", run.checkpoint_dir, "")):
-        if value != default:
-            raise ConfigError(f"{methods.name()} with {flag} {value}: not supported (plain "
-                              "data parallelism of a whole float32 replica; the exchange "
-                              "runs our ring; no checkpoints, each rank's state differs)")
-    H = local.local_steps
+    for dest in ("zero", "tp", "pp", "ep", "moe_experts", "precision", "wire", "allreduce",
+                 "bucket_mb", "checkpoint_dir"):
+        if dest in setup.defaults and setup.given(dest):
+            value = next(getattr(p, dest) for p in (setup.model, setup.run, setup.extra)
+                         if hasattr(p, dest))
+            raise ConfigError(f"{methods.name()} with --{dest.replace('_', '-')} {value}: not "
+                              "supported (plain data parallelism of a whole float32 replica; "
+                              "the exchange runs our ring; no checkpoints, each rank's state "
+                              "differs)")
+    H, run = local.local_steps, setup.run
     if H and run.eval_every % H:
         raise ConfigError(f"--eval-every {run.eval_every} must be a multiple of --local-steps "
                           f"{H}: the held-out loss is of the averaged parameters, which exist "

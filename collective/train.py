@@ -73,7 +73,7 @@ import time
 from mpi4py import MPI
 
 from dtlab.collective import flight
-from dtlab.collective.buckets import WIRE_DTYPES, BucketReducer
+from dtlab.collective.buckets import DEFAULT_BUCKET_BYTES, WIRE_DTYPES, BucketReducer
 from dtlab.collective.choose import OURS
 from dtlab.collective.comm import Communicator
 from dtlab.collective.exchange import Exchange
@@ -162,7 +162,7 @@ def add_sync_flags(parser: argparse.ArgumentParser) -> None:
                        help="dtype the gradient all-reduce moves (--zero: each unit's "
                             "reduce-scatter): fp16 and bf16 halve the bytes (each bucket cast, "
                             "averaged as floats, cast back)")
-    group.add_argument("--bucket-mb", type=float, default=25.0,
+    group.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 1e6,
                        help="gradient bucket size in MB (1e6 bytes)")
     group.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                        help="start a bucket's all-reduce as soon as backward has produced it")
@@ -309,9 +309,9 @@ def check_zero_flags(setup: Setup) -> None:
         raise ConfigError(f"--zero {z} with --moe-bias-rate {setup.model.moe_bias_rate}: the "
                           "router's selection-bias steps change parameters outside the "
                           "optimizer, on every rank's whole copy, which ZeRO holds in slices")
-    for flag, value, default in (("--allreduce", opts.allreduce, "ring"),
-                                 ("--bucket-mb", opts.bucket_mb, 25.0)):
-        if value != default:
+    for dest in ("allreduce", "bucket_mb"):
+        if setup.given(dest):
+            flag, value = f"--{dest.replace('_', '-')}", getattr(opts, dest)
             raise ConfigError(f"{flag} {value} has no effect with --zero {z}: each unit's "
                               "gradient is reduce-scattered by our ring (in the compute dtype, "
                               "or --wire's)")

@@ -126,6 +126,14 @@ class Setup:
     run: RunConfig
     extra: argparse.Namespace
     config_file: str = ""
+    defaults: dict = dataclasses.field(default_factory=dict)  # every flag's, by its dest
+
+    def given(self, dest: str) -> bool:
+        """Whether flag `dest` (of a config or of `extra`) differs from its declared default."""
+        for part in (self.model, self.data, self.optim, self.run, self.extra):
+            if hasattr(part, dest):
+                return getattr(part, dest) != self.defaults[dest]
+        raise KeyError(dest)
 
     def as_dict(self) -> dict:
         parts = ("model", "data", "optim", "run")
@@ -237,8 +245,12 @@ def parse(argv: list[str], prog: str, description: str = "",
     model = from_namespace(model_cls, ns, file.get("model") if same_model else None)
     built = {name: from_namespace(cls, ns, file.get(name), only=flags.get(name, ()))
              for name, cls in GROUPS.items()}
+    defaults = {a.dest: parser.get_default(a.dest) for a in parser._actions}
+    for cls in (model_cls, *GROUPS.values()):  # a config's, whatever its flag's default
+        defaults.update({f.name: f.default if f.default is not dataclasses.MISSING
+                         else f.default_factory() for f in dataclasses.fields(cls)})
     return Setup(model_name, model, built["data"], built["optim"], built["run"], ns,
-                 known.config)
+                 known.config, defaults)
 
 
 @dataclass
@@ -276,7 +288,7 @@ def build_session(setup: Setup, rank: int = 0, world: int = 1, tp: Comm | None =
     (--grad-accum) run by the pipeline schedule; with `ep` (models/moe_ep.py) the model
     holds this rank's experts of every MoE layer. Expert-parallel ranks read their own
     data: for a dp x ep grid, `rank` is dp_rank * ep + ep_rank of `world` dp * ep."""
-    backend.select()
+    backend.xp()  # the device the caller chose (grid.select_device: by node rank), or the default
     dataset, model_cfg = make_dataset(setup.data, setup.model_name, setup.model)
     setup.model = model_cfg
     model = build_model(setup.model_name, model_cfg, tp=tp, ep=ep)

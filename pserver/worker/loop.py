@@ -595,14 +595,13 @@ def compress_config(setup: Setup, wcfg: WorkerConfig) -> CompressConfig | None:
     cfg = from_namespace(CompressConfig, setup.extra)
     if not cfg.compress:
         return None
-    for flag, value, default in (("--local-steps", wcfg.local_steps, 0),
-                                 ("--moe-sparse-push", wcfg.moe_sparse_push, False),
-                                 ("--wire", setup.extra.wire, "fp32"),
-                                 ("--tp", setup.extra.tp, 1), ("--pp", setup.extra.pp, 1)):
-        if value not in (None, default):
+    for dest in ("local_steps", "moe_sparse_push", "wire", "tp", "pp"):
+        value = getattr(setup.extra, dest)
+        if value is not None and setup.given(dest):
             raise ConfigError(
-                f"--compress {cfg.compress} with {flag} {value}: not supported (a dense "
-                "worker's every-step gradient, compressed in the model's dtype)")
+                f"--compress {cfg.compress} with --{dest.replace('_', '-')} {value}: not "
+                "supported (a dense worker's every-step gradient, compressed in the model's "
+                "dtype)")
     return cfg
 
 

@@ -62,7 +62,7 @@ class Trailer(_message.Message):
     def __init__(self, chunks: _Optional[int] = ..., adler32: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "model", "model_size", "layout_crc32", "registration", "run_config", "partition")
+    __slots__ = ("worker_id", "model", "model_size", "layout_crc32", "registration", "run_config", "partition", "previous_registration")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class RegisterRequest(_message.Message):
     REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     model: str
     model_size: int
@@ -77,7 +78,8 @@ class RegisterRequest(_message.Message):
     registration: int
     run_config: str
     partition: PartitionLayout
-    def __init__(self, worker_id: _Optional[int] = ..., model: _Optional[str] = ..., model_size: _Optional[int] = ..., layout_crc32: _Optional[int] = ..., registration: _Optional[int] = ..., run_config: _Optional[str] = ..., partition: _Optional[_Union[PartitionLayout, _Mapping]] = ...) -> None: ...
+    previous_registration: int
+    def __init__(self, worker_id: _Optional[int] = ..., model: _Optional[str] = ..., model_size: _Optional[int] = ..., layout_crc32: _Optional[int] = ..., registration: _Optional[int] = ..., run_config: _Optional[str] = ..., partition: _Optional[_Union[PartitionLayout, _Mapping]] = ..., previous_registration: _Optional[int] = ...) -> None: ...
 
 class PartitionLayout(_message.Message):
     __slots__ = ("id", "count", "specs")
@@ -90,7 +92,7 @@ class PartitionLayout(_message.Message):
     def __init__(self, id: _Optional[int] = ..., count: _Optional[int] = ..., specs: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("shard", "num_shards", "model_size", "meta", "consistency", "staleness_bound", "next_step", "max_message_bytes", "worker_id", "num_workers", "optim_config", "schedule_steps", "staleness_lr", "then_pull", "term", "outer_config")
+    __slots__ = ("shard", "num_shards", "model_size", "meta", "consistency", "staleness_bound", "next_step", "max_message_bytes", "worker_id", "num_workers", "optim_config", "schedule_steps", "staleness_lr", "then_pull", "term", "outer_config", "clock")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MODEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +109,7 @@ class RegisterReply(_message.Message):
     THEN_PULL_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     OUTER_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     model_size: int
@@ -123,7 +126,8 @@ class RegisterReply(_message.Message):
     then_pull: bool
     term: int
     outer_config: str
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., model_size: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., staleness_bound: _Optional[int] = ..., next_step: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., optim_config: _Optional[str] = ..., schedule_steps: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., then_pull: _Optional[bool] = ..., term: _Optional[int] = ..., outer_config: _Optional[str] = ...) -> None: ...
+    clock: int
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., model_size: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., staleness_bound: _Optional[int] = ..., next_step: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., worker_id: _Optional[int] = ..., num_workers: _Optional[int] = ..., optim_config: _Optional[str] = ..., schedule_steps: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., then_pull: _Optional[bool] = ..., term: _Optional[int] = ..., outer_config: _Optional[str] = ..., clock: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
@@ -142,7 +146,7 @@ class TensorLayout(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class DescribeReply(_message.Message):
-    __slots__ = ("model", "model_size", "layout_crc32", "layout_crc32_input", "layout_crc32_rule", "layout", "dtype", "consistency", "staleness_bound", "optimizer", "optim_config", "shard", "num_shards", "meta", "num_workers", "max_message_bytes", "run_config", "register_required", "registration_checked")
+    __slots__ = ("model", "model_size", "layout_crc32", "layout_crc32_input", "layout_crc32_rule", "layout", "dtype", "consistency", "staleness_bound", "optimizer", "optim_config", "shard", "num_shards", "meta", "num_workers", "max_message_bytes", "run_config", "register_required", "registration_checked", "arithmetic", "takeover_allowed")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_CRC32_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +166,8 @@ class DescribeReply(_message.Message):
     RUN_CONFIG_FIELD_NUMBER: _ClassVar[int]
     REGISTER_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    ARITHMETIC_FIELD_NUMBER: _ClassVar[int]
+    TAKEOVER_ALLOWED_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_size: int
     layout_crc32: int
@@ -181,7 +187,9 @@ class DescribeReply(_message.Message):
     run_config: str
     register_required: _containers.RepeatedScalarFieldContainer[str]
     registration_checked: bool
-    def __init__(self, model: _Optional[str] = ..., model_size: _Optional[int] = ..., layout_crc32: _Optional[int] = ..., layout_crc32_input: _Optional[str] = ..., layout_crc32_rule: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[TensorLayout, _Mapping]]] = ..., dtype: _Optional[_Union[DType, str]] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., staleness_bound: _Optional[int] = ..., optimizer: _Optional[str] = ..., optim_config: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., num_workers: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., run_config: _Optional[str] = ..., register_required: _Optional[_Iterable[str]] = ..., registration_checked: _Optional[bool] = ...) -> None: ...
+    arithmetic: str
+    takeover_allowed: bool
+    def __init__(self, model: _Optional[str] = ..., model_size: _Optional[int] = ..., layout_crc32: _Optional[int] = ..., layout_crc32_input: _Optional[str] = ..., layout_crc32_rule: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[TensorLayout, _Mapping]]] = ..., dtype: _Optional[_Union[DType, str]] = ..., consistency: _Optional[_Union[Consistency, str]] = ..., staleness_bound: _Optional[int] = ..., optimizer: _Optional[str] = ..., optim_config: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., num_workers: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., run_config: _Optional[str] = ..., register_required: _Optional[_Iterable[str]] = ..., registration_checked: _Optional[bool] = ..., arithmetic: _Optional[str] = ..., takeover_allowed: _Optional[bool] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("worker_id", "registration", "partition")

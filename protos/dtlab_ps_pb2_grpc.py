@@ -95,14 +95,17 @@ class ParameterServerServicer:
         """Join the training run, under a given worker id or (none given, shard 0
         only) one the server assigns. A worker that registers its id again after
         its process ended (a restart) keeps its clock and learns the next step
-        the shard accepts; while another process holds the id, ALREADY_EXISTS.
+        the shard accepts; while another process holds the id, ALREADY_EXISTS;
+        an idle id is taken over as Taking an id over (at the top) says.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Deregister(self, request, context):
-        """Leave the run: consistency policies stop waiting for this worker.
+        """Leave the run: consistency policies stop waiting for this worker, and
+        its calls are refused until it registers again (see Deregister at the
+        top).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -30,6 +30,9 @@ With --rendezvous the shard, --num-shards and --num-workers come from the job
 (auto: the MPI world; DIR: the launcher's environment, flags given winning),
 the address to listen on by rule unless --bind is given, and the server ends
 (its checkpoint written) once its --num-workers workers registered and left.
+A program of the job that fails ends the job (pserver.common.rendezvous.end_job):
+under mpiexec by MPI_Abort, in a folder through DIR/failed-<rank>.json, which
+ends this server with that program's line (exit 1).
 With `--rendezvous auto --replicas 2` the job's 2S servers keep S shards, the
 two replicas of each on different hosts (REPLICA_RULE, in --help), each backup
 started with its primary's address as --replica-of.
@@ -41,6 +44,7 @@ import dataclasses
 import logging
 import signal
 import sys
+import threading
 
 from dtlab.models.config import ConfigError, add_flags, from_namespace
 from dtlab.models.data.factory import implied_model
@@ -107,26 +111,46 @@ def serve(argv: list[str]) -> int:
     keep_freed_memory()
     # The daemon's work is the optimizer on its own thread pool (--apply-threads), no matmul.
     logging.getLogger(__name__).info("%s", share_cores(threads=1).describe())
-    store = build_store(cfg, setup.model_name, setup.model, setup.optim)
-    daemon = Daemon(cfg, store, config_record(cfg, setup.model_name, setup.model, setup.optim,
-                                              setup.data), shm=cfg.shm)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: daemon.stopping.set())
-    daemon.start()
-    if cfg.rendezvous:
-        publish(cfg, job, host_port(cfg.bind, daemon.port))
-    if cfg.rendezvous and cfg.num_workers:
-        while not daemon.stopping.wait(JOB_POLL_S) and not workers_done(daemon.store,
-                                                                        cfg.num_workers):
-            pass
-        logging.getLogger(__name__).info("the job's %d workers registered and left: ending",
-                                         cfg.num_workers)
-    else:
-        daemon.stopping.wait()
-    daemon.shutdown()
+    signalled, rejoined = threading.Event(), False
+    while True:  # again, as a backup, each time this replica rejoins the other (Daemon.rejoin)
+        store = build_store(cfg, setup.model_name, setup.model, setup.optim)
+        daemon = Daemon(cfg, store, config_record(cfg, setup.model_name, setup.model,
+                                                  setup.optim, setup.data), shm=cfg.shm)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_, d=daemon: (signalled.set(), d.stopping.set()))
+        daemon.start()
+        if cfg.rendezvous and not rejoined:
+            publish(cfg, job, host_port(cfg.bind, daemon.port))
+        failed = serve_the_job(daemon, cfg)
+        daemon.shutdown()
+        if not daemon.rejoin or signalled.is_set() or failed:
+            break
+        cfg, rejoined = dataclasses.replace(cfg, replica_of=daemon.rejoin, port=daemon.port), True
     if cfg.rendezvous and cfg.rendezvous != "auto":  # no later job may read it as live
         rendezvous.shard_file(cfg.rendezvous, cfg.shard).unlink(missing_ok=True)
+    if failed:
+        raise rendezvous.JobFailed(f"--rendezvous {cfg.rendezvous}: the job ended: {failed}")
     return 1 if daemon.failure else 0
+
+
+def serve_the_job(daemon: Daemon, cfg: ServerConfig) -> str | None:
+    """Serve until stopped or, launched with its workers, until its --num-workers
+    registered and left; in a rendezvous folder, until another program of the job wrote
+    its failure there (returned: its line)."""
+    folder = cfg.rendezvous not in ("", "auto")
+    done = bool(cfg.rendezvous and cfg.num_workers)
+    if not (folder or done):
+        daemon.stopping.wait()
+        return None
+    while not daemon.stopping.wait(JOB_POLL_S):
+        if done and workers_done(daemon.store, cfg.num_workers):
+            logging.getLogger(__name__).info("the job's %d workers registered and left: "
+                                             "ending", cfg.num_workers)
+            return None
+        failed = rendezvous.peer_failure(cfg.rendezvous) if folder else None
+        if failed:
+            return failed
+    return None
 
 
 def join(ns) -> tuple[rendezvous.Place | None, rendezvous.MPIJob | None]:
@@ -184,10 +208,10 @@ def main(argv: list[str]) -> int:
 
 
 def cli() -> int:
-    rc = run_cli(main, command_name("dtlab.pserver"),
-                 user_errors=(CheckpointError, TimeoutError))
-    rendezvous.end_job(rc)  # the workers of a --rendezvous auto job wait on this server
-    return rc
+    # the workers of a --rendezvous job wait on this server: a failure ends them too
+    return run_cli(main, command_name("dtlab.pserver"),
+                   user_errors=(CheckpointError, TimeoutError, rendezvous.JobFailed),
+                   on_failure=lambda status, line: rendezvous.end_job(status, line, "server"))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ and an exit status (2, 1, 130) instead of a traceback.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+import traceback
 from collections.abc import Callable
 
 from dtlab.models.config import ConfigError
@@ -24,7 +26,8 @@ def command_name(module: str = "") -> str:
 
 def run_cli(main: Callable[[list[str]], int], prog: str = "", argv: list[str] | None = None,
             user_errors: tuple[type[BaseException], ...] = (),
-            describe: Callable[[BaseException], str] = str) -> int:
+            describe: Callable[[BaseException], str] = str,
+            on_failure: Callable[[int, str], None] | None = None) -> int:
     """Run an entry point called `prog` (the command the user typed).
 
     A bad config prints `PROG: error: ...` and returns 2; any of `user_errors`
@@ -32,22 +35,51 @@ def run_cli(main: Callable[[list[str]], int], prog: str = "", argv: list[str] | 
     `describe(error)` the same way and returns 1; Ctrl-C prints one line and
     returns 130. None shows a traceback: the message names the problem. Under
     a launcher of several processes each line names the rank it comes from.
+    `on_failure(status, line)` runs after any failure's line is out, argparse's
+    refusal of a flag included (its SystemExit goes on after): a program of a
+    job ends the job's others there.
     """
     prog, rank = prog or command_name(), who()
+    line = ""
     try:
-        return main(sys.argv[1:] if argv is None else argv) or 0
+        status = main(sys.argv[1:] if argv is None else argv) or 0
     except ConfigError as e:
-        _say(f"{prog}: {rank}error: {e}")
-        return 2
+        status, line = 2, f"{prog}: {rank}error: {e}"
     except user_errors as e:
-        _say(f"{prog}: {rank}error: {describe(e)}")
-        return 1
+        status, line = 1, f"{prog}: {rank}error: {describe(e)}"
     except KeyboardInterrupt:
-        _say(f"{prog}: {rank}interrupted")
-        return 130
+        status, line = 130, f"{prog}: {rank}interrupted"
     except BrokenPipeError:  # the reader left (`| head`): stop quietly, as other tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except SystemExit as e:  # argparse printed its usage and `PROG: error: ...` line
+        if on_failure is not None and e.code not in (None, 0):
+            on_failure(e.code if isinstance(e.code, int) else 1, argparse_line(e, rank))
+        raise
+    except Exception as e:  # a bug: its traceback, then the job's others are ended
+        if on_failure is None:
+            raise
+        traceback.print_exc()
+        status, line = 1, f"{prog}: {rank}error: {type(e).__name__}: {e}"
+        on_failure(status, line)
+        return status
+    if line:
+        _say(line)
+    if status and on_failure is not None:
+        on_failure(status, line)
+    return status
+
+
+def argparse_line(error: SystemExit, rank: str) -> str:
+    """The line argparse printed before it raised `error` (`PROG: error: MESSAGE`),
+    rebuilt from its ArgumentParser.error call's message; else the exit status."""
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is argparse.ArgumentParser.error.__code__:
+            local = tb.tb_frame.f_locals
+            return f"{local['self'].prog}: {rank}error: {local['message']}"
+        tb = tb.tb_next
+    return f"{command_name()}: {rank}exit status {error.code}"
 
 
 def _say(line: str) -> None:

@@ -124,6 +124,21 @@ class Snapshot:
         return checksum
 
 
+ADLER_BASE = 65521  # RFC 1950's modulus
+
+
+def adler32_combine(first: int, second: int, second_bytes: int) -> int:
+    """The Adler-32 of A + B from that of A (`first`) and of B alone (`second`, started at
+    1), B being `second_bytes` long: zlib's adler32_combine (B's s1 terms each add A's s1
+    once per byte of B to s2)."""
+    rem = second_bytes % ADLER_BASE
+    s1 = first & 0xFFFF
+    s2 = rem * s1 % ADLER_BASE
+    s1 += (second & 0xFFFF) + ADLER_BASE - 1
+    s2 += (first >> 16) + (second >> 16) + ADLER_BASE - rem
+    return (s1 % ADLER_BASE) | (s2 % ADLER_BASE) << 16
+
+
 def copy_and_checksum(out: np.ndarray, values: np.ndarray, checksum: int) -> int:
     """out[:] = values, and the running Adler-32 continued over them."""
     out, values = bits(out), bits(values)
@@ -141,6 +156,50 @@ def checksum_and_first_nonfinite(values: np.ndarray, checksum: int) -> tuple[int
     finite = np.isfinite(values)
     first = -1 if finite.all() else int(np.flatnonzero(~finite)[0])
     return adler32(bits(values), checksum), first
+
+
+BACKWARD_BLOCK_BYTES = 1 << 20  # the pieces a backward pass takes, each read forward
+
+
+def backward_blocks(size: int, itemsize: int) -> list[tuple[int, int]]:
+    """[lo, hi) element blocks of about BACKWARD_BLOCK_BYTES covering [0, size), last first.
+
+    A pass over a tensor larger than the last-level cache leaves its end in the cache; the
+    next pass, in this or another process on the host (shared memory), finds there what
+    it reads first only if it runs the other way. So consecutive passes of a round through
+    shared memory alternate direction, the Adler-32 kept exact by taking each block's from
+    the start value and combining them in order (adler32_combine)."""
+    step = max(1, BACKWARD_BLOCK_BYTES // itemsize)
+    return [(lo, min(size, lo + step)) for lo in reversed(range(0, size, step))]
+
+
+def combined(blocks: list[tuple[int, int]], sums: list[int], itemsize: int,
+             checksum: int) -> int:
+    """`checksum` continued over the blocks in element order, from each block's own
+    Adler-32 (started at ADLER_START), blocks and sums in the same (any) order."""
+    for (lo, hi), block in sorted(zip(blocks, sums, strict=True)):
+        checksum = adler32_combine(checksum, block, (hi - lo) * itemsize)
+    return checksum
+
+
+def copy_and_checksum_backward(out: np.ndarray, values: np.ndarray, checksum: int) -> int:
+    """copy_and_checksum, the blocks taken last to first (backward_blocks)."""
+    blocks = backward_blocks(values.size, values.itemsize)
+    sums = [copy_and_checksum(out[lo:hi], values[lo:hi], ADLER_START) for lo, hi in blocks]
+    return combined(blocks, sums, values.itemsize, checksum)
+
+
+def checksum_and_first_nonfinite_backward(values: np.ndarray,
+                                          checksum: int) -> tuple[int, int]:
+    """checksum_and_first_nonfinite, the blocks taken last to first (backward_blocks)."""
+    blocks = backward_blocks(values.size, values.itemsize)
+    sums, first = [], -1
+    for lo, hi in blocks:
+        block, bad = checksum_and_first_nonfinite(values[lo:hi], ADLER_START)
+        sums.append(block)
+        if bad >= 0:
+            first = lo + bad  # a block nearer the start comes later
+    return combined(blocks, sums, values.itemsize, checksum), first
 
 
 class ChunkedArray:

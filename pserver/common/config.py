@@ -69,7 +69,10 @@ class ServerConfig:
                                            "open session: SSP/BSP stop waiting for it; it "
                                            "rejoins by registering or calling again (0: never)")
     metrics_port: int = described(-1, "serve Prometheus GET /metrics here (-1 off, 0 any port)")
-    token_file: str = described("", "file holding the bearer token every call must carry")
+    token_file: str = described("", "file holding the bearer token every call must carry; "
+                                    "without one any client that reaches the port may call, "
+                                    "and with --allow-takeover take over any idle worker id: "
+                                    "impersonation by design")
     token_env: str = described("", "environment variable holding the bearer token")
     tls_cert: str = described("", "PEM server certificate (with --tls-key): serve TLS")
     tls_key: str = described("", "PEM private key of --tls-cert")
@@ -79,6 +82,10 @@ class ServerConfig:
         False, "accept Register and calls that carry registration 0 (clients from before the "
                "check): any client that may talk to the server can then pull and push as any "
                "worker")
+    allow_takeover: bool = described(
+        False, "let a Register take over an idle worker id without the registration it "
+               "replaces (a restarted worker process; without a token any client that reaches "
+               "the port can then take over any idle id)")
     shm: bool = described(True, "offer workers on this host a shared-memory data plane "
                                 "(gRPC stays the control plane)")
     ready_file: str = described("", "write {pid, port, metrics_port} JSON here once serving")

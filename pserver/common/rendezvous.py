@@ -36,6 +36,20 @@ environment says how many servers the job has; it writes DIR/shard-K.json
 listens. A worker waits, bounded, for shard-0.json (which names --num-shards),
 then every other shard's, naming the ones missing when the time is up.
 
+A program of the job that fails before or during the rendezvous ends the whole
+job within seconds, its own line printed first (`end_job`, run by both programs'
+error path). Under mpiexec (`auto`) every rank waits in MPI_Init until all have
+started MPI, so a program that failed before it did (a bad flag, a worker given no
+--servers) starts MPI itself, at most ABORT_START_S, and calls MPI_Abort, which
+ends every rank; a rank that joined calls MPI_Abort directly. A rank that waits
+for the others gives up after its join timeout (MPI_Init and each exchange
+bounded), so a program that takes no part in the rendezvous ends the job too,
+later. In a folder (`DIR`) the failing program writes DIR/failed-<rank>.json
+({"rank", "status", "line", "job", "time"}); the workers waiting for the shard
+files and the servers waiting for their workers look for it at every poll and end
+with its line (`JobFailed`). A file of another job (Slurm's job and step ids, or,
+without them, written over STALE_S before this process started) is not read.
+
 The address a server binds (`bind_address`): --bind ADDR, else the IPv4 address
 of --bind-interface NAME, else the address of the interface that routes to the
 other ranks' hosts (every rank on this host: 127.0.0.1), else, not knowing
@@ -45,21 +59,36 @@ default: 0.0.0.0 listens on every network, so give it by hand, with a token or T
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import os
 import socket
 import struct
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from dtlab.models.config import ConfigError
-from dtlab.models.run.launcher import RANK_VARS, SIZE_VARS, first_int
+from dtlab.models.run.cli import command_name
+from dtlab.models.run.launcher import RANK_VARS, SIZE_VARS, first_int, who
 
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 JOIN_TIMEOUT_S = 120.0  # how long a rank waits for the job's others at an allgather
 POLL_S = 0.01  # between tests of a pending barrier (MPICH would spin a core otherwise)
+ABORT_START_S = 10.0  # how long a program that failed before MPI started waits to start it
+STALE_S = 60.0  # a failed-<rank>.json from before this process started, by more, is stale
+STARTED = time.time()  # about when this process started (the programs import this first)
+MPI_LAUNCH = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"))
+PROGRAMS = {"server": ("dtlab.pserver", " serve"), "worker": ("dtlab.pserver.worker", "")}
+
+
+class JobFailed(RuntimeError):
+    """Another program of the job failed; the message carries its line."""
+
+    seen = False  # whether this process read another program's failure
 
 
 @dataclass(frozen=True)
@@ -159,8 +188,10 @@ class MPIJob:
 
     def __init__(self, role: str, timeout_s: float = JOIN_TIMEOUT_S, replicas: int = 0):
         """`replicas`: a server's --replicas (a worker gives 0)."""
-        from mpi4py import MPI  # only a job launched with `auto` starts MPI
-
+        MPI = start_mpi(timeout_s, f"{program(role)}: {who()}error: MPI did not start "
+                        f"within {timeout_s:g} s: every rank of the job waits in MPI_Init for "
+                        "all the others; one failed before it started MPI (see its error) or "
+                        "runs a program that takes no part in the rendezvous")
         self.comm, self.timeout_s = MPI.COMM_WORLD, timeout_s
         MPIJob.joined = self
         gathered = self._allgather((role, MPI.Get_processor_name(), replicas),
@@ -215,13 +246,145 @@ class MPIJob:
                 for shard in range(self.place.servers)]
 
 
-def end_job(rc: int) -> None:
-    """After this rank failed (its message printed): end every rank of the MPI job it
-    joined, which may wait on it in an allgather or as a server (MPI_Abort)."""
-    job = MPIJob.joined
-    if rc and job is not None and job.comm.size > 1:
+def start_mpi(timeout_s: float, late: str, status: int = 1):
+    """mpi4py's MPI, started (MPI_Init) within `timeout_s`, else `late` said and exit
+    `status`: MPI_Init waits for every rank of the job, so a rank that never starts MPI
+    holds it for good. MPI_Init_thread is called through ctypes, which lets go of the GIL
+    while it waits (mpi4py's own start holds it), so the timer can run; mpi4py then
+    finalizes at exit as if it had started MPI itself."""
+    import mpi4py
+
+    if "mpi4py.MPI" not in sys.modules:
+        mpi4py.rc.initialize, mpi4py.rc.finalize = False, True
+    from mpi4py import MPI
+
+    if MPI.Is_initialized():
+        return MPI
+
+    def give_up():
+        sys.stderr.write(late + "\n")
+        sys.stderr.flush()
+        os._exit(status)
+
+    timer = threading.Timer(timeout_s, give_up)
+    timer.daemon = True
+    timer.start()
+    provided = ctypes.c_int()
+    try:  # the extension's handle finds the symbol in the libmpi it links
+        error = ctypes.CDLL(MPI.__file__).MPI_Init_thread(None, None, MPI.THREAD_MULTIPLE,
+                                                          ctypes.byref(provided))
+    finally:
+        timer.cancel()
+    if error:
+        raise RuntimeError(f"MPI_Init_thread failed with error code {error}")
+    MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)  # errors as exceptions, as mpi4py's
+    return MPI
+
+
+def program(role: str) -> str:
+    """The command this process runs as the user typed it, for its lines."""
+    module, command = PROGRAMS[role]
+    return command_name(module) + command
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of `flag` in `argv` as argparse reads it (`--f V` or `--f=V`, the last
+    one winning), read without the parser: the flags may be what failed."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value
+
+
+def mpi_member(role: str, argv: list[str], env=None) -> bool:
+    """Whether this program, launched by mpiexec as one of several ranks, was to join the
+    job's MPI rendezvous: a server given --rendezvous auto; a worker given neither
+    --servers HOST:PORT,... nor a rendezvous folder (given no --servers at all, in an MPMD
+    job it leaves servers waiting)."""
+    env = os.environ if env is None else env
+    if not any(env_int(env, (rank,)) is not None and (env_int(env, (size,)) or 0) > 1
+               for rank, size in MPI_LAUNCH):
+        return False
+    where = flag_value(argv, "--rendezvous")
+    if role == "server":
+        return where == "auto"
+    return flag_value(argv, "--servers") in (None, "auto") and where in (None, "auto")
+
+
+def end_job(status: int, line: str, role: str, argv: list[str] | None = None) -> None:
+    """After this program failed with exit `status` (its `line` printed): end every other
+    program of its job, which may wait on it (the module docstring). MPI: MPI_Abort, MPI
+    started first if this program failed before it did; a folder: DIR/failed-<rank>.json,
+    unless another program's failure ended this one."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not status:
+        return
+    if MPIJob.joined is not None:
+        comm = MPIJob.joined.comm
+    elif mpi_member(role, argv):
+        comm = start_mpi(ABORT_START_S, f"{program(role)}: {who()}could not start MPI within "
+                         f"{ABORT_START_S:g} s to end the job", status).COMM_WORLD
+    else:
+        where = flag_value(argv, "--rendezvous")
+        if where not in (None, "", "auto") and not JobFailed.seen:
+            try:
+                write_failure(where, status, line)
+            except OSError as e:
+                sys.stderr.write(f"{program(role)}: {who()}could not tell the job's others "
+                                 f"through {where}: {e}\n")
+        return
+    if comm.size > 1:
         time.sleep(0.5)  # the other ranks' own lines get out before the abort
-        job.comm.Abort(rc)
+        comm.Abort(status)
+
+
+def job_id(env=None) -> str:
+    """Slurm's job and step of this process ("" outside Slurm): a folder's failure files
+    name the job that wrote them."""
+    env = os.environ if env is None else env
+    if "SLURM_JOB_ID" not in env:
+        return ""
+    return f"{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '')}"
+
+
+def write_failure(directory: str, status: int, line: str) -> Path:
+    """DIR/failed-<rank>.json: this program's failure, for the job's others to read."""
+    rank = env_int(os.environ, RANK_VARS)
+    name = f"failed-{rank if rank is not None else f'pid{os.getpid()}'}.json"
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{name}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"rank": rank, "status": status, "line": line or
+                               f"{' '.join(sys.argv)}: exit status {status}",
+                               "job": job_id(), "time": time.time()}))
+    os.replace(tmp, root / name)
+    return root / name
+
+
+def peer_failure(directory: str) -> str | None:
+    """The first failure of this job written into DIR by another program (its line, the
+    file and exit status), None while there is none; remembered (`JobFailed.seen`), so
+    that this program, ending on it, writes no failure of its own."""
+    mine, found = job_id(), []
+    for path in Path(directory).glob("failed-*.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # a file of another kind, or gone
+        theirs = record.get("job", "")
+        this_job = theirs == mine if theirs and mine else \
+            record.get("time", 0) >= STARTED - STALE_S
+        if not this_job:
+            continue  # an earlier job's
+        found.append((record.get("time", 0), path, record))
+    if not found:
+        return None
+    _, path, record = min(found)
+    JobFailed.seen = True
+    return f"{record['line']} (exit status {record['status']}; {path})"
 
 
 def interface_address(name: str) -> str:
@@ -299,7 +462,8 @@ def write_address(directory: str, shard: int, num_shards: int, address: str) -> 
 
 def read_addresses(directory: str, timeout_s: float, poll_s: float = 0.1) -> list[str]:
     """Every shard's address from DIR, in shard order, waiting up to `timeout_s` for the
-    files; TimeoutError naming the ones still missing."""
+    files; TimeoutError naming the ones still missing, JobFailed once another program of
+    the job wrote its failure there."""
     root = Path(directory)
     deadline = time.monotonic() + timeout_s
     found: dict[int, dict] = {}
@@ -318,6 +482,9 @@ def read_addresses(directory: str, timeout_s: float, poll_s: float = 0.1) -> lis
                                   "an earlier job? use a fresh directory")
             if all(k in found for k in range(num_shards)):
                 return [found[k]["address"] for k in range(num_shards)]
+        failed = peer_failure(directory) if root.is_dir() else None
+        if failed:
+            raise JobFailed(f"--rendezvous {directory}: the job ended: {failed}")
         if time.monotonic() > deadline:
             missing = ([f"shard-{k}.json" for k in range(num_shards) if k not in found]
                        if num_shards else ["shard-0.json (it names --num-shards)"])

@@ -1,7 +1,9 @@
 """Consistency models of the parameter server: ASP, SSP(s), BSP.
 
-Each worker has a clock: the number of gradients this shard has accepted
-from it. A pull is served when the worker's lead over the slowest active
+Each worker has a clock: the clock it started at (0 for the first workers; the
+slowest active worker's for one that joins late or comes back: Clocks.register,
+answered in RegisterReply.clock) plus one per gradient this shard accepted
+from it since. A pull is served when the worker's lead over the slowest active
 worker is within the bound:
 
     ASP  (asynchronous, Dean et al. 2012 Downpour SGD)  no bound; every push applied at once
@@ -57,12 +59,13 @@ class Consistency:
 
 @dataclass
 class WorkerState:
-    clock: int = 0  # gradients accepted
+    clock: int = 0  # the clock it started at (Clocks.register) + gradients accepted since
     next_step: int = 0  # the lowest step still accepted; lower ones are duplicates
     active: bool = True
     registration: int = 0  # the client process that holds the id (0: none known)
     live: int = 0  # that client's open sessions and calls in progress on this shard
     late: int = 0  # BSP with backup workers: gradients that came after their round closed
+    left: bool = False  # it deregistered: its calls are refused until it registers again
 
 
 class Clocks:

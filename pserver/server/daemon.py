@@ -181,6 +181,7 @@ class Daemon:
         self.replication = Replication(cfg, store, config) if cfg.replicas > 1 else None
         self.stopping = threading.Event()  # set by a signal, or by a failure (self.failure)
         self.failure = ""
+        self.rejoin = ""  # a replica that goes on as the backup of this address (pserver.__main__)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(cfg.threads, thread_name_prefix="ps"),
             interceptors=([auth.TokenInterceptor(token)] if token else [])
@@ -302,7 +303,7 @@ class Daemon:
                 self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         else:  # it sets the health as its role and its backup come and go
             self.replication.start(host_port(self.cfg.bind, self.port), self.health,
-                                   self._fail)
+                                   self._fail, self._rejoin)
         lay = self.store.layout
         policy = self.store.policy
         mode = policy.mode + (f" with {policy.backups} backup workers" if policy.backups else "")
@@ -359,6 +360,14 @@ class Daemon:
         self.failure = why
         self.stopping.set()
 
+    def _rejoin(self, primary: str, why: str) -> None:
+        """This replica goes on as the backup of `primary`: logged (one line: why, and what
+        it does), and the daemon stops; pserver.__main__ starts it again on its port with
+        --replica-of `primary` and a fresh store (replication.primary: rejoining)."""
+        log.warning("%s: rejoining it as its backup, on port %d", why, self.port)
+        self.rejoin = primary
+        self.stopping.set()
+
     def shutdown(self) -> None:
         """NOT_SERVING, finish in-flight pushes, checkpoint if configured."""
         log.info("shutting down: finishing in-flight calls (up to %.1f s)", self.cfg.grace_s)
@@ -376,7 +385,7 @@ class Daemon:
             time.sleep(0.02)
         self.server.stop(None)  # what is left are sessions idle between operations
         stopped.wait()
-        if self.cfg.checkpoint_dir:
+        if self.cfg.checkpoint_dir and not self.rejoin:  # its store is replaced by the snapshot
             self.save_checkpoint()
         if self.metrics is not None:
             self.metrics.stop()

@@ -34,9 +34,16 @@ consistency, optimizer, the fields this server requires): the contract a
 client written from protos/dtlab_ps.proto alone follows. Register checks the
 worker's run config against the server's (pserver.common.runconfig) and
 answers with what the server runs (optimizer, schedule, consistency), for the
-worker's records. Every call naming a worker carries its registration: 0 is
-refused unless the server runs with --unchecked-registration (a registration
-other than the worker's is the store's to refuse). Every pull and push runs
+worker's records, the clock it starts at among them. Taking over an idle id
+needs the registration it replaces unless the server runs with
+--allow-takeover; a worker that deregistered is refused every call until it
+registers again (the store's to refuse). Every call naming a worker carries
+its registration: 0 is refused unless the server runs with
+--unchecked-registration (a registration other than the worker's is the
+store's to refuse). The order in which a call's faults are refused (the
+.proto's "Which refusal wins") is the order of the checks here: identity
+first (registration, then the store's worker, superseded, deregistered),
+then the message's fields, then its data. Every pull and push runs
 while its worker's registration counts as live (ShardStore.holding); a
 session counts from its first operation to its end. A session the worker
 ends between operations (closing it, or cancelling the call, as PSClient
@@ -76,6 +83,9 @@ from dtlab.pserver.server.store import PushResult, Read, ShardStats, ShardStore
 log = logging.getLogger(__name__)
 
 CONSISTENCY = {"asp": pb.ASP, "ssp": pb.SSP, "bsp": pb.BSP}
+# the version of the model's arithmetic Describe names (protos/dtlab_ps.proto, "The model's
+# arithmetic"): a change of element order, layers, loss or clipping gets a new one
+ARITHMETIC = "dtlab-arithmetic/1"
 LAYOUT_CRC_RULE = ("CRC-32 (zlib's crc32: ISO-HDLC) of the UTF-8 bytes of layout_crc32_input: "
                    "name:d0xd1x... of every tensor in flat order (a scalar's shape is empty), "
                    "joined by ';'")
@@ -103,6 +113,7 @@ class ParameterServerServicer:
         self.outer_config = json.dumps(outer, sort_keys=True) \
             if outer.get("outer_optimizer", "none") != "none" else ""
         self.check_registration = not server.get("unchecked_registration", False)
+        self.allow_takeover = server.get("allow_takeover", False)
         self._record, self._description = config, None  # Describe's, made on first use
         self.shm, self.codec, self.boot_id = shm, codec, shm and _boot_id()
         lay = store.layout
@@ -203,7 +214,8 @@ class ParameterServerServicer:
             shard=lay.shard, num_shards=lay.num_shards, meta=self._meta(0),
             num_workers=self.num_workers, max_message_bytes=self.max_message_bytes,
             run_config=json.dumps(self.run_config, sort_keys=True),
-            register_required=required, registration_checked=self.check_registration)
+            register_required=required, registration_checked=self.check_registration,
+            arithmetic=ARITHMETIC, takeover_allowed=self.allow_takeover)
 
     def Register(self, raw: bytes, context) -> pb.RegisterReply:
         try:
@@ -216,18 +228,20 @@ class ParameterServerServicer:
                     "started with --unchecked-registration accepts 0)", reason="registration")
             self._check_run_config(given, req.run_config)
             worker, state, version = self.store.register(
-                given, req.model, req.model_size, req.layout_crc32, req.registration)
+                given, req.model, req.model_size, req.layout_crc32, req.registration,
+                previous=None if self.allow_takeover else req.previous_registration)
+            clock, next_step = state.clock, state.next_step
         except PSError as e:
             self._fail(context, e)
         lay, store = self.store.layout, self.store
         return pb.RegisterReply(
             shard=lay.shard, num_shards=lay.num_shards, model_size=lay.model_size,
             meta=self._meta(version), consistency=CONSISTENCY[store.policy.mode],
-            staleness_bound=store.policy.bound or 0, next_step=state.next_step,
+            staleness_bound=store.policy.bound or 0, next_step=next_step,
             max_message_bytes=self.max_message_bytes, worker_id=worker,
             num_workers=self.num_workers, optim_config=self.optim_config,
             schedule_steps=store.schedule.total, staleness_lr=store.staleness_lr,
-            then_pull=True, term=self.term, outer_config=self.outer_config)
+            then_pull=True, term=self.term, outer_config=self.outer_config, clock=clock)
 
     def _check_run_config(self, worker: int | None, text: str) -> None:
         if not text:
@@ -248,7 +262,7 @@ class ParameterServerServicer:
         try:
             req = wire.parse(pb.DeregisterRequest, memoryview(raw))
             self._identify(req.worker_id, req.registration)
-            self.store.deregister(req.worker_id, req.registration)
+            self.store.deregister(req.worker_id, req.registration, leaves=True)
         except PSError as e:
             self._fail(context, e)
         return pb.DeregisterReply()
@@ -452,11 +466,11 @@ class ParameterServerServicer:
         call holds its worker's registration (a session holds it throughout). A compressed
         push is decoded (pserver.common.compressed) into the values of the ranges its
         indices make, or a dense gradient."""
-        self._check_header(h)
         self._identify(h.worker_id, h.registration)  # (a session's holder did already)
-        ranges = self._ranges(h)
         with (self.store.holding(h.worker_id, h.registration) if hold
               else contextlib.nullcontext()):
+            self._check_header(h)
+            ranges = self._ranges(h)
             result = self.store.admit(h.worker_id, h.step, h.meta.version)
             if result is not None:
                 skip()
@@ -548,9 +562,9 @@ class ParameterServerServicer:
                     elif kind == "shm_attach":
                         yield wire.wrap(SHM_READY, self._attach(value, segment))
                     elif kind == "shm_push" and value.HasField("then_pull"):
-                        result = self._shm_push(value, segment)
+                        result = self._shm_push(value, segment, then_pull=True)
                         held.check("shm_pull", value.then_pull)
-                        pulled = self._shm_pull(value.then_pull, segment, context)
+                        pulled = self._shm_pull(value.then_pull, segment, context, result)
                         pulled.pushed.CopyFrom(self._reply(result))
                         yield wire.wrap(SHM_PULLED, pulled)
                     elif kind == "shm_push":
@@ -600,7 +614,11 @@ class ParameterServerServicer:
         segment.ready = True
         return pb.ShmReady()
 
-    def _shm_push(self, m: pb.ShmPush, segment: Segment | None) -> PushResult:
+    def _shm_push(self, m: pb.ShmPush, segment: Segment | None,
+                  then_pull: bool = False) -> PushResult:
+        """A push from the session's segment; `then_pull`: a pull of the same segment follows,
+        so the update it makes (of the whole shard) copies the new values into the segment
+        as it goes (ShardStore.push's copy_to), which that pull then need not copy again."""
         if segment is None or not segment.ready:
             raise FailedPrecondition("session: shm_push before shm_attach", reason="order")
         t0 = time.perf_counter()
@@ -617,7 +635,10 @@ class ParameterServerServicer:
             grad = segment.values(self.store.params)  # a ranged push: packed from its start
             grad = grad if ranges is None else grad[: ranges_lib.size(ranges)]
             t1 = time.perf_counter()
-            checksum, bad = buffers.checksum_and_first_nonfinite(grad, wire.ADLER_START)
+            # backward: the worker wrote the segment forward, and the optimizer reads it
+            # forward next: each finds in the cache what this pass read last
+            checksum, bad = buffers.checksum_and_first_nonfinite_backward(grad,
+                                                                          wire.ADLER_START)
             t2 = time.perf_counter()
             if bad >= 0:
                 raise InvalidArgument(f"gradient element {bad} is {grad[bad]}: non-finite "
@@ -627,9 +648,13 @@ class ParameterServerServicer:
                                "computed over the segment", reason="checksum")
             self.store.received(t2 - t0, t2 - t1)
             self._traced_receive(h, t0, t2)
-            return self.store.push(h.worker_id, h.step, h.meta.version, grad, ranges)
+            return self.store.push(h.worker_id, h.step, h.meta.version, grad, ranges,
+                                   copy_to=grad if then_pull and ranges is None else None)
 
-    def _shm_pull(self, req: pb.PullRequest, segment: Segment | None, context) -> pb.ShmPulled:
+    def _shm_pull(self, req: pb.PullRequest, segment: Segment | None, context,
+                  pushed: PushResult | None = None) -> pb.ShmPulled:
+        """A pull into the session's segment; `pushed`: the push right before it on this
+        session, whose update may have left this very version there already."""
         if segment is None or not segment.ready:
             raise FailedPrecondition("session: shm_pull before shm_attach", reason="order")
         if req.dtype not in (0, self.meta.dtype):
@@ -639,6 +664,9 @@ class ParameterServerServicer:
         try:
             if read.tensor is None:
                 return pb.ShmPulled(header=self._header(read))
+            if pushed is not None and pushed.copied is not None \
+                    and pushed.version == read.version:  # no change since it copied them
+                return pb.ShmPulled(header=self._header(read), adler32=pushed.copied)
             checksum = read.tensor.copy_into(segment.values(self.store.params))
             return pb.ShmPulled(header=self._header(read), adler32=checksum)
         finally:
@@ -669,6 +697,8 @@ class SessionHolder:
         elif who != self.who:
             raise InvalidArgument(f"session of worker {self.who[0]}: an operation of worker "
                                   f"{who[0]} (registration {who[1]:#x})", reason="order")
+        else:  # identity before the operation's fields, as on a call of its own
+            self.store.known(*who)
 
     def close(self) -> None:
         self._hold.close()

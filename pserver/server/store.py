@@ -37,8 +37,11 @@ process registering an id is refused (ALREADY_EXISTS) while the holder is
 live: a session of it is open, or a call of it in progress, on this shard.
 Once it is not (its process ended and the connection with it), the new
 process takes the id over with its clock and next step (a restarted worker
-goes on where it left off), and calls still carrying the old registration
-are refused. Two workers never silently share an id.
+goes on where it left off) if it presents the registration it replaces
+(`previous`), or where the operator allows any takeover (--allow-takeover),
+and calls still carrying the old registration are refused. Two workers never
+silently share an id. A worker that deregistered has left: every call of it
+is refused until it registers again, and its id is free to register.
 
 Resumed. A server restarted from a checkpoint older than its last state
 (periodic checkpoints, pserver.server.periodic) numbers the lost updates' versions
@@ -109,11 +112,14 @@ class PushResult:
     version: int
     pending: bool = False
     lr: float = 0.0
+    # push(copy_to=...): the Adler-32 of the parameters at `version`, copied into copy_to
+    # by the update this push made (None: nothing copied; never on a duplicate's reply)
+    copied: int | None = None
 
 
 @dataclass(frozen=True)
 class WorkerStats:
-    clock: int  # pushes accepted from this worker
+    clock: int  # the clock it started at (Clocks.register) + pushes accepted since
     next_step: int
     active: bool
     staleness: Histogram
@@ -205,10 +211,14 @@ class ShardStore:
     # -- workers ---------------------------------------------------------------------------
 
     def register(self, worker: int | None, model: str, model_size: int, layout_crc: int,
-                 registration: int = 0) -> tuple[int, WorkerState, int]:
+                 registration: int = 0,
+                 previous: int | None = None) -> tuple[int, WorkerState, int]:
         """Join (or rejoin) `worker`, or a new id assigned here (None, shard 0 only);
         returns (the id, its state, the current version). `registration`: the client
-        process's number (0: unchecked)."""
+        process's number (0: unchecked); `previous`: the registration it says it replaces,
+        which taking over an idle id held by another registration requires (None: any
+        takeover allowed: --allow-takeover, and a backup applying its primary's
+        journal)."""
         lay = self.layout
         who = "a new worker" if worker is None else f"worker {worker}"
         if (model, model_size, layout_crc) != (lay.model, lay.model_size, lay.layout_crc):
@@ -231,9 +241,16 @@ class ShardStore:
                         f"worker {worker} is taken: another worker process holds it and is "
                         f"connected to shard {lay.shard}; give each worker its own "
                         "--worker-id, or none and the servers assign one", reason="duplicate")
+                if previous is not None and not state.left and previous != state.registration:
+                    raise FailedPrecondition(
+                        f"worker {worker} is held by another registration, idle now: a new "
+                        "process takes it over only presenting the registration it replaces "
+                        "(RegisterRequest.previous_registration), or on servers started with "
+                        "--allow-takeover", reason="takeover")
                 log.info("worker %d: a new process takes over its id (clock %d, next step %d)",
                          worker, state.clock, state.next_step)
             state = self.clocks.register(worker)
+            state.left = False
             if registration and state.registration != registration:
                 state.registration, state.live = registration, 0
             if self.journal is not None:
@@ -269,9 +286,15 @@ class ShardStore:
                 if counted and state.registration == registration:
                     state.live -= 1
 
-    def deregister(self, worker: int, registration: int = 0) -> None:
+    def deregister(self, worker: int, registration: int = 0, leaves: bool = False) -> None:
+        """`worker` stops counting for SSP and BSP; `leaves`: its own Deregister (not a
+        backup applying the journal, where a lease's expiry reads the same): its calls
+        are refused from now on, until it registers again; a second one changes nothing."""
         with self._cond:
-            self._known(worker, registration)
+            state = self._known(worker, registration, left_ok=True)
+            if state.left:
+                return
+            state.left = leaves
             self.clocks.deregister(worker)
             self.leases.back(worker)  # it left: no longer counted as expired
             if self.journal is not None:
@@ -322,7 +345,15 @@ class ShardStore:
                 self._cond.notify_all()
             return [w for w, _ in overdue]
 
-    def _known(self, worker: int, registration: int = 0) -> WorkerState:
+    def known(self, worker: int, registration: int = 0) -> None:
+        """Raise as _known would: `worker` unknown, its `registration` superseded, or it
+        deregistered (a session's later operation, checked before its fields)."""
+        with self._cond:
+            self._known(worker, registration)
+
+    def _known(self, worker: int, registration: int = 0, left_ok: bool = False) -> WorkerState:
+        """`worker`'s state; FailedPrecondition if it is unknown, `registration` (0: not
+        checked) was superseded, or (unless `left_ok`) it deregistered. Lock held."""
         state = self.clocks.workers.get(worker)
         if state is None:
             raise FailedPrecondition(f"worker {worker} is not registered with shard "
@@ -332,6 +363,10 @@ class ShardStore:
                 f"worker {worker} was registered by another process since this one did (two "
                 f"workers with --worker-id {worker}?); this one may not go on",
                 reason="superseded")
+        if state.left and not left_ok:
+            raise FailedPrecondition(
+                f"worker {worker} left shard {self.layout.shard} (Deregister): it may not "
+                "pull or push until it registers again", reason="deregistered")
         return state
 
     # -- pull ------------------------------------------------------------------------------
@@ -350,6 +385,7 @@ class ShardStore:
             while True:
                 if self._closed:
                     raise Unavailable("server is shutting down", reason="shutdown")
+                self._known(worker)  # it may have deregistered while this pull waited
                 if self.clocks.may_read(self.policy, worker, self._pending()):
                     break
                 if not alive():
@@ -432,11 +468,14 @@ class ShardStore:
 
     def push(self, worker: int, step: int, version_read: int,
              grad: np.ndarray | ChunkedArray, ranges: Ranges | None = None,
-             nbytes: int | None = None) -> PushResult:
+             nbytes: int | None = None, copy_to: np.ndarray | None = None) -> PushResult:
         """Apply (ASP, SSP) or add to the round (BSP) one validated gradient; `ranges`: it
         holds only these ranges of the shard, packed (pserver.common.ranges; None: all of it);
         `nbytes`: the bytes it took on the wire, counted in bytes_received (None: its own,
-        grad.nbytes; a compressed push's payload is smaller or larger)."""
+        grad.nbytes; a compressed push's payload is smaller or larger); `copy_to` (the
+        shard's shape, possibly `grad`'s own memory: a shared-memory segment): where an
+        update of the whole shard with the blocked optimizer follows, the new parameters
+        are copied there block by block as it makes them (PushResult.copied)."""
         nbytes = grad.nbytes if nbytes is None else nbytes
         with self._cond:
             screened = self._screen(worker, step, version_read)
@@ -458,15 +497,16 @@ class ShardStore:
             lr = self._lr([staleness])
             if self.journal is not None:  # the backup receives it while this applies it
                 self.journal.push(worker, step, version_read, grad, ranges)
+            copied = None
             if self._round is None:
-                self._apply(grad, [(worker, step, version_read)], ranges)
+                copied = self._apply(grad, [(worker, step, version_read)], ranges, copy_to)
             elif self._round.complete(self.clocks):
-                self._apply_round()
+                copied = self._apply_round(copy_to)
             pending = self._round is not None and worker in self._round.contributors
             result = PushResult(False, staleness, self.version, pending, lr)
-            self._replies[worker] = (step, result)
+            self._replies[worker] = (step, result)  # a duplicate's answer copies nothing
             self._cond.notify_all()
-            return result
+            return dataclasses.replace(result, copied=copied)
 
     def _pending(self) -> dict:
         """The workers whose gradient waits in the open BSP round (lock held)."""
@@ -491,21 +531,28 @@ class ShardStore:
         self._cond.notify_all()
         return result
 
-    def _apply_round(self) -> None:
+    def _apply_round(self, copy_to: np.ndarray | None = None) -> int | None:
         contributions = [(w, step, read) for w, (step, read) in self._round.contributors.items()]
         mean, covered = self._round.mean(), self._round.covered
-        self._apply(mean if covered is None else gather(mean, covered), contributions, covered)
+        copied = self._apply(mean if covered is None else gather(mean, covered), contributions,
+                             covered, copy_to)
         self._round.contributors.clear()
+        return copied
 
     def _apply(self, grad: np.ndarray | ChunkedArray,
-               contributions: list[tuple[int, int, int]], ranges: Ranges | None = None) -> None:
+               contributions: list[tuple[int, int, int]], ranges: Ranges | None = None,
+               copy_to: np.ndarray | None = None) -> int | None:
         """One optimizer step (of `ranges` only, `grad` packed: a lazy step); called with
-        the lock held."""
+        the lock held. `copy_to`: see push; the Adler-32 of what it copied there, or None."""
         stalenesses = [self.version - read for _, _, read in contributions]
         lr = self._lr(stalenesses)
         self._unshare()
         t0 = time.perf_counter()
-        if ranges is None:
+        copied = None
+        if ranges is None and copy_to is not None and isinstance(self.optimizer,
+                                                                 BlockedOptimizer):
+            copied = self.optimizer.step(self.params, grad, lr, copy_to=copy_to)
+        elif ranges is None:
             self.optimizer.step(self.params, grad, lr)
         else:
             self.optimizer.step_ranges(self.params, grad, ranges, lr)
@@ -527,6 +574,7 @@ class ShardStore:
             h = self.staleness.shard
             log.info("shard %d version %d: %d gradients applied, staleness mean %.2f max %d",
                      self.layout.shard, self.version, h.total, h.sum / max(1, h.total), h.max)
+        return copied
 
     def _lr(self, stalenesses: list[int]) -> float:
         """The scheduled lr of the next update, divided by its staleness if so configured."""
@@ -585,7 +633,8 @@ class ShardStore:
         a restarted server finishes the round with the workers still to push."""
         with self._cond:
             workers = {w: {"clock": s.clock, "next_step": s.next_step, "active": s.active,
-                           **({"late": s.late} if s.late else {})}  # late: backup workers'
+                           **({"late": s.late} if s.late else {}),  # late: backup workers'
+                           **({"left": True} if s.left else {})}  # it deregistered
                        for w, s in self.clocks.workers.items()}
             opt = {k: (v.copy() if isinstance(v, np.ndarray) else v)
                    for k, v in self.optimizer.state_dict().items()}
@@ -618,7 +667,8 @@ class ShardStore:
             for w, s in state["workers"].items():
                 self.clocks.workers[int(w)] = WorkerState(int(s["clock"]), int(s["next_step"]),
                                                           bool(s["active"]),
-                                                          late=int(s.get("late", 0)))
+                                                          late=int(s.get("late", 0)),
+                                                          left=bool(s.get("left", False)))
             self._before_resume = set(self.clocks.workers)
             if staleness is not None:
                 self.staleness = staleness

@@ -9,14 +9,29 @@ dead: connection refused or reset; or it is a backup, a primary that lost
 its backup, or one that was replaced, which answer workers UNAVAILABLE), or
 with DEADLINE_EXCEEDED where that daemon's health check then says anything
 but SERVING (it is frozen or cut off: its backup takes over), is sent to the
-other daemon, then back, with exponential backoff after each round of both,
-up to --retries rounds; a deadline on a primary whose health says SERVING is
-the call's own (a pull waiting on SSP/BSP) and raised as it is. The call is
-the same call: a push keeps its (worker, step),
-so a push that reached the backup before the primary died is answered as a
-duplicate by the new primary and applied once (Li et al. 2014). The worker's
-registration is the primary's, which the backup holds too (replicated), so
-nothing is registered again after a failover.
+other daemon, then back. After each round of both it waits, up to the round's
+exponential backoff, until one of them says SERVING (so a takeover is found
+within a poll, _POLL_S, of its happening). A round after which a replica
+says SERVING counts as one of --retries; one after which none does (a
+takeover or a primary's decision under way, a backup paused) does not, and
+such rounds go on for up to the call deadline or what --retries rounds of
+backoff last, whichever is longer (a paused backup stalls its shard, not the
+worker). A deadline on a primary whose health says SERVING is the call's own
+(a pull waiting on SSP/BSP) and raised as it is.
+
+No attempt waits for the call's deadline on a replica that stopped answering
+(paused, cut off, or no longer the primary): once an attempt has run for
+_PROBE_AFTER_S, a watcher asks that replica's health every _PROBE_AFTER_S / 2,
+and where it does not say SERVING within _PROBE_TIMEOUT_S the attempt is
+ended (its session aborted: UNAVAILABLE) and goes to the other replica; a
+serving primary's long wait (SSP, BSP) goes on. So after a fault the worker
+finds the new primary within about a second of its takeover, whatever
+--rpc-timeout-s is (on the session transport; a call of the per-call
+transport ends at its deadline). The call is the same call: a push keeps its
+(worker, step), so a push that reached the backup before the primary died is
+answered as a duplicate by the new primary and applied once (Li et al. 2014).
+The worker's registration is the primary's, which the backup holds too
+(replicated), so nothing is registered again after a failover.
 
 Terms. Every reply of a replicated shard carries its primary's replication term, and
 terms only grow (a takeover, or a primary going on alone, starts a new one). `Terms`
@@ -47,6 +62,9 @@ log = logging.getLogger(__name__)
 SEPARATOR = "|"  # between the addresses of one shard's replicas in --servers
 _MAX_BACKOFF_S = 2.0
 _FAIL_OVER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_PROBE_AFTER_S = 0.5  # an attempt running this long has its replica's health asked ...
+_PROBE_TIMEOUT_S = 0.5  # ... which must say SERVING within this, or the attempt ends
+_POLL_S = 0.05  # between health checks while no replica says SERVING
 
 
 class Terms:
@@ -81,6 +99,9 @@ class ReplicatedShard:
         self.current = 0
         self.failovers = 0  # switches from one replica to the other
         self.pushed_bytes = self.pulled_bytes = 0  # counted by PSClient, as on a ShardClient
+        self._attempt: tuple | None = None  # (replica, when it began): the call in flight
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch, name="ps-failover-watch", daemon=True).start()
 
     @property
     def address(self) -> str:
@@ -139,28 +160,63 @@ class ReplicatedShard:
         raise TimeoutError(f"no replica of {'|'.join(r.address for r in self.replicas)} "
                            f"serves after {self.cfg.connect_timeout_s:g} s ({found})")
 
-    def _serves(self, replica) -> bool:
-        """Whether `replica`'s health check says SERVING now (bounded)."""
+    def _serves(self, replica, timeout: float | None = None) -> bool:
+        """Whether `replica`'s health check says SERVING now (within `timeout` s, by default
+        the smaller of 2 s and the call deadline)."""
         try:
             reply = health_pb2_grpc.HealthStub(replica.channel).Check(
                 health_pb2.HealthCheckRequest(service=SERVICE),
-                timeout=min(2.0, self.cfg.rpc_timeout_s))
+                timeout=timeout or min(2.0, self.cfg.rpc_timeout_s))
         except grpc.RpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
+    def _watch(self) -> None:
+        """Ends an attempt whose replica, asked while it runs, does not say SERVING."""
+        while not self._closed.wait(_PROBE_AFTER_S / 2):
+            attempt = self._attempt
+            if attempt is None or time.monotonic() - attempt[1] < _PROBE_AFTER_S:
+                continue
+            replica = attempt[0]
+            if not self._serves(replica, _PROBE_TIMEOUT_S) and self._attempt is attempt:
+                replica.abort(f"its health check did not say SERVING within "
+                              f"{_PROBE_TIMEOUT_S} s during a call (paused, cut off, or no "
+                              "longer the primary)")
+
+    def _await_serving(self, limit: float) -> bool:
+        """Up to `limit` s (at least _POLL_S) until a replica's health says SERVING: that
+        one is taken for the primary (True); False if none did."""
+        end = time.monotonic() + max(limit, _POLL_S)
+        n = len(self.replicas)
+        while True:
+            for k in range(n):
+                i = (self.current + k) % n
+                if self._serves(self.replicas[i], _PROBE_TIMEOUT_S):
+                    self.current = i
+                    time.sleep(max(0.0, min(_POLL_S, end - time.monotonic())))
+                    return True
+            if time.monotonic() >= end:
+                return False
+            time.sleep(_POLL_S)
+
     def _on_primary(self, call: Callable, what: str):
         """call(replica) on the primary; on UNAVAILABLE, or a deadline on a replica that
-        does not say SERVING, on the other replica, and so on."""
-        n = len(self.replicas)
-        rounds, delay = self.cfg.retries + 1, self.cfg.backoff_s
-        for i in range(rounds * n):
+        does not say SERVING, on the other replica, and so on: --retries rounds after
+        which a replica served, and rounds after which none did for up to the call
+        deadline (or the rounds' backoff, if longer)."""
+        n, delay, tried, rounds = len(self.replicas), self.cfg.backoff_s, 0, 0
+        patience = max(self.cfg.rpc_timeout_s, sum(min(_MAX_BACKOFF_S, self.cfg.backoff_s * 2**r)
+                                                   for r in range(self.cfg.retries)))
+        start = time.monotonic()
+        while True:
             replica = self.replicas[self.current]
+            self._attempt = (replica, time.monotonic())
             try:
                 return call(replica)
             except grpc.RpcError as e:
-                code = e.code()
-                if code not in _FAIL_OVER or i == rounds * n - 1:
+                code, tried = e.code(), tried + 1
+                spent = rounds >= self.cfg.retries or time.monotonic() - start >= patience
+                if code not in _FAIL_OVER or (tried % n == 0 and spent):
                     raise
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._serves(replica):
                     raise  # a serving primary's deadline: the call's own
@@ -168,10 +224,12 @@ class ReplicatedShard:
                 self.failovers += 1
                 log.warning("%s %s: %s; trying %s", replica.address, what, e.details(),
                             self.address)
-                if (i + 1) % n == 0:
-                    time.sleep(min(_MAX_BACKOFF_S, delay) * random.uniform(0.5, 1))
+                if tried % n == 0:
+                    wait = min(_MAX_BACKOFF_S, delay) * random.uniform(0.5, 1)
+                    rounds += self._await_serving(wait)  # a replica serves: a round counts
                     delay *= 2
-        raise AssertionError("unreachable")
+            finally:
+                self._attempt = None
 
     def register(self, worker: int | None, model: str, model_size: int, layout_crc: int,
                  run_config: str = "") -> pb.RegisterReply:
@@ -203,5 +261,6 @@ class ReplicatedShard:
                                                       compressed), "PushPull")
 
     def close(self) -> None:
+        self._closed.set()
         for r in self.replicas:
             r.close()

@@ -650,7 +650,8 @@ def connect(client: PSClient, setup: Setup, worker: int | None, params) -> int:
     this worker goes on from."""
     return client.connect(worker, setup.model_name, params.size, wire.layout_crc(params.specs),
                           runconfig.run_config(setup.model_name, setup.model, setup.data,
-                                               setup.run.seed, setup.run.dtype))
+                                               setup.run.seed, setup.run.dtype,
+                                               setup.run.steps))
 
 
 def leave(client: PSClient) -> None:
@@ -663,12 +664,13 @@ def leave(client: PSClient) -> None:
 
 def cli() -> int:
     rc = run_cli(main, command_name("dtlab.pserver.worker"),
-                 user_errors=(FloatingPointError, TimeoutError, PSError, grpc.RpcError),
-                 describe=describe_error)
+                 user_errors=(FloatingPointError, TimeoutError, PSError, grpc.RpcError,
+                              rendezvous.JobFailed),
+                 describe=describe_error,  # the servers and workers of its job: end them too
+                 on_failure=lambda status, line: rendezvous.end_job(status, line, "worker"))
     group = sys.modules.get("dtlab.pserver.worker.group_worker")  # imported by a group's ranks only
     if rc and group is not None:
         group.end_job(rc)  # the other ranks of the job may wait on this one: end them too
-    rendezvous.end_job(rc)  # likewise the servers and workers of a --servers auto job
     return rc
 
 

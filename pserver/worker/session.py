@@ -99,6 +99,7 @@ class Session:
         self.deadline: float | None = None  # of the operation in flight (monotonic)
         self.segment: shm.Segment | None = None
         self._expired = False
+        self._aborted = ""  # why another thread ended the operation (abort)
         watchdog.sessions.add(self)
 
     def _feed(self) -> Iterator[bytes]:
@@ -138,6 +139,9 @@ class Session:
             raise StatusError(grpc.StatusCode.UNAVAILABLE,
                                f"{self.address}: the server ended the session") from None
         except grpc.RpcError as e:
+            if self._aborted:
+                raise StatusError(grpc.StatusCode.UNAVAILABLE,
+                                   f"{self.address}: {self._aborted}") from None
             if self._expired:
                 raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                    f"{self.address}: no answer within {timeout} s") from None
@@ -151,6 +155,13 @@ class Session:
 
     def expire(self) -> None:
         self._expired = True
+        self.call.cancel()
+
+    def abort(self, why: str) -> None:
+        """End the operation in flight from another thread: it fails with UNAVAILABLE and
+        `why` (a replicated shard's client gives up on a replica that stopped answering,
+        pserver.worker.failover)."""
+        self._aborted = why
         self.call.cancel()
 
     def close(self) -> None:

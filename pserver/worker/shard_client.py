@@ -287,7 +287,8 @@ class ShardClient:
         self._check_meta(self._termed(header).meta, out)
         if header.not_modified:
             return header.meta.version, False
-        checksum = buffers.copy_and_checksum(  # no view of the segment outlives the call
+        # backward: the server wrote the segment forward (its end is in the host's cache)
+        checksum = buffers.copy_and_checksum_backward(  # no view of the segment outlives it
             out, s.segment.array(out.dtype.newbyteorder("<"), out.size), wire.ADLER_START)
         if checksum != pulled.adler32:
             raise DataLoss(f"{self.address}: shm_pulled.adler32 {pulled.adler32:#010x} != "
@@ -449,6 +450,13 @@ class ShardClient:
                      self.shm_refused)
         else:
             log.info("%s: tensors through shared memory", self.address)
+
+    def abort(self, why: str) -> None:
+        """Fail the session's operation in flight now with UNAVAILABLE and `why` (from any
+        thread; nothing happens on the calls transport, whose calls end at their deadline)."""
+        s = self._session
+        if s is not None:
+            s.abort(why)
 
     def end_session(self) -> None:
         """Close the session, if one is open (a reply it still owes is dropped with it)."""

@@ -103,7 +103,8 @@ def test_rendezvous_directory_without_mpi_equals_the_run_by_hand(tmp_path, by_ha
 def test_a_server_that_dies_ends_the_workers_with_a_message(tmp_path):
     c, rv = config(tmp_path), tmp_path / "rv"
     daemons = [DaemonProcess(tmp_path, ["--config", c, "--rendezvous", str(rv), "--shard", str(k),
-                                        "--num-shards", str(S), "--log-level", "warning"],
+                                        "--num-shards", str(S), "--log-level", "warning",
+                                        "--schedule-steps", "0"],  # no horizon: any --steps
                              env=ONE_BLAS_THREAD, wait=False) for k in range(S)]
     try:
         for d in daemons:

@@ -112,7 +112,7 @@ def scrape(port: int) -> str:
 
 def daemon_args(*extra: str) -> list[str]:
     return [*TINY_MLP_FLAGS, *DATA, "--grace-s", "5", "--worker-timeout", str(TIMEOUT_S),
-            "--metrics-port", "0", *extra]
+            "--metrics-port", "0", "--allow-takeover", *extra]  # killed workers restart
 
 
 def test_bsp_round_completes_without_a_killed_worker_averaging_over_contributors(

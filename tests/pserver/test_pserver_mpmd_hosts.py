@@ -119,8 +119,8 @@ def test_a_shared_rendezvous_directory_across_two_hosts_equals_the_run_by_hand(
 
 
 def test_a_host_that_dies_ends_the_job_with_a_message_within_seconds(hosts, tmp_path):
-    args = job(hosts, tmp_path, ["--rendezvous", "auto", "--port", "0"],
-               ["--steps", "1000000", "--retries", "2"])
+    args = job(hosts, tmp_path, ["--rendezvous", "auto", "--port", "0", "--schedule-steps", "0"],
+               ["--steps", "1000000", "--retries", "2"])  # no lr horizon: any --steps
     proc = subprocess.Popen([mpiexec_path(), *args], cwd=ROOT, env={**ONE_BLAS_THREAD, **hosts.env,
                                                 "PYTHONUNBUFFERED": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

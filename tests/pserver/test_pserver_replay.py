@@ -48,8 +48,9 @@ def async_run(tmp: Path, workers: int, steps: int, dtype: str, optim: dict, work
     """Train through 2 shards that log their updates and checkpoint at shutdown; the
     first worker's metrics file."""
     name, cfg = model
+    per_step = 1 if server.get("consistency") == "bsp" else workers  # updates a step makes
     with serve(shards=2, model=name, model_cfg=cfg, optim=optim, num_workers=workers,
-               dtype=dtype, seed=2, schedule_steps=steps * workers, apply_log=str(tmp / LOG),
+               dtype=dtype, seed=2, schedule_steps=steps * per_step, apply_log=str(tmp / LOG),
                checkpoint_dir=str(tmp / "ckpt"), **server) as daemons:
         paths = run_workers(addresses(daemons), workers,
                             ["--model", name, *flags(cfg), "--steps", str(steps),

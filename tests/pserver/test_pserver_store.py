@@ -347,3 +347,59 @@ def test_a_pull_overtaken_by_an_update_streams_its_own_version_whole(overtaken_a
     out.finish(wire.parse(pb.Trailer, wire.split(got[-1])[1]))
     np.testing.assert_array_equal(out[0:N], want)
     np.testing.assert_array_equal(s.params, want - 100)
+
+
+def blocked_store(mode: str = "asp", expected: int = 0) -> ShardStore:
+    """A store whose optimizer runs in blocks of 4 elements on 2 threads, as the daemon's."""
+    ocfg = build(OptimConfig, {"optimizer": "sgd", "lr": 1.0, "warmup": 0,
+                               "schedule": "constant", "momentum": 0.9})
+    params = np.arange(N, dtype=np.float32)
+    return ShardStore(ShardLayout("toy", N, 0, 1), params,
+                      BlockedOptimizer(ocfg, params, block=4, threads=2), Schedule(ocfg, 0),
+                      Consistency(mode), expected_workers=expected, log_every=0)
+
+
+def test_an_update_copies_its_values_out_as_it_makes_them():
+    """push(copy_to=the segment holding the gradient): the new parameters land there with
+    their Adler-32, exactly as a pull's copy would give them; a duplicate's reply, a BSP
+    push still waiting for its round and a ranged push copy nothing."""
+    import zlib
+    s, twin = blocked_store(), blocked_store()
+    join(s, 0)
+    join(twin, 0)
+    for step in range(3):
+        segment = np.linspace(-1, 1, N, dtype=np.float32) * (step + 1)  # the gradient, in place
+        twin.push(0, step, step, segment.copy())
+        result = s.push(0, step, step, segment, copy_to=segment)
+        np.testing.assert_array_equal(s.params, twin.params)  # the same update, bit for bit
+        np.testing.assert_array_equal(segment, s.params)
+        assert result.copied == zlib.adler32(s.params.tobytes()) and result.version == step + 1
+    assert s.push(0, 2, 2, g(1.0), copy_to=g(0.0)).copied is None  # a duplicate
+    assert s.push(0, 3, 3, g(1.0)[:2], ranges=[(0, 2)], copy_to=g(0.0)).copied is None
+
+    bsp = blocked_store("bsp", expected=2)
+    join(bsp, 0, 1)
+    assert bsp.push(0, 0, 0, g(1.0), copy_to=g(0.0)).copied is None  # pending
+    out = g(0.0)
+    done = bsp.push(1, 0, 0, g(3.0), copy_to=out)  # closes the round: the mean applied
+    np.testing.assert_array_equal(out, bsp.params)
+    assert done.copied == zlib.adler32(bsp.params.tobytes()) and done.version == 1
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 262144, 3 * 262144 + 17])
+def test_passes_taken_backward_give_the_forward_checksum(n):
+    """Blocks last to first (buffers.backward_blocks), each block's Adler-32 combined in
+    order: zlib's value of the whole; the first non-finite element still the first."""
+    import zlib
+    v = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    want = zlib.adler32(v.tobytes(), 7)
+    assert buffers.checksum_and_first_nonfinite_backward(v, 7) == (want, -1)
+    out = np.empty_like(v)
+    assert buffers.copy_and_checksum_backward(out, v, 7) == want
+    np.testing.assert_array_equal(out, v)
+    if n > 3:
+        v[[n // 3, n - 1]] = np.inf
+        assert buffers.checksum_and_first_nonfinite_backward(v, 1)[1] == n // 3
+    a, b = v[: n // 2].tobytes(), v[n // 2:].tobytes()
+    assert buffers.adler32_combine(zlib.adler32(a), zlib.adler32(b), len(b)) == \
+        zlib.adler32(a + b)

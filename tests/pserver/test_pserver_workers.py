@@ -33,6 +33,7 @@ from support.pserver_util import (
 from test_pserver_store import N, store
 
 from dtlab.models.run.metrics import read_metrics
+from dtlab.pserver.common import runconfig
 from dtlab.pserver.common.errors import AlreadyExists, FailedPrecondition
 
 ADAM = {"optimizer": "adam", "lr": 3e-3, "warmup": 0, "schedule": "constant", "clip": 0.0}
@@ -86,7 +87,7 @@ def test_workers_without_ids_get_their_own_ids_data_and_steps(tmp_path):
 
 
 def test_a_live_id_is_refused_and_a_restarted_worker_takes_it_over(tmp_path):
-    with serve(data=DATA, num_workers=1) as daemons:
+    with serve(data=DATA, num_workers=1, allow_takeover=True) as daemons:
         servers, store_ = addresses(daemons), daemons[0].store
         first = subprocess.Popen(
             [sys.executable, "-m", "dtlab.pserver.worker", "--servers", servers, *WORKER,
@@ -182,3 +183,44 @@ def test_register_reports_what_the_servers_run():
             assert (info.num_workers, info.schedule_steps, info.staleness_bound) == (3, 40, 2)
         finally:
             client.close()
+
+
+COSINE = {"optimizer": "sgd", "lr": 0.1, "warmup": 0, "schedule": "cosine", "clip": 0.0}
+
+
+def test_the_servers_horizon_in_worker_steps():
+    """schedule_steps over the updates one worker step makes: one under BSP, one per push of
+    --num-workers otherwise; none where the lr does not depend on it."""
+    def record(consistency, workers, updates, optim=COSINE):
+        return {"server": {"consistency": consistency, "num_workers": workers,
+                           "schedule_steps": updates, "seed": 0, "dtype": "float32"},
+                "optim": optim}
+    assert runconfig.horizon(record("bsp", 4, 600)) == 600
+    assert runconfig.horizon(record("asp", 4, 600)) == 150
+    assert runconfig.horizon(record("ssp", 3, 100)) == 100 / 3  # no whole number: no match
+    assert runconfig.horizon(record("asp", 0, 600)) == 600
+    assert runconfig.horizon(record("bsp", 2, 0)) is None  # constant after warm-up
+    assert runconfig.horizon(record("bsp", 2, 600, {**COSINE, "schedule": "constant"})) is None
+    assert runconfig.horizon(record("bsp", 2, 40, {**COSINE, "warmup": 50})) is None
+    server = runconfig.of_record(record("bsp", 2, 600))
+    assert server["run"] == {"seed": 0, "dtype": "float32", "steps": 600}
+    mine = {"run": {"seed": 0, "dtype": "float32", "steps": 60}}
+    assert runconfig.differences(server, mine)[0].startswith("run.steps: worker 60, server 600")
+    assert not runconfig.differences(server, {"run": {"seed": 0, "dtype": "float32"}})
+    assert not runconfig.differences(runconfig.of_record(record("bsp", 2, 0)), mine)
+
+
+def test_a_worker_whose_run_length_differs_from_the_servers_schedule_is_refused():
+    """Servers whose cosine schedule spans 3 BSP rounds: a worker of 2 steps would train
+    another schedule than a sync run of 2 steps, and is refused naming both numbers; one
+    of 3 steps runs."""
+    with serve(optim=COSINE, data=DATA, consistency="bsp", num_workers=1,
+               schedule_steps=3) as daemons:
+        servers = addresses(daemons)
+        short = worker(servers, "--steps", "2", "--worker-id", "0")
+        assert short.returncode == 1
+        line = error_line(short.stderr)
+        assert "FAILED_PRECONDITION" in line and "run.steps: worker 2, server 3" in line, line
+        assert not daemons[0].store.clocks.workers
+        assert worker(servers, "--steps", "3", "--worker-id", "0").returncode == 0
+        assert daemons[0].store.version == 3

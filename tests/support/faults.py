@@ -21,15 +21,25 @@ is whole again (a primary and a backup that holds its snapshot):
   pserver.server.replication.peer.refused, is a plain TCP connect that no Link carries:
   over a cut it finds the port open, and "silent" stays silent, as over a real cut.)
 
-A daemon that leaves (dropped by its primary, or replaced by its backup) is restarted
-the same way. After each run: every acknowledged push applied exactly once, nothing
-applied that was not sent, and (RoleWatch) no moment when both replicas of a shard
-answered ReplicaStatus role=primary.
+A killed daemon is restarted on its port (a supervisor's job); a daemon dropped by its
+primary or replaced by its backup rejoins by itself, as the backup of the other (one
+that exits instead is restarted the same way and counted: "restarted by hand"). After
+each run: every acknowledged push applied exactly once, nothing applied that was not
+sent, and (RoleWatch) no moment when both replicas of a shard answered ReplicaStatus
+role=primary. Per fault kind it also measures availability: the longest gap between
+two acknowledgements (of any worker) that overlaps the fault, from its start until the
+shard is whole again (a gap over several faults counts for the first), and the time
+the shard spent unreplicated (from the fault until whole again).
 
     python tests/support/faults.py --runs 10 --seed 0
+    python tests/support/faults.py --each 2 --shards 1 --fault-s 5 --rpc-timeout-s 120 \
+        --pace-s 0.05
 
-prints one line per run and the totals; tests/pserver/test_pserver_chaos.py runs a
-bounded version in the suite.
+print one line per run, the totals and the table per fault kind (the second: every kind
+twice on one shard, so that no other shard's fault shares a gap, pauses and cuts of 5 s,
+workers with dtlab-worker's default deadline, paced so that their steps outlast the
+faults); tests/pserver/test_pserver_chaos.py
+runs a bounded version in the suite.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import itertools
 import logging
 import os
 import random
@@ -260,6 +271,7 @@ class Slot:
         self.link = Link()  # the outgoing link of every daemon started here
         self.port = 0
         self.started = 0.0
+        self.killed = False  # its daemon was killed by the harness (not exited by itself)
 
     @property
     def address(self) -> str:
@@ -279,7 +291,7 @@ class Slot:
             extra += ["--replica-of", self.proxy.address]
         self.daemon = DaemonProcess(self.tmp, daemon_args(self.shard, self.shards, *extra),
                                     env=self.link.env(), wait=False)
-        self.started = time.monotonic()
+        self.started, self.killed = time.monotonic(), False
         if not self.port:
             self.daemon.wait_ready()
             self.port = self.daemon.port
@@ -304,11 +316,15 @@ class Slot:
 class Pair:
     """One shard's two slots, its faults, and what makes it whole after each."""
 
-    def __init__(self, tmp: Path, shard: int, shards: int, rng: random.Random):
+    def __init__(self, tmp: Path, shard: int, shards: int, rng: random.Random,
+                 fault_s: tuple[float, float] | None = None):
         self.rng, self.shard = rng, shard  # the faults, their moments and lengths
+        self.fault_s = fault_s  # (low, high) of pauses and cuts; None: the kinds' own
         self._proxies = random.Random(rng.random())  # which backups go through a proxy
         self.slots = [Slot(tmp, shard, shards), Slot(tmp, shard, shards)]
         self.faults: collections.Counter[str] = collections.Counter()
+        self.records: list[Fault] = []
+        self.restarted = 0  # daemons that exited by themselves, restarted by the harness
         self.slots[0].start()
         self.slots[1].start(primary=self.slots[0].address, proxy=self._proxies.random() < 0.5)
         self.slots[1].daemon.wait_ready()
@@ -347,6 +363,7 @@ class Pair:
                 if slot.exited() and not other.exited() and \
                         time.monotonic() - slot.started > 0.3 and \
                         role(other.address) == "primary":
+                    self.restarted += not slot.killed
                     slot.start(primary=other.address, proxy=self._proxies.random() < 0.5)
             time.sleep(0.05)
 
@@ -355,7 +372,10 @@ class Pair:
         p, b = self.heal()
         victim = self.slots[p if kind.endswith("primary") else b]
         rng = self.rng
+        low, high = self.fault_s or (0.3, 3.0)
+        record = Fault(kind, self.shard, time.monotonic())
         if kind.startswith("kill"):
+            victim.killed = True
             victim.signal(signal.SIGKILL)
             victim.daemon.proc.wait(timeout=30)
         elif kind == "pause-backup-twice":
@@ -371,17 +391,19 @@ class Pair:
             victim.signal(signal.SIGCONT)
         elif kind.startswith("pause"):
             victim.signal(signal.SIGSTOP)
-            time.sleep(rng.uniform(0.3, 3.0))
+            time.sleep(rng.uniform(low, high))
             victim.signal(signal.SIGCONT)
         else:  # cut: the backup's link; cut-both: the primary's too
             links = [victim.link] + ([self.slots[p].link] if kind == "cut-both" else [])
             for link in links:
                 link.cut()
-            time.sleep(rng.uniform(0.5, 3.0))
+            time.sleep(rng.uniform(*(self.fault_s or (0.5, 3.0))))
             for link in links:
                 link.heal()
         self.faults[kind] += 1
         self.heal()
+        record.whole = time.monotonic()
+        self.records.append(record)
 
     def close(self) -> None:
         for s in self.slots:
@@ -393,15 +415,20 @@ class Pushers:
     """W worker threads, each its own PSClient: push_pull of two-hot gradients, step
     after step, until stopped; what was sent and what acknowledged."""
 
-    def __init__(self, servers: str, workers: int, params, shm: bool, pace_s: float = 0.01):
+    def __init__(self, servers: str, workers: int, params, shm: bool, pace_s: float = 0.01,
+                 rpc_timeout_s: float = 3.0):
         self.W, self.pace_s = workers, pace_s
         self.sent: set[tuple[int, int]] = set()
         self.acked: set[tuple[int, int]] = set()
+        self.times: list[float] = []  # when each acknowledgement came (monotonic), in order
+        self.stopped = 0.0  # when the pushers were stopped
+        self.finished = 0  # workers that pushed all their steps (kmax) before being stopped
         self.errors: list[str] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.clients = [connect(servers, worker=w, params=params, shm=shm and w == 0,
-                                rpc_timeout_s=3.0, retries=40) for w in range(workers)]
+                                rpc_timeout_s=rpc_timeout_s, retries=40)
+                        for w in range(workers)]
         metas = [s.info.meta for s in self.clients[0].shards]
         self.offsets = [m.offset for m in metas]
         self.kmax = min(m.shape[0] for m in metas) // workers  # steps per worker at most
@@ -431,16 +458,51 @@ class Pushers:
                 client.push_pull(grad, k, buf)
                 with self._lock:
                     self.acked.add((w, k))
+                    self.times.append(time.monotonic())
                 time.sleep(self.pace_s)
+            with self._lock:
+                self.finished += 1
         except Exception as e:  # recorded: the run reports it
             self.errors.append(f"worker {w}: {e}")
 
     def stop(self) -> None:
         self._stop.set()
+        self.stopped = time.monotonic()
         for t in self._threads:
-            t.join(timeout=120)
+            t.join(timeout=300)
         for c in self.clients:
             c.close()
+
+
+@dataclass
+class Fault:
+    """One fault injected: its kind, shard, when it began and when the shard was whole
+    again; `gap`: the longest time between two acknowledgements overlapping it
+    (attribute_gaps)."""
+    kind: str
+    shard: int
+    start: float
+    whole: float = 0.0
+    gap: float = 0.0
+
+    @property
+    def unreplicated(self) -> float:
+        return self.whole - self.start
+
+
+def attribute_gaps(times: list[float], records: list[Fault], stopped: float | None) -> None:
+    """Each fault's `gap`: the longest time between consecutive acknowledgements (`times`,
+    sorted; the last runs to `stopped`, None: the pushes had all been made) among those
+    that overlap it, a gap that overlaps several faults counted for the first of them
+    (the one it began in, or that was under way: a stall that outlasts its fault is
+    that fault's)."""
+    ordered = sorted(records, key=lambda r: r.start)
+    for r in ordered:
+        r.gap = 0.0
+    for a, b in itertools.pairwise([*times, *([] if stopped is None else [stopped])]):
+        first = next((r for r in ordered if r.start < b and r.whole > a), None)
+        if first is not None:
+            first.gap = max(first.gap, b - a)
 
 
 @dataclass
@@ -452,6 +514,9 @@ class Outcome:
     stray: int = 0  # elements changed that no sent push moves (or not by a whole number)
     split_brain: int = 0
     new_terms: int = 0  # takeovers and primaries gone on alone, over the shards
+    restarted: int = 0  # daemons that exited by themselves (a person would restart them)
+    unmeasured: int = 0  # faults after the workers had pushed all their steps
+    records: list[Fault] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
     def line(self) -> str:
@@ -459,8 +524,26 @@ class Outcome:
         return (f"faults {sum(self.faults.values())} ({faults}) | new terms {self.new_terms} | "
                 f"acknowledged {self.acked} | "
                 f"lost {self.lost} | duplicated {self.duplicated} | applied unsent "
-                f"{self.stray} | split-brain episodes {self.split_brain}"
+                f"{self.stray} | split-brain episodes {self.split_brain} | restarted by hand "
+                f"{self.restarted}"
+                + (f" | {self.unmeasured} faults after the workers' last step: no gap "
+                   "measured (use --pace-s)" if self.unmeasured else "")
                 + (f" | errors: {'; '.join(self.errors)}" if self.errors else ""))
+
+    def table(self) -> list[str]:
+        """Per fault kind: the longest gap between acknowledgements and the time the shard
+        spent unreplicated (the largest, and the mean)."""
+        rows = []
+        for kind in KINDS:
+            mine = [r for r in self.records if r.kind == kind]
+            if not mine:
+                continue
+            gaps = ", ".join(f"{r.gap:.2f}" for r in mine)
+            rows.append(f"{kind:>18}: {len(mine)} | longest ack gap "
+                        f"{max(r.gap for r in mine):6.2f} s (each: {gaps}) | unreplicated max "
+                        f"{max(r.unreplicated for r in mine):6.2f} s, mean "
+                        f"{sum(r.unreplicated for r in mine) / len(mine):6.2f} s")
+        return rows
 
 
 def applied(pushers: Pushers, got: np.ndarray, init: np.ndarray, out: Outcome) -> None:
@@ -480,31 +563,38 @@ def applied(pushers: Pushers, got: np.ndarray, init: np.ndarray, out: Outcome) -
 
 
 def run(tmp: Path, seed: int, faults: int | None = None, workers: int = 3,
-        shards: int = 2) -> Outcome:
-    """One run: `faults` faults (5-10 when None) over `shards` replicated shards while
-    `workers` push; its outcome."""
+        shards: int = 2, each: int = 0, fault_s: tuple[float, float] | None = None,
+        rpc_timeout_s: float = 3.0, pace_s: float = 0.01) -> Outcome:
+    """One run: `faults` faults (5-10 when None) of kinds drawn at random over `shards`
+    replicated shards while `workers` push, or (`each`) every kind `each` times in a
+    seeded order; `fault_s`: the range of pauses and cuts; its outcome."""
     rng = random.Random(seed)
-    faults = rng.randint(5, 10) if faults is None else faults
+    order = [k for k in KINDS for _ in range(each)]
+    rng.shuffle(order)
+    faults = len(order) if each else rng.randint(5, 10) if faults is None else faults
     params = initial_params("mlp", MODEL, dtype="float64")
     init = params.data.copy()
     out, pairs, watches, pushers = Outcome(), [], [], None
     try:
-        pairs = [Pair(tmp, s, shards, random.Random(seed * 1009 + s)) for s in range(shards)]
+        pairs = [Pair(tmp, s, shards, random.Random(seed * 1009 + s), fault_s)
+                 for s in range(shards)]
         watches = [RoleWatch(p.addresses) for p in pairs]
         servers = ",".join("|".join(p.addresses) for p in pairs)
-        pushers = Pushers(servers, workers, params, shm=rng.random() < 0.5)
+        pushers = Pushers(servers, workers, params, shm=rng.random() < 0.5, pace_s=pace_s,
+                          rpc_timeout_s=rpc_timeout_s)
         per_shard = [faults // shards + (s < faults % shards) for s in range(shards)]
+        kinds = [order[s::shards] for s in range(shards)] if each else [None] * shards
 
-        def strike(pair: Pair, n: int) -> None:
+        def strike(pair: Pair, n: int, given: list[str] | None) -> None:
             try:
-                for _ in range(n):
+                for i in range(n):
                     time.sleep(pair.rng.uniform(0.2, 1.0))
-                    pair.inject(pair.rng.choice(KINDS))
+                    pair.inject(given[i] if given else pair.rng.choice(KINDS))
             except Exception as e:  # recorded: the run reports it
                 out.errors.append(f"shard {pair.shard}: {e}")
 
-        threads = [threading.Thread(target=strike, args=(p, n)) for p, n in
-                   zip(pairs, per_shard, strict=True)]
+        threads = [threading.Thread(target=strike, args=(p, n, given)) for p, n, given in
+                   zip(pairs, per_shard, kinds, strict=True)]
         for t in threads:
             t.start()
         for t in threads:
@@ -516,6 +606,12 @@ def run(tmp: Path, seed: int, faults: int | None = None, workers: int = 3,
             out.faults += p.faults
             primary, _ = p.heal()
             out.new_terms += status(p.slots[primary].address).term - 1
+            out.restarted += p.restarted
+            out.records += p.records
+        done = pushers.finished == workers  # all steps pushed: no stall after the last
+        attribute_gaps(pushers.times, out.records, None if done else pushers.stopped)
+        if done:
+            out.unmeasured = sum(r.start > pushers.times[-1] for r in out.records)
         out.acked = len(pushers.acked)
         reader = connect(servers, worker=workers, params=params, shm=False)
         try:
@@ -540,7 +636,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=3, help="worker threads per run")
     ap.add_argument("--faults", type=int, default=None,
                     help="faults per run (default: 5-10, drawn from the seed)")
+    ap.add_argument("--each", type=int, default=0,
+                    help="instead: every fault kind this many times per run, in a seeded order")
+    ap.add_argument("--shards", type=int, default=2, help="replicated shards")
+    ap.add_argument("--fault-s", type=float, nargs="+", default=None, metavar="S",
+                    help="pauses and cuts last S s (or LOW HIGH: drawn between; default "
+                         "0.3-3 s pauses, 0.5-3 s cuts)")
+    ap.add_argument("--rpc-timeout-s", type=float, default=3.0,
+                    help="the workers' call deadline (dtlab-worker's default: 120)")
+    ap.add_argument("--pace-s", type=float, default=0.01,
+                    help="each worker's pause between pushes (longer: its steps, one element "
+                         "of the shard each, last longer)")
     args = ap.parse_args(argv)
+    fault_s = None if args.fault_s is None else (args.fault_s[0], args.fault_s[-1])
     logging.getLogger("dtlab").setLevel(logging.ERROR)  # the failovers' warnings
     total = Outcome()
     with tempfile.TemporaryDirectory(prefix="dtlab-faults-") as tmp:
@@ -548,13 +656,20 @@ def main(argv: list[str] | None = None) -> int:
             seed = args.seed + i
             folder = Path(tmp) / f"run{i}"
             folder.mkdir()
-            out = run(folder, seed, args.faults, args.workers)
+            out = run(folder, seed, args.faults, args.workers, args.shards, args.each, fault_s,
+                      args.rpc_timeout_s, args.pace_s)
             print(f"run {i} (seed {seed}): {out.line()}", flush=True)
             total.faults += out.faults
-            for name in ("acked", "lost", "duplicated", "stray", "split_brain", "new_terms"):
+            for name in ("acked", "lost", "duplicated", "stray", "split_brain", "new_terms",
+                         "restarted", "unmeasured"):
                 setattr(total, name, getattr(total, name) + getattr(out, name))
             total.errors += out.errors
+            total.records += out.records
     print(f"totals: runs {args.runs} | {total.line()}", flush=True)
+    print(f"per fault kind (replica timeout {REPLICA_TIMEOUT_S:g} s, worker deadline "
+          f"{args.rpc_timeout_s:g} s):", flush=True)
+    for row in total.table():
+        print(row, flush=True)
     bad = total.lost or total.duplicated or total.stray or total.split_brain or total.errors
     return 1 if bad else 0
 

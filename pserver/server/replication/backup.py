@@ -1,8 +1,9 @@
 """The backup's end of chain replication: it follows the primary's journal, applies each
 change with the same store code in the same order, acknowledges each (and each heartbeat,
 with its beat: the primary's lease), and when the primary's stream ends, breaks or goes
-silent asks the primary and takes over or leaves (pserver.server.replication.primary
-describes the protocol and its rule of one primary)."""
+silent asks the primary and takes over or, dropped, rejoins it
+(pserver.server.replication.primary describes the protocol, its rule of one primary and
+the rejoin)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 class Follower:
     """A backup's thread: joins the primary, loads its snapshot, applies its entries in
-    order and acknowledges each; then takes over, or leaves once dropped."""
+    order and acknowledges each; then takes over, or rejoins once dropped."""
 
     def __init__(self, r: Replication):
         self.r, self.store = r, r.store
@@ -130,7 +131,9 @@ class Follower:
 
     def _leave(self, why: str) -> None:
         """Dropped: stay (answering "dropped" to the primary) until the primary goes on in a
-        higher term, is gone or is no primary (bounded), then stop, to be restarted."""
+        higher term, is gone or is no primary (bounded), then rejoin it: the daemon starts
+        again as its backup, from its snapshot. `why`: how this follower ended; the line
+        says why it was dropped (Replication.dropped's reason) where that is known."""
         r, primary = self.r, self.r.cfg.replica_of
         limit = time.monotonic() + max(10.0, 10 * r.cfg.replica_timeout_s)
         while not self._stopped.is_set() and time.monotonic() < limit:
@@ -141,8 +144,8 @@ class Follower:
                 break
             self._stopped.wait(r.cfg.replica_timeout_s / 4)
         if not self._stopped.is_set():
-            r.fail(f"the primary {primary} dropped this backup ({why}): restart this daemon "
-                   f"with --replica-of {primary} to rejoin")
+            r.rejoin(primary, f"shard {self.store.layout.shard}: dropped as the backup of "
+                              f"{primary}: {r.drop_reason or why}")
 
     def _follow(self) -> None:
         r, store = self.r, self.store

@@ -258,22 +258,28 @@ class Journal:
 
     def wait_all(self) -> bool:
         """Until the backup has applied every change made so far and this primary may
-        answer: True; False once it never will and the reply must not go out (refusing:
-        it stops, or was replaced)."""
+        answer: True. False at once where the reply must not go out now: this primary
+        stops or was replaced (refusing), or its lease ran out first, with changes the
+        backup has not applied or a lost backup not yet decided on (it may be taking
+        over). So no reply waits past the lease, `timeout` after the last heartbeat the
+        backup answered: the worker is refused (UNAVAILABLE) and tries the other replica,
+        and a push it sends again is applied once, by its (worker, step)."""
         with self._cond:
             target = self.seq
             while not self.refusing:
                 if self.acked >= target and self.answering():
                     return True
-                link = self.link
-                if self.attached(link) and not self.leased():
-                    self._cond.release()  # on_lost may take time; let others record
-                    try:
-                        self.expire(link)
-                    finally:
-                        self._cond.acquire()
-                    continue
-                self._cond.wait(self.timeout / 4)
+                if self.backup and not self.leased():
+                    link = self.link
+                    if self.attached(link):
+                        self._cond.release()  # on_lost may take time; let others record
+                        try:
+                            self.expire(link)
+                        finally:
+                            self._cond.acquire()
+                    return False
+                left = self._lease - time.monotonic()
+                self._cond.wait(max(1e-3, min(self.timeout / 4, left + 1e-3)))
             return False
 
 

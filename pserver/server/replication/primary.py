@@ -41,39 +41,54 @@ two things make two primaries impossible, with no outside arbiter:
   heartbeat answered the backup has not taken over, and the primary answers
   workers (a reply goes out, its health says SERVING, ReplicaStatus says
   "primary") only within that lease. A primary whose lease ran out is
-  "isolated": it answers no worker until it knows what its backup did.
+  "isolated": it answers no worker until it knows what its backup did, and
+  refuses at once (UNAVAILABLE) every reply it still held, so that its workers
+  try the backup, which may be taking over, without waiting for their deadline.
 - Dropping is asked, never assumed. A primary that lost its backup (its
   stream broke, or its lease ran out) goes on alone, in a new term, only once
   the backup answered ReplicaStatus(term) with "dropped" (a backup answering
   that request never takes over: the two are one decision under its lock;
-  it leaves, to be restarted with --replica-of), or once nothing listens on
+  it rejoins, see below), or once nothing listens on
   the backup's port while the lease still runs (it died before it could
   take over), or when the backup never held the whole snapshot. If the
   backup answers that it took over, this primary was replaced: it sends none
-  of the replies it still holds and exits with an error. Silence changes
-  nothing: the primary keeps asking, answering no worker meanwhile.
+  of the replies it still holds and rejoins. Silence changes nothing: the
+  primary keeps asking, answering no worker meanwhile.
 
 So a paused or cut-off primary is replaced (its backup takes over after
 --replica-timeout-s of silence plus one unanswered ReplicaStatus) and, once
 it runs again, learns that from the backup before it answers anyone; a
-paused or cut-off backup holds its primary's replies until it answers (or
-its port is closed), then is dropped or has taken over, never both.
+paused or cut-off backup stops its primary's replies until it answers (or
+its port is closed), then is dropped or has taken over, never both. (A
+paused backup and one cut off that takes over look alike to the primary:
+silence. Only the backup can end that wait, so the shard acknowledges
+nothing for the pause; no third party breaks the tie.)
+
+Rejoining (chain replication's recovery: van Renesse and Schneider 2004, section
+3; Li et al. 2014, section 4.3). A backup that was dropped (once its primary went
+on alone) and a primary that was replaced drop their store and start again,
+on the same port, as the backup of the other replica (`rejoin`, given by the
+daemon: pserver.__main__ builds a fresh store and daemon with --replica-of
+the other), which sends them its snapshot and then its journal as to any
+joining backup: the shard is two replicas again within a second or so, and a
+push acknowledged meanwhile is in the snapshot or in the journal after it.
 
 Failure. The backup detects the primary's death by its stream breaking (a
 killed process's connections are reset) or by hearing nothing, not even a
 heartbeat, for --replica-timeout-s; it then asks the primary's
 ReplicaStatus (pserver.server.replication.peer): a primary that answers
-(alive: it was dropped) keeps it, so it leaves; one that stops or was
+(alive: it was dropped) keeps it, so it rejoins; one that stops or was
 replaced, or nothing listening on its port, lets it take over at once; no
 answer lets it take over once its lease has run out. It then serves workers
-as primary (alone, until a restarted daemon joins it with --replica-of). A
-primary that stops (SIGTERM) sends no held reply either: its workers get
-UNAVAILABLE and retry at the backup, which takes over. Workers list each
-shard as PRIMARY|BACKUP and switch to the other address on UNAVAILABLE, or
-on a deadline where the replica does not answer its health check
-(pserver.worker.failover); a push retried after a failover is applied once,
-by its (worker, step): if it reached the backup before the primary died,
-the new primary answers it as a duplicate.
+as primary (alone, until its old primary rejoins it, or a restarted daemon
+joins it with --replica-of). A primary that stops (SIGTERM) sends no held
+reply either: its workers get UNAVAILABLE and retry at the backup, which
+takes over. Workers list each shard as PRIMARY|BACKUP and switch to the
+other address on UNAVAILABLE, or where the replica does not say SERVING to a
+health check during a call that takes long (pserver.worker.failover); a push
+retried after a failover is applied once, by its (worker, step): if it
+reached the backup before the primary died, the new primary answers it as a
+duplicate.
 
 Replicas of model-parallel partitions and TLS between replicas are not
 supported (refused at start and at Register).
@@ -127,8 +142,11 @@ class Replication:
     "joining" | "backup" -> "dropped" (never takes over: dropped by its primary, or it
     stops). Every change of role is made under one lock.
 
-    `fail(why)`: the daemon cannot go on (a backup dropped by a live primary, or
-    one that could not join); it shuts down and exits non-zero."""
+    `fail(why)`: the daemon cannot go on (a backup that could not join, a primary
+    that cannot tell whether its lost backup took over); it shuts down and exits
+    non-zero. `rejoin(primary, why)`: it goes on as the backup of `primary` (a
+    backup dropped by a live primary, a primary replaced by its backup): the daemon
+    shuts down and starts again with --replica-of `primary`."""
 
     def __init__(self, cfg: ServerConfig, store: ShardStore, config: dict):
         self.cfg, self.store, self.config = cfg, store, config
@@ -144,17 +162,23 @@ class Replication:
         self.health: object | None = None
         self._health_lock = threading.Lock()
         self.fail: Callable[[str], None] = lambda why: None
+        self.rejoin: Callable[[str, str], None] = lambda primary, why: None
+        self.drop_reason = ""  # why this backup was dropped (the first reason given)
         self.follower: Follower | None = None
         self.gate = Gate(self)
         self.metadata = auth.call_metadata(auth.read_token(cfg.token_file, cfg.token_env))
-        self.ask_timeout = min(1.0, cfg.replica_timeout_s)  # of one ReplicaStatus to the other
+        # of one ReplicaStatus to the other: a live replica answers in milliseconds, and
+        # the backup's takeover waits for it (after a lease of silence, so the primary
+        # answers no worker by then: a live one that answers late costs a takeover, no more)
+        self.ask_timeout = min(0.5, cfg.replica_timeout_s / 4)
         lay, params = store.layout, store.params
         self.meta = pb.TensorMeta(dtype=wire.dtype_code(params.dtype), shape=[lay.length],
                                   offset=lay.offset)
 
-    def start(self, address: str, health, fail: Callable[[str], None]) -> None:
+    def start(self, address: str, health, fail: Callable[[str], None],
+              rejoin: Callable[[str, str], None]) -> None:
         """Begin (a backup: join the primary), setting `health` from now on."""
-        self.address, self.fail = address, fail
+        self.address, self.fail, self.rejoin = address, fail, rejoin
         with self._health_lock:
             self.health = health
         self._set_health()
@@ -231,7 +255,7 @@ class Replication:
         with self._lock:
             if self.role not in ("joining", "backup"):
                 return self.role == "dropped"
-            self.role = "dropped"
+            self.role, self.drop_reason = "dropped", why
         log.warning("shard %d: dropped as the backup of %s (%s): it never takes over",
                     self.store.layout.shard, self.primary, why)
         if self.follower is not None:
@@ -305,9 +329,9 @@ class Replication:
         with self._lock:
             self.role = "replaced"
         self._set_health()
-        self.fail(f"shard {self.store.layout.shard}: the backup {backup} took over as primary "
-                  f"(it answers {answer.role}, term {answer.term}); this daemon stops "
-                  f"(restart it with --replica-of {backup} to rejoin)")
+        self.rejoin(backup, f"shard {self.store.layout.shard}: replaced as primary: its "
+                            f"backup {backup} took over (it answers {answer.role}, term "
+                            f"{answer.term}) while this primary could not reach it")
 
     # -- the service ------------------------------------------------------------------------
 
@@ -415,7 +439,8 @@ class Replication:
 
     def ReplicaStatus(self, request: pb.ReplicaStatusRequest, context) -> pb.ReplicaStatusReply:
         if request.term:  # a primary drops this daemon as its backup
-            self.dropped(f"its primary in term {request.term} lost it")
+            self.dropped(f"its primary (term {request.term}) lost it, no answer of this "
+                         "backup reaching it within its lease, and goes on alone")
         j = self.journal
         follows = self.follower is not None and self.role in ("joining", "backup", "dropped")
         return pb.ReplicaStatusReply(role=self.reported_role(), primary=self.primary,
@@ -491,12 +516,16 @@ class Gate(grpc.ServerInterceptor):
         return call
 
     def _held(self, context) -> None:
-        """Wait until the backup holds every change made so far; UNAVAILABLE if it never
-        will (this primary stops or was replaced: the worker retries at the backup)."""
-        if not self.r.journal.wait_all():
+        """Wait until the backup holds every change made so far; UNAVAILABLE if it does not
+        within this primary's lease, or never will (it stops, or was replaced): the worker
+        retries at the other replica."""
+        journal = self.r.journal
+        if not journal.wait_all():
+            why = "no longer the primary" if journal.refusing else \
+                f"its backup {journal.backup or '(lost)'} did not confirm within the lease"
             context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"shard {self.r.store.layout.shard} at {self.r.address}: no longer "
-                          "the primary; try its backup")
+                          f"shard {self.r.store.layout.shard} at {self.r.address}: {why}; "
+                          "try the other replica")
 
 
 def _names_partition(raw: bytes) -> bool:

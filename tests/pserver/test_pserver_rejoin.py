@@ -1,0 +1,88 @@
+"""Availability of a replicated shard under faults, with the fault harness's parts
+(tests/support/faults.py: real daemons, a cut link as a proxy that forwards nothing,
+SIGSTOP, integer pushes whose sum tells which were applied and how often).
+
+One shard (--replica-timeout-s 1), two workers with dtlab-worker's default deadline
+(120 s) pushing all along, and three faults of 3 s in a row:
+
+- the replicas' link cut both ways: the primary refuses at its lease's end, the backup
+  takes over, and acknowledgements resume within the replica timeout + 1 s; the old
+  primary learns it was replaced once the link heals and rejoins as the backup;
+- SIGSTOP of the primary: the workers give up on it (its health gives no answer) and
+  find the backup that took over, within the replica timeout + 1 s; once it runs again
+  the old primary rejoins;
+- SIGSTOP of the backup: nothing is acknowledged for the pause (the primary cannot tell
+  it from a backup cut off that takes over); then the backup, dropped, rejoins by itself
+  and says why in one line.
+
+After each fault the shard is two replicas again within seconds with no daemon
+restarted by hand; every acknowledged push applied exactly once, nothing unsent
+applied, never two primaries.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+from support import faults
+from support.pserver_util import connect, initial_params
+
+T = faults.REPLICA_TIMEOUT_S
+FAULT_S = 3.0
+
+
+def test_acknowledgements_resume_within_the_lease_and_replicas_rejoin_by_themselves(tmp_path):
+    params = initial_params("mlp", faults.MODEL, dtype="float64")
+    init = params.data.copy()
+    pair = faults.Pair(tmp_path, 0, 1, random.Random(3), fault_s=(FAULT_S, FAULT_S))
+    watch = faults.RoleWatch(pair.addresses)
+    pushers = None
+    try:
+        servers = "|".join(pair.addresses)
+        pushers = faults.Pushers(servers, 2, params, shm=False, rpc_timeout_s=120.0)
+        faults.wait_for("pushes acknowledged", lambda: len(pushers.times) > 20 or
+                        bool(pushers.errors))
+        for kind in ("cut-both", "pause-primary", "pause-backup"):
+            pair.inject(kind)
+            time.sleep(0.5)  # acknowledgements after the last fault too
+        pushers.stop()
+        assert not pushers.errors, pushers.errors
+        out = faults.Outcome(acked=len(pushers.acked))
+        reader = connect(servers, worker=2, params=params, shm=False)
+        try:
+            got = np.empty(init.size, np.float64)
+            reader.pull(got)
+        finally:
+            reader.close()
+        faults.applied(pushers, got, init, out)
+        out.split_brain = watch.stop()
+        faults.attribute_gaps(pushers.times, pair.records, pushers.stopped)
+        rows = {r.kind: r for r in pair.records}
+        print("\n".join(f"{k}: longest gap between acknowledgements {r.gap:.2f} s, "
+                        f"unreplicated {r.unreplicated:.2f} s" for k, r in rows.items()),
+              f"\n{out.acked} acknowledged, lost {out.lost}, duplicated {out.duplicated}",
+              flush=True)
+        assert (out.lost, out.duplicated, out.stray, out.split_brain) == (0, 0, 0, 0)
+        assert out.acked > 50
+        assert rows["cut-both"].gap <= T + 1, rows["cut-both"].gap
+        assert rows["pause-primary"].gap <= T + 1, rows["pause-primary"].gap
+        assert rows["pause-backup"].gap <= FAULT_S + T + 1, rows["pause-backup"].gap
+        assert pair.restarted == 0  # every replica rejoined by itself
+        for r in pair.records:  # whole again within seconds of the fault's end
+            assert r.unreplicated <= FAULT_S + 4, (r.kind, r.unreplicated)
+        logs = [s.daemon.output() for s in pair.slots]
+        dropped = [line for log in logs for line in log.splitlines()
+                   if "dropped as the backup of" in line and "rejoining" in line]
+        assert dropped, logs
+        for line in dropped:  # one line that says why, not the stream's cancellation
+            assert "CANCELLED" not in line and ("lost it" in line or "answers as" in line), \
+                line
+        assert any("replaced as primary: its backup" in line and "rejoining it as its "
+                   "backup" in line for log in logs for line in log.splitlines()), logs
+    finally:
+        watch.stop()
+        if pushers is not None and not pushers.stopped:
+            pushers.stop()
+        pair.close()

@@ -115,7 +115,7 @@ class Link:
         world_group.Free()
         self.ws = Workspace()
         self.watch = Watch(label, timeout, self.world_ranks)
-        waiter = Waiter(self.watch, yield_waits)
+        self.waiter = waiter = Waiter(self.watch, yield_waits)
         self.wait, self.waitall = waiter.wait, waiter.waitall
         self.cache = RequestCache(persistent_buffers)
         self.release = weakref.finalize(self, self.cache.free_all)

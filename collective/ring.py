@@ -45,9 +45,10 @@ link actually carried. The price is latency: 2(N - 1) messages in sequence,
 which is why smaller buffers go to other algorithms (collective/choose.py).
 
 In code (ring() below): `sent_segment(p, t)` and `received_segment(p, t)`
-are the two formulas above, the loop runs `for t in steps: for j in
-chunks:`, and `t < N - 1` chooses between adding and overwriting, row for
-row as in the table.
+are the two formulas above; the plan lists the messages row by row (chunk
+j of step t is message m = (t - first) C + j), the loop runs `for m in
+messages`, and whether m falls in a step t < N - 1 chooses between adding
+and overwriting, row for row as in the table.
 
 Pipelining. Each segment is cut into C sub-chunks of about `chunk_bytes`, and
 chunk j of step t + 1 (the same memory as chunk j of step t, just completed)
@@ -75,6 +76,7 @@ Measure: mpiexec -n 4 dtlab-bench allreduce
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from dtlab.collective.bindings import free_requests
@@ -144,7 +146,7 @@ class _Plan:
 
 class _Bound:
     """A plan bound to one buffer: persistent requests (MPI_Recv_init,
-    MPI_Send_init) and the array views the additions use.
+    MPI_Send_init), the array views the additions use and the ring neighbours.
 
     Each scratch slot is a page-aligned region with a page of slack, and the
     view a reduce step receives into starts at the page offset of the chunk
@@ -152,7 +154,8 @@ class _Bound:
     """
 
     def __init__(self, link: Link, plan: _Plan, buf, xp):
-        comm, left, right = link.comm, link.left(), link.right()
+        comm, self.plan = link.comm, plan
+        self.left, self.right = left, right = link.left(), link.right()
         item, base = buf.itemsize, address(buf)
         stride = -(-plan.chunk_max * item // PAGE) * PAGE + PAGE  # bytes per slot
         slots = link.ws.pages("ring", plan.window * stride, xp) if plan.n_reduce else None
@@ -172,20 +175,45 @@ class _Bound:
         free_requests(self.recv + self.send)
 
 
-def _bind(link: Link, buf, bounds: list[int], first: int, last: int, chunk_bytes: int, xp):
-    """The plan for this shape and its binding to `buf`, from the link's caches."""
-    key = ("ring", tuple(bounds), first, last, buf.dtype.char, chunk_bytes)
-    order, position = link.ring()
-    plan = link.cache.plan(key, lambda: _Plan(order, position, bounds, first, last,
-                                              buf.itemsize, chunk_bytes))
-    bound = link.cache.bound(key, buf, lambda: _Bound(link, plan, buf, xp))
-    return plan, bound
+def _bind(link: Link, buf, bounds: tuple[int, ...], first: int, last: int, chunk_bytes: int,
+          xp) -> _Bound:
+    """The binding of this shape's plan to `buf`, from the link's caches."""
+    key = ("ring", bounds, first, last, buf.dtype.char, chunk_bytes)
+
+    def make() -> _Bound:
+        order, position = link.ring()
+        plan = link.cache.plan(key, lambda: _Plan(order, position, list(bounds), first, last,
+                                                  buf.itemsize, chunk_bytes))
+        return _Bound(link, plan, buf, xp)
+
+    return link.cache.bound(key, buf, make)
+
+
+def _post(link: Link, plan: _Plan, bound: _Bound, posted: int, upto: int, now: bool,
+          operation: str) -> int:
+    """Start receives [posted, upto) in message order (MPI matches them in that
+    order); the number started so far. A gather receive lands where an earlier
+    send reads from: ahead of time it is started only once that send is done
+    (else this stops there), `now` (just before it is waited for) after waiting
+    for that send, which is done or about to be: the data we wait for includes
+    our contribution, which the right neighbour read."""
+    recvs, sends, after_send = bound.recv, bound.send, plan.after_send
+    while posted < upto:
+        old = after_send[posted]
+        if old >= 0:
+            if now:
+                link.wait(sends[old], operation, bound.right)
+            elif not sends[old].Test():
+                return posted
+        recvs[posted].Start()
+        posted += 1
+    return posted
 
 
 def ring(
     link: Link,
     buf,
-    bounds: list[int],
+    bounds: tuple[int, ...],
     first: int,
     last: int,
     *,
@@ -202,59 +230,53 @@ def ring(
     divide: after the last reduce step divide the finished segment by this
         (averaging costs 1/N of a full pass).
     sync: called before a device buffer is handed to MPI (GPU stream sync).
+
+    Message m is chunk m % C of step first + m // C; the loop runs them in
+    order, and a message's work is its Wait, the add of a reduce step and the
+    Start of the same chunk's next step: what the plan and the binding hold is
+    only indexed here, Python's share of a step is kept to those calls.
     """
-    plan, bound = _bind(link, buf, bounds, first, last, chunk_bytes, xp)
-    left, right = link.left(), link.right()
-    total, window, c = plan.total, plan.window, plan.n_chunks
-    recvs, sends, adds, after_send = bound.recv, bound.send, bound.adds, plan.after_send
+    bound = _bind(link, buf, bounds, first, last, chunk_bytes, xp)
+    plan = bound.plan
+    total, window, c, n_reduce = plan.total, plan.window, plan.n_chunks, plan.n_reduce
+    recvs, sends, adds = bound.recv, bound.send, bound.adds
+    wait = link.waiter.waits_for(operation, bound.left)
+    final = n_reduce - c if divide is not None else total  # the last reduce step's messages
 
-    posted = 0  # receives [0, posted) are started, always in message order
-
-    def post(upto: int, now: bool) -> None:
-        # A gather receive lands where an earlier send reads from. Ahead of
-        # time it is posted only once that send is done; otherwise just before
-        # it is waited for, when the send is done or about to be (the data we
-        # wait for includes our contribution, which the right neighbour read).
-        # Receives are posted in order, since MPI matches them in that order.
-        nonlocal posted
-        while posted < upto:
-            old = after_send[posted]
-            if old >= 0:
-                if now:
-                    link.wait(sends[old], operation, right)
-                elif not sends[old].Test():
-                    return
-            recvs[posted].Start()
-            posted += 1
-
-    post(window, False)
+    posted = _post(link, plan, bound, 0, window, False, operation)
     if sync is not None:
         sync()
     for m in range(min(c, total)):  # step `first`: every chunk of the segment we send
         sends[m].Start()
-    n = link.size
-    for t in range(first, last):  # a row of the walk-through's table
-        for j in range(c):  # chunk j of received_segment(t)
-            m = (t - first) * c + j
-            post(m + 1, True)
-            link.wait(recvs[m], operation, left)
-            if t < n - 1:  # reduce-scatter: add what arrived into our own
-                dst, got = adds[m]  # (chunk,), (chunk,)
-                xp.add(dst, got, out=dst)
-                if divide is not None and t == n - 2:  # the segment is final
-                    xp.true_divide(dst, divide, out=dst)
-                if sync is not None:
-                    sync()
-            post(min(m + 1 + window, total), False)
-            if t + 1 < last:  # chunk j of step t + 1 is this chunk: pass it on
-                sends[m + c].Start()
-    link.waitall(sends, operation, right)
+    for m in range(total):  # chunk m % C of the walk-through table's row first + m // C
+        if posted <= m:
+            posted = _post(link, plan, bound, posted, m + 1, True, operation)
+        wait(recvs[m])
+        if m < n_reduce:  # reduce-scatter: add what arrived into our own
+            dst, got = adds[m]  # (chunk,), (chunk,)
+            xp.add(dst, got, out=dst)
+            if m >= final:  # the segment is final
+                xp.true_divide(dst, divide, out=dst)
+            if sync is not None:
+                sync()
+        if posted < total:
+            posted = _post(link, plan, bound, posted, min(m + 1 + window, total), False,
+                           operation)
+        if m + c < total:  # chunk j of step t + 1 is this chunk: pass it on
+            sends[m + c].Start()
+    link.waitall(sends, operation, bound.right)
+
+
+@functools.lru_cache(maxsize=64)
+def even_bounds(length: int, parts: int) -> tuple[int, ...]:
+    """segment_bounds(length, parts) as a tuple, computed once per shape."""
+    return tuple(segment_bounds(length, parts))
 
 
 def ring_allreduce(link: Link, buf, *, xp, sync, chunk_bytes: int, divide: int | None) -> None:
     """Sum (or average, divide=N) `buf` (L,) over the ring, in place."""
     n = link.size
-    ring(link, buf, segment_bounds(buf.size, n), 0, 2 * n - 2,
+    ring(link, buf, even_bounds(buf.size, n), 0, 2 * n - 2,
          xp=xp, sync=sync, chunk_bytes=chunk_bytes, divide=divide)
 
 
@@ -264,12 +286,12 @@ def ring_reduce_scatter(
     """Reduce `buf` (L,) so that rank r's segment buf[bounds[r]:bounds[r+1]]
     holds the sum; the other segments are left holding partial sums."""
     n = link.size
-    ring(link, buf, bounds, 0, n - 1, xp=xp, sync=sync, chunk_bytes=chunk_bytes,
+    ring(link, buf, tuple(bounds), 0, n - 1, xp=xp, sync=sync, chunk_bytes=chunk_bytes,
          divide=divide, operation="reduce_scatter(ring)")
 
 
 def ring_allgather(link: Link, buf, bounds: list[int], *, xp, sync, chunk_bytes: int) -> None:
     """Fill every segment of `buf` from its owner: rank r owns buf[bounds[r]:bounds[r+1]]."""
     n = link.size
-    ring(link, buf, bounds, n - 1, 2 * n - 2, xp=xp, sync=sync, chunk_bytes=chunk_bytes,
+    ring(link, buf, tuple(bounds), n - 1, 2 * n - 2, xp=xp, sync=sync, chunk_bytes=chunk_bytes,
          operation="allgather(ring)")

@@ -16,6 +16,8 @@ it says what it waits for, and whom, before it blocks.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 
 from mpi4py import MPI
 
@@ -57,6 +59,25 @@ class Waiter:
                 req.Wait(status)
         finally:
             self.watch.idle()
+
+    def waits_for(self, operation: str, peer: int | None) -> Callable[[MPI.Request], None]:
+        """`wait(req, operation, peer)` as a one-argument function with the layers of
+        calls taken out (the stall watch's state set in place): for a loop that waits
+        for many messages of one operation and peer, the ring's, where each layer costs
+        a fraction of a microsecond per message."""
+        if self.yield_waits:
+            return lambda req: self.wait(req, operation, peer)
+        watch, timeout = self.watch, self.watch.timeout
+
+        def wait(req: MPI.Request) -> None:
+            if timeout:
+                watch.state = (time.monotonic() + timeout, operation, peer)
+            try:
+                req.Wait()
+            finally:
+                watch.state = None
+
+        return wait
 
     def waitall(self, reqs: list, operation: str, peer: int | None) -> None:
         """Complete all of `reqs` (peer None: several ranks)."""

@@ -340,19 +340,22 @@ def median_table(rows: list[dict], n: int, k: int) -> str:
              "shared-memory one-/two-shot, hd halving-doubling, ring); mpi = MPI_Allreduce; "
              "time o/m = ours/mpi time (< 1 favours ours); busbw = bytes/time * 2(n-1)/n, "
              "GB/s; busbw o/m = ours/mpi busbw (> 1 favours ours); spread = min..max of the "
-             "per-launch time o/m\n",
+             "per-launch time o/m; gap/step = (ours - mpi) / 2(n-1) us, what each of the "
+             "ring's 2(n-1) steps costs beyond MPI's whole call (via ring only)\n",
              f"# {'size':>10} {'ours(us)':>9} {'via':>5} {'mpi(us)':>9} {'time o/m':>9} "
              f"{'busbw ours':>10} {'busbw mpi':>10} {'busbw o/m':>9} {'spread':>11} "
-             f"{'#wrong':>6}\n"]
+             f"{'gap/step':>8} {'#wrong':>6}\n"]
     for s in sizes:
         ours, mpi = by["ring", s], by["mpi", s]
         each = [o / m for o, m in zip(ours["time_us_launches"], mpi["time_us_launches"],
                                       strict=True)]
+        step = (f"{(ours['time_us'] - mpi['time_us']) / (2 * (n - 1)):8.1f}"
+                if ours["via"] == "ring" else f"{'-':>8}")
         lines.append(
             f"  {s:>10} {ours['time_us']:>9.1f} {ours['via']:>5} {mpi['time_us']:>9.1f} "
             f"{ours['time_us'] / mpi['time_us']:>9.2f} {ours['busbw']:>10.2f} "
             f"{mpi['busbw']:>10.2f} {ours['busbw'] / mpi['busbw']:>9.2f} "
-            f"{min(each):>5.2f}..{max(each):<5.2f} {ours['wrong'] + mpi['wrong']:>6}\n")
+            f"{min(each):>5.2f}..{max(each):<5.2f} {step} {ours['wrong'] + mpi['wrong']:>6}\n")
     return "".join(lines) + floors(by, sizes) + "\n"
 
 

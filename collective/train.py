@@ -208,7 +208,7 @@ class DataParallelReducer(Exchange):
             self.divide = experts[2]
         self.ready = self.buckets.ready
         self.overlap = self.buckets.overlap
-        sent = [ring_sent_bytes(b) for b in (self.buckets, self.experts) if b is not None]
+        sent = [sent_bytes(b) for b in (self.buckets, self.experts) if b is not None]
         self.sent_bytes = None if None in sent else sum(sent)
 
     def wait(self) -> dict:
@@ -231,14 +231,30 @@ class DataParallelReducer(Exchange):
             self.experts.close()
 
 
-def ring_sent_bytes(buckets: BucketReducer) -> int | None:
-    """Bytes this rank sends per step in the buckets' all-reduces when every one runs our
-    ring (collective/zero_layout.py RingTraffic; collective on first use), else None."""
-    if any(b["algorithm"] not in ("ring", "none") for b in buckets.plan()):
-        return None
-    traffic = RingTraffic(buckets.comm)
+def sent_bytes(buckets: BucketReducer) -> int | None:
+    """Bytes of this rank's data that reach the other ranks per step in the buckets'
+    all-reduces, by the algorithm each bucket runs (L its bytes, N ranks): our ring, its
+    own schedule (collective/zero_layout.py RingTraffic; collective, built only where a
+    bucket runs it, which every rank's plan agrees on); halving-doubling and shared-memory
+    two-shot 2(N-1)/N L (a segment of the inputs read by its reducer, then the reduced
+    segments by every rank); one-shot (N-1) L (every rank reads every input); recursive
+    doubling log2 N x L (both for a power-of-two N). None where no formula holds: MPI's
+    own all-reduce, the naive one (root and others differ), a fold from another N."""
+    plan, n = buckets.plan(), buckets.comm.size
     itemsize = (buckets.shadow if buckets.shadow is not None else buckets.grad).itemsize
-    return sum(traffic.allreduce(hi - lo, itemsize) for lo, hi in buckets.buckets)
+    if any(b["algorithm"] in ("mpi", "naive")
+           or (b["algorithm"] in ("doubling", "halving") and n & (n - 1)) for b in plan):
+        return None
+    traffic = RingTraffic(buckets.comm) if any(b["algorithm"] == "ring" for b in plan) else None
+    per_byte = {"halving": 2 * (n - 1) / n, "shm-two-shot": 2 * (n - 1) / n,
+                "shm-one-shot": n - 1, "doubling": n.bit_length() - 1, "none": 0}
+    total = 0
+    for (lo, hi), b in zip(buckets.buckets, plan, strict=True):
+        if b["algorithm"] == "ring":
+            total += traffic.allreduce(hi - lo, itemsize)
+        else:
+            total += round(per_byte[b["algorithm"]] * (hi - lo)) * itemsize
+    return total
 
 
 def plan_words(plan: list[dict]) -> str:

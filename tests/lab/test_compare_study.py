@@ -62,7 +62,8 @@ def test_each_method_is_tuned_then_run_at_its_best_with_fresh_seeds(tmp_path):
                        and x["point"] == {"lr": lr})
             assert json.loads((folder / "config.json").read_text())["optim"]["lr"] == lr
             per_step = run["stats"]["s_per_step"]
-            keys[lr] = (per_step * reached[0] if reached else math.inf, held[max(held)])
+            keys[lr] = (reached[0] if reached else math.inf, held[max(held)],
+                        per_step * reached[0] if reached else math.inf)
         assert m["best"] == {"lr": min(keys, key=keys.get)}, (name, keys)
         # the seeds' figures, recomputed
         finals = []
@@ -76,6 +77,14 @@ def test_each_method_is_tuned_then_run_at_its_best_with_fresh_seeds(tmp_path):
             (min(finals), max(finals))
         assert m["seeds"] == [1, 2] and m["finished"] == 2
     ring, auto, sim = summary["methods"]
+    assert auto["best"] == ring["best"]  # the same losses: the same point, whatever the clock
+    # bytes and rounds for the chooser's algorithms too (at 2 ranks each moves what the ring does)
+    traffic = {name: [r["stats"]["traffic"] for r in summary["runs"] if r["name"] == name]
+               for name in ("sync-ring", "sync-auto")}
+    assert all(t is not None for t in traffic["sync-auto"])
+    assert [t["bytes_per_step"] for t in traffic["sync-auto"]] == \
+        [t["bytes_per_step"] for t in traffic["sync-ring"]]
+    assert traffic["sync-auto"][0]["rounds_per_step"] == 1
     assert [b["algorithm"] for b in ring["what_ran"][0]["buckets"]] == ["ring"]
     for b in auto["what_ran"][0]["buckets"]:  # what the chooser picks on one node
         assert b["algorithm"] == allreduce_algorithm(b["bytes"], 2, lambda: True)
@@ -118,16 +127,21 @@ def test_the_default_grid_halves_and_doubles_the_configured_lr():
                              {"lr": 0.2, "momentum": 0.0}, {"lr": 0.2, "momentum": 0.9}]
 
 
-def test_the_best_point_reaches_the_target_first_then_ends_lowest():
+def test_the_best_point_reaches_the_target_in_fewest_samples_then_ends_lowest():
     spec = RunSpec.parse("async-asp")
 
-    def trial(lr, steps_to_target, final):
-        stats = {"s_per_step": 0.01, "eval_steps_to_target": steps_to_target,
+    def trial(lr, steps_to_target, final, s_per_step=0.01):
+        stats = {"s_per_step": s_per_step, "eval_steps_to_target": steps_to_target,
                  "final_eval_loss": final, "final_loss": final}
         return study.Trial(spec, {"lr": lr}, 0, stats)
 
     assert study.best_point([trial(1, None, 0.1), trial(2, 50, 0.9), trial(3, 40, 0.95)]) \
         == {"lr": 3}
+    # fewer samples wins over a shorter time; equal samples: the lower final loss
+    assert study.best_point([trial(1, 40, 0.9, 0.01), trial(2, 30, 0.9, 0.02)]) == {"lr": 2}
+    assert study.best_point([trial(1, 30, 0.91, 0.01), trial(2, 30, 0.9, 0.02)]) == {"lr": 2}
+    # identical losses: time breaks the tie
+    assert study.best_point([trial(1, 30, 0.9, 0.02), trial(2, 30, 0.9, 0.01)]) == {"lr": 2}
     assert study.best_point([trial(1, None, 0.5), trial(2, None, 0.4),
                              study.Trial(spec, {"lr": 3}, 0, None)]) == {"lr": 2}
     agg = study.aggregate([trial(1, 10, 0.5), trial(1, None, 0.7)], global_batch=16)

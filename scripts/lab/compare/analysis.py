@@ -25,8 +25,9 @@ the first of them whose held-out loss is at or below the target: a measure
 free of the mini-batch noise and of the topology's sampling.
 
 What a run moves (`traffic`), from its own records, every byte on the wire counted once
-over all processes: sync, N x what rank 0 sent (`sent_bytes`: our ring's schedule; runs
-over other all-reduces record none); async, every worker's tensor bytes pushed and
+over all processes: sync, N x what rank 0 sent (`sent_bytes`: the bytes of a rank's data
+that reach the others, by each bucket's algorithm, collective/train.py sent_bytes; runs
+over MPI's own or the naive all-reduce record none); async, every worker's tensor bytes pushed and
 pulled. Communication rounds: sync, the collectives a step ran (`comm_rounds`: local SGD
 1 a round, PowerSGD 2 a step; a plain step's bucketed all-reduce counts as 1, its
 buckets overlapping one backward); async, the steps that pushed (a local SGD worker's

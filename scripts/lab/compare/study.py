@@ -14,9 +14,13 @@ suit both. The protocol:
 1. Tune. Every method runs at every point of the grid (the Cartesian
    product of the --tune values; default: the config's lr times 0.5, 1
    and 2) with the tuning seed (the config's --seed).
-2. Select. Each method's best point is the one with the shortest time to
-   the target on the held-out loss; points that never reach it rank after
-   those that do, by their final held-out loss (lower is better).
+2. Select. Each method's best point is chosen on the statistical measure:
+   the fewest samples (steps of its global batch) to the target on the
+   held-out loss, then the lowest final held-out loss; points that never
+   reach it rank after those that do, by that loss. Time to the target
+   breaks only exact ties, so two methods whose losses are identical (the
+   same arithmetic over other collectives) choose the same point, not one
+   decided by timing noise.
 3. Evaluate. Each method runs at its best point with K fresh seeds (the
    tuning seed + 1 ... + K: initial weights and data order), so the figures
    reported are not the ones the choice was made on (no winner's curse).
@@ -111,16 +115,18 @@ class Trial:
     folder: str = ""  # relative to OUT
     what_ran: dict = field(default_factory=dict)
 
-    def key(self) -> tuple[float, float]:
-        """Selection order: time to the held-out target (inf: not reached or failed), then
-        the final held-out loss."""
+    def key(self) -> tuple[float, float, float]:
+        """Selection order: steps (of the method's one global batch: samples) to the
+        held-out target, then the final held-out loss, then time to the target (inf:
+        not reached, not finite, or the run failed)."""
         s = self.stats
         if s is None:
-            return math.inf, math.inf
-        t = held_time_to_target(s)
+            return math.inf, math.inf, math.inf
+        steps, t = s.get("eval_steps_to_target"), held_time_to_target(s)
         final = s.get("final_eval_loss")
-        return (math.inf if t is None else t,
-                math.inf if final is None or not math.isfinite(final) else final)
+        return (math.inf if steps is None else steps,
+                math.inf if final is None or not math.isfinite(final) else final,
+                math.inf if t is None else t)
 
 
 def held_time_to_target(stats: dict) -> float | None:

@@ -71,8 +71,9 @@ def summary(data: dict, specs: list[RunSpec], grid: study.Grid, best: dict, seed
             for r in results]
     protocol = {"grid": grid.axes, "tuning_seed": data["config"]["run"]["seed"],
                 "seeds": seeds, "spread": "min-max over the seeds",
-                "selection": "shortest time to the held-out target; unreached points after, "
-                             "by final held-out loss",
+                "selection": "fewest samples to the held-out target, then lowest final "
+                             "held-out loss (unreached points after, by that loss); time to "
+                             "the target breaks exact ties only",
                 "held_out": {"every": data["config"]["run"]["eval_every"],
                              "examples": data["config"]["run"]["eval_samples"]}}
     return {**data, "protocol": protocol, "methods": methods, "runs": runs}
@@ -91,8 +92,8 @@ def leading_table(data: dict) -> list[str]:
     names = list(data["protocol"]["grid"]) or ["-"]
     rows = [f"| method | what | best {', '.join(names)} | time to target (s) | reached "
             f"| samples to target | final held-out loss | ms/step | MB/process | MB/step "
-            f"| rounds/step | vs {first} |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            f"| rounds/step | MB to target | vs {first} |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in data["methods"]:
         best = ", ".join(f"{v:g}" for v in m["best"].values()) or "as configured"
         ms = m["s_per_step"]

@@ -118,7 +118,9 @@ def measure(topology: str, records: list[list[dict]], global_batch: int, workers
         "traffic": None if c.bytes is None else {
             "bytes": float(c.bytes[-1]), "rounds": float(c.rounds[-1]),
             "bytes_per_step": float(c.bytes[-1]) / steps,
-            "rounds_per_step": float(c.rounds[-1]) / steps},
+            "rounds_per_step": float(c.rounds[-1]) / steps,
+            "bytes_to_target": (float(c.bytes[int(c.eval_steps[held_reached[0]]) - 1])
+                                if held_reached.size else None)},
     }
 
 

@@ -2,8 +2,9 @@
 
     summary.json           the setup, the protocol, per method its best point, the spread
                            of every figure over the seeds and what ran; every run
-    report.md              leads with one table: each method at its best, time and samples
-                           to the held-out target with their spread, vs the first method;
+    report.md              leads with one table: each method at its best, time, samples
+                           and bytes to the held-out target with their spread, vs the
+                           first method; the bytes-against-quality front;
                            then the sensitivity table, what ran, the plots, every run
     sensitivity.png        final held-out loss against each tuned value, one line per method
     heldout_vs_samples.png held-out loss against samples seen: mean over the seeds at each
@@ -12,6 +13,8 @@
     heldout_vs_bytes.png   ... against bytes on the wire (all processes, log scale), and
                            against communication rounds (compare/analysis.py, traffic)
     time_split.png         ms per step (compute, comm, pull, other), mean over the seeds
+    front.png              final held-out loss against MB per step (log), the methods no
+                           other beats on both joined (compare/front.py)
 
 Each run's own files (metrics, logs, config) are in OUT/tune/POINT/ (tuning, the tuning
 seed) and OUT/seed-S/POINT/ (evaluation seeds), named after the run.
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dtlab.lab.compare import study
+from dtlab.lab.compare import front, study
 from dtlab.lab.compare.analysis import SPLIT, memory_words, ran_words
 from dtlab.lab.compare.launch import RunSpec
 from dtlab.lab.compare.report import NO_MATPLOTLIB, Result, _f, failed_lines
@@ -35,7 +38,8 @@ PLOTS = {"sensitivity.png": "final held-out loss against the tuned setting",
          "heldout_vs_time.png": "held-out loss against wall time (band: min-max over seeds)",
          "heldout_vs_bytes.png": "held-out loss against bytes moved and against "
                                  "communication rounds (mean over seeds)",
-         "time_split.png": "where a step's time goes (mean over seeds)"}
+         "time_split.png": "where a step's time goes (mean over seeds)",
+         "front.png": "final held-out loss against bytes on the wire per step: the front"}
 
 
 def summary(data: dict, specs: list[RunSpec], grid: study.Grid, best: dict, seeds: list[int],
@@ -49,6 +53,8 @@ def summary(data: dict, specs: list[RunSpec], grid: study.Grid, best: dict, seed
         moved = [t.stats["traffic"] for t in final if t.stats and t.stats.get("traffic")]
         agg["bytes_per_step"] = study.spread([m["bytes_per_step"] for m in moved])
         agg["rounds_per_step"] = study.spread([m["rounds_per_step"] for m in moved])
+        agg["bytes_to_target"] = study.spread([m["bytes_to_target"] for m in moved
+                                               if m.get("bytes_to_target") is not None])
         methods.append({
             "name": spec.name, "what": spec.describe(), "best": best[spec.name],
             "tuning": [{"point": t.point, "folder": t.folder, "status": "ok" if t.stats else
@@ -106,6 +112,7 @@ def leading_table(data: dict) -> list[str]:
                     f"| {memory_words(m['what_ran'][0]) if m['what_ran'] else '-'} "
                     f"| {_traffic(m.get('bytes_per_step'), 1e-6)} "
                     f"| {_traffic(m.get('rounds_per_step'), 1.0)} "
+                    f"| {_traffic(m.get('bytes_to_target'), 1e-6)} "
                     f"| {_f(m['vs_first'], '.2f')} |")
     return rows
 
@@ -173,9 +180,10 @@ def write(out: Path, data: dict, results: list[Result], lines: list[str]) -> Non
             "async worker / shard (parameters and gradients / its slice with optimizer state: "
             "from the config); MB/step and rounds/step: bytes on the wire per step, every "
             "process's counted once (sync: N x rank 0's, our ring's schedule; async: pushed "
-            "and pulled tensors), and collectives (sync) or pushes (async) per step; vs "
-            f"{first}: mean "
-            f"time to target / {first}'s. -: no seed reached the target.", ""]
+            "and pulled tensors), and collectives (sync) or pushes (async) per step; MB to "
+            "target: bytes on the wire until the held-out target, over the seeds that reached "
+            f"it; vs {first}: mean time to target / {first}'s. -: no seed reached the "
+            "target.", "", *front.lines(front.points_of(data["methods"]))]
     sens = sensitivity_table(data)
     if sens:
         text += ["## Sensitivity to the tuned setting (tuning seed)", "", *sens, "",
@@ -261,6 +269,8 @@ def plot(out: Path, data: dict, results: list[Result], floor: float | None,
         written.append(name)
     if traffic_plot(out, final, best, floor, target, plt):
         written.append("heldout_vs_bytes.png")
+    if front.plot(front.points_of(data["methods"]), out, PLOTS["front.png"]):
+        written.append("front.png")
     shown = [m for m in best if final[m]]
     if shown:
         fig, ax = plt.subplots(figsize=(7, 0.5 * len(shown) + 1.5))

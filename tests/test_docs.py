@@ -3,6 +3,7 @@ image names exists, and each flag a dtlab command is given is one its --help lis
 
 from __future__ import annotations
 
+import ast
 import functools
 import re
 import shlex
@@ -97,3 +98,47 @@ def test_every_flag_of_an_example_exists(doc, i, words):
     flags = {a.split("=", 1)[0] for a in args if a.startswith("--")}
     unknown = sorted(f for f in flags if not re.search(rf"{re.escape(f)}\b", text))
     assert not unknown, f"{doc}: `{' '.join(words)}`: {prog} has no {unknown}"
+
+
+# A path that starts at a top folder of the repository must exist from the root; a bare
+# file name of code must be some file's name (compare.py, once a script, is a package now).
+TOP_FOLDERS = ("tests/", "models/", "collective/", "pserver/", "scripts/", "protos/")
+PATH_TOKEN = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.(?:py|md|json|proto|c))\b")
+NOT_OURS = {"reflection.proto"}  # grpc's, which pserver/server/reflection.py serves
+PROGRAMS = ("dtlab-train", "dtlab-cost", "dtlab-sync", "dtlab-worker", "dtlab-replay",
+            "dtlab-compare", "dtlab-simulate", "dtlab-bench")
+
+
+def stale_paths(text: str, names: set[str]) -> list[str]:
+    out = []
+    for token in PATH_TOKEN.findall(text):
+        if token in NOT_OURS:
+            continue
+        if token.startswith(TOP_FOLDERS):
+            if not (ROOT / token).exists():
+                out.append(token)
+        elif "/" not in token and token.endswith((".py", ".c", ".proto")) and token not in names:
+            out.append(token)
+    return out
+
+
+def docstrings(path: Path) -> str:
+    nodes = ast.walk(ast.parse(path.read_text(), str(path)))
+    return "\n".join(ast.get_docstring(n) or "" for n in nodes if isinstance(
+        n, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef))
+
+
+def test_every_repository_path_named_exists():
+    """In every Markdown file, every docstring and every program's --help."""
+    ours = [p for p in ROOT.rglob("*") if p.is_file() and not any(
+        part.startswith(".") or part in ("build", "runs") or part.endswith(".egg-info")
+        for part in p.relative_to(ROOT).parts)]
+    names = {p.name for p in ours}
+    texts = {str(p.relative_to(ROOT)): p.read_text(errors="replace")
+             for p in ours if p.suffix == ".md"}
+    texts |= {str(p.relative_to(ROOT)): docstrings(p) for p in ours if p.suffix == ".py"
+              and not p.name.endswith(("_pb2.py", "_pb2_grpc.py"))}
+    texts |= {f"{prog} --help": help_text(prog, ()) for prog in PROGRAMS}
+    texts["dtlab-pserver serve --help"] = help_text("dtlab-pserver", ("serve",))
+    stale = {where: bad for where, text in texts.items() if (bad := stale_paths(text, names))}
+    assert not stale, f"paths that name nothing in the repository: {stale}"

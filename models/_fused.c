@@ -14,6 +14,19 @@
  *   momentum:  v <- v mu + g;  t <- v mu + g if nesterov else v;  p <- p - t lr
  *   adam:      m <- m b1 + g (1-b1);  v <- v b2 + (g g)(1-b2);
  *              p <- p - (m / (sqrt(v) + eps_t)) lr_t
+ *
+ * and, in the same way, the polynomial passes of GELU's tanh form (models/layers.py), whose
+ * tanh stays NumPy's own pass so that it is the same function:
+ *
+ *   gelu_u:    u <- ((x x) ck + c) x                                 (tanh(u) is NumPy's)
+ *   gelu_y:    y <- ((t + 1) x) 0.5
+ *   gelu_dx:   d <- ((x x) 3ck + c) x;  dx <- ((((d - (t t) d) + t) + 1) 0.5) dy
+ *
+ * and LayerNorm's elementwise passes (models/layers.py), its row reductions left to NumPy:
+ *
+ *   norm_y:    xhat <- xhat r;  y <- xhat g + b                          (r per row)
+ *   norm_dy:   gx <- dy xhat;  dxhat <- dy g
+ *   norm_dx:   dx <- (dxhat - (xhat m2 + m1)) r                          (m1, m2, r per row)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -67,16 +80,100 @@
 DEFINE_KERNELS(float, f32, sqrtf)
 DEFINE_KERNELS(double, f64, sqrt)
 
+#define DEFINE_GELU(T, S)                                                                       \
+    VECTOR_CLONES static void gelu_u_##S(T *restrict u, const T *restrict x, Py_ssize_t n,      \
+                                         T ck, T c) {                                           \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                    \
+            T t = x[i] * x[i];                                                                  \
+            t = t * ck;                                                                         \
+            t = t + c;                                                                          \
+            u[i] = t * x[i];                                                                    \
+        }                                                                                       \
+    }                                                                                           \
+    VECTOR_CLONES static void gelu_y_##S(T *restrict y, const T *restrict x,                    \
+                                         const T *restrict t, Py_ssize_t n) {                   \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                    \
+            T s = t[i] + (T)1;                                                                  \
+            s = s * x[i];                                                                       \
+            y[i] = s * (T)0.5;                                                                  \
+        }                                                                                       \
+    }                                                                                           \
+    VECTOR_CLONES static void gelu_dx_##S(T *restrict dx, const T *restrict dy,                 \
+                                          const T *restrict x, const T *restrict t,             \
+                                          Py_ssize_t n, T ck3, T c) {                           \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                    \
+            T d = x[i] * x[i];                                                                  \
+            d = d * ck3;                                                                        \
+            d = d + c;                                                                          \
+            d = d * x[i];                                                                       \
+            T tt = t[i] * t[i];                                                                 \
+            tt = tt * d;                                                                        \
+            d = d - tt;                                                                         \
+            d = d + t[i];                                                                       \
+            d = d + (T)1;                                                                       \
+            d = d * (T)0.5;                                                                     \
+            dx[i] = d * dy[i];                                                                  \
+        }                                                                                       \
+    }
+
+DEFINE_GELU(float, f32)
+DEFINE_GELU(double, f64)
+
+#define DEFINE_NORM(T, S)                                                                       \
+    VECTOR_CLONES static void norm_y_##S(T *restrict y, T *restrict xhat, const T *restrict r,  \
+                                         const T *restrict g, const T *restrict b,              \
+                                         Py_ssize_t rows, Py_ssize_t d) {                       \
+        for (Py_ssize_t i = 0; i < rows; i++) {                                                 \
+            T ri = r[i];                                                                        \
+            T *xr = xhat + i * d, *yr = y + i * d;                                              \
+            for (Py_ssize_t j = 0; j < d; j++) {                                                \
+                T xh = xr[j] * ri;                                                              \
+                xr[j] = xh;                                                                     \
+                T s = xh * g[j];                                                                \
+                yr[j] = s + b[j];                                                               \
+            }                                                                                   \
+        }                                                                                       \
+    }                                                                                           \
+    VECTOR_CLONES static void norm_dy_##S(T *restrict gx, T *restrict dxhat,                    \
+                                          const T *restrict dy, const T *restrict xhat,         \
+                                          const T *restrict g, Py_ssize_t rows, Py_ssize_t d) { \
+        for (Py_ssize_t i = 0; i < rows; i++) {                                                 \
+            Py_ssize_t o = i * d;                                                               \
+            for (Py_ssize_t j = 0; j < d; j++) {                                                \
+                gx[o + j] = dy[o + j] * xhat[o + j];                                            \
+                dxhat[o + j] = dy[o + j] * g[j];                                                \
+            }                                                                                   \
+        }                                                                                       \
+    }                                                                                           \
+    VECTOR_CLONES static void norm_dx_##S(T *restrict dx, const T *restrict xhat,               \
+                                          const T *restrict m1, const T *restrict m2,           \
+                                          const T *restrict r, Py_ssize_t rows, Py_ssize_t d) { \
+        for (Py_ssize_t i = 0; i < rows; i++) {                                                 \
+            T a = m1[i], c = m2[i], ri = r[i];                                                  \
+            T *dr = dx + i * d;                                                                 \
+            const T *xr = xhat + i * d;                                                         \
+            for (Py_ssize_t j = 0; j < d; j++) {                                                \
+                T t = xr[j] * c;                                                                \
+                t = t + a;                                                                      \
+                T v = dr[j] - t;                                                                \
+                dr[j] = v * ri;                                                                 \
+            }                                                                                   \
+        }                                                                                       \
+    }
+
+DEFINE_NORM(float, f32)
+DEFINE_NORM(double, f64)
+
 static void release(Py_buffer *views, int count) {
     for (int k = 0; k < count; k++) PyBuffer_Release(&views[k]);
 }
 
-/* Contiguous views of objs[0..count-1], all writable but objs[1] (the gradient), all float32
- * or all float64, of one length: returns the element size (4 or 8), or 0 with an exception
- * set and nothing held. */
-static int open_views(PyObject **objs, Py_buffer *views, int count) {
+/* Contiguous views of objs[0..count-1], writable those whose bit is set in `writable`
+ * (the optimizers: all but objs[1], the gradient), all float32 or all float64, of one length:
+ * returns the element size (4 or 8), or 0 with an exception set and nothing held. */
+static int open_some_views(PyObject **objs, Py_buffer *views, int count, unsigned writable) {
     for (int k = 0; k < count; k++) {
-        int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (k == 1 ? 0 : PyBUF_WRITABLE);
+        int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | ((writable >> k) & 1 ? PyBUF_WRITABLE : 0);
         if (PyObject_GetBuffer(objs[k], &views[k], flags) < 0) {
             release(views, k);
             return 0;
@@ -89,13 +186,56 @@ static int open_views(PyObject **objs, Py_buffer *views, int count) {
         if (!((f[0] == 'f' && itemsize == 4) || (f[0] == 'd' && itemsize == 8)) || f[1] != '\0'
             || views[k].itemsize != itemsize || views[k].len != views[0].len) {
             PyErr_Format(PyExc_ValueError,
-                         "fused optimizer buffers must be contiguous float32 or float64 of "
+                         "fused kernel buffers must be contiguous float32 or float64 of "
                          "one length (buffer %d: format %s, %zd bytes; buffer 0: %zd bytes)",
                          k, views[k].format, views[k].len, views[0].len);
             release(views, count);
             return 0;
         }
     }
+    return (int)itemsize;
+}
+
+static int open_views(PyObject **objs, Py_buffer *views, int count) {
+    return open_some_views(objs, views, count, ~2u);
+}
+
+/* LayerNorm's buffers: objs[k] of rows x d elements where kinds[k] is 'm' (a matrix), of rows
+ * where 'r' (one per row), of d where 'c' (one per column), writable where 'w' follows; all of
+ * one float type, contiguous. Returns the element size, or 0 with an exception set. */
+static int open_norm_views(PyObject **objs, Py_buffer *views, int count, const char **kinds,
+                           Py_ssize_t *rows, Py_ssize_t *d) {
+    for (int k = 0; k < count; k++) {
+        int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (kinds[k][1] == 'w' ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(objs[k], &views[k], flags) < 0) {
+            release(views, k);
+            return 0;
+        }
+    }
+    Py_ssize_t itemsize = views[0].itemsize, n = views[0].len / itemsize, nr = -1, nc = -1;
+    for (int k = 0; k < count; k++) {
+        if (kinds[k][0] == 'r') nr = views[k].len / itemsize;
+        if (kinds[k][0] == 'c') nc = views[k].len / itemsize;
+    }
+    if (nr < 0) nr = nc > 0 ? n / nc : 0;
+    if (nc < 0) nc = nr > 0 ? n / nr : 0;
+    for (int k = 0; k < count; k++) {
+        const char *f = views[k].format;
+        if (f[0] == '<' || f[0] == '=' || f[0] == '@') f++;
+        Py_ssize_t want = kinds[k][0] == 'm' ? n : kinds[k][0] == 'r' ? nr : nc;
+        if (!((f[0] == 'f' && itemsize == 4) || (f[0] == 'd' && itemsize == 8)) || f[1] != '\0'
+            || views[k].itemsize != itemsize || views[k].len / itemsize != want
+            || nr * nc != n) {
+            PyErr_Format(PyExc_ValueError,
+                         "fused kernel buffers must be contiguous float32 or float64 of rows x "
+                         "columns, rows or columns (buffer %d: format %s, %zd bytes)", k,
+                         views[k].format, views[k].len);
+            release(views, count);
+            return 0;
+        }
+    }
+    *rows = nr;
+    *d = nc;
     return (int)itemsize;
 }
 
@@ -152,17 +292,127 @@ static PyObject *adam(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *gelu_u(PyObject *self, PyObject *args) {
+    PyObject *objs[2];
+    double ck, c;
+    Py_buffer b[2];
+    int size;
+    if (!PyArg_ParseTuple(args, "OOdd", &objs[0], &objs[1], &ck, &c)
+        || !(size = open_some_views(objs, b, 2, 1u)))
+        return NULL;
+    Py_ssize_t n = b[0].len / size;
+    Py_BEGIN_ALLOW_THREADS
+    if (size == 4) gelu_u_f32(b[0].buf, b[1].buf, n, (float)ck, (float)c);
+    else gelu_u_f64(b[0].buf, b[1].buf, n, ck, c);
+    Py_END_ALLOW_THREADS
+    release(b, 2);
+    Py_RETURN_NONE;
+}
+
+static PyObject *gelu_y(PyObject *self, PyObject *args) {
+    PyObject *objs[3];
+    Py_buffer b[3];
+    int size;
+    if (!PyArg_ParseTuple(args, "OOO", &objs[0], &objs[1], &objs[2])
+        || !(size = open_some_views(objs, b, 3, 1u)))
+        return NULL;
+    Py_ssize_t n = b[0].len / size;
+    Py_BEGIN_ALLOW_THREADS
+    if (size == 4) gelu_y_f32(b[0].buf, b[1].buf, b[2].buf, n);
+    else gelu_y_f64(b[0].buf, b[1].buf, b[2].buf, n);
+    Py_END_ALLOW_THREADS
+    release(b, 3);
+    Py_RETURN_NONE;
+}
+
+static PyObject *gelu_dx(PyObject *self, PyObject *args) {
+    PyObject *objs[4];
+    double ck3, c;
+    Py_buffer b[4];
+    int size;
+    if (!PyArg_ParseTuple(args, "OOOOdd", &objs[0], &objs[1], &objs[2], &objs[3], &ck3, &c)
+        || !(size = open_some_views(objs, b, 4, 1u)))
+        return NULL;
+    Py_ssize_t n = b[0].len / size;
+    Py_BEGIN_ALLOW_THREADS
+    if (size == 4) gelu_dx_f32(b[0].buf, b[1].buf, b[2].buf, b[3].buf, n, (float)ck3, (float)c);
+    else gelu_dx_f64(b[0].buf, b[1].buf, b[2].buf, b[3].buf, n, ck3, c);
+    Py_END_ALLOW_THREADS
+    release(b, 4);
+    Py_RETURN_NONE;
+}
+
+static PyObject *norm_y(PyObject *self, PyObject *args) {
+    PyObject *o[5];
+    Py_buffer b[5];
+    const char *kinds[5] = {"mw", "mw", "r", "c", "c"};
+    Py_ssize_t rows, d;
+    int size;
+    if (!PyArg_ParseTuple(args, "OOOOO", &o[0], &o[1], &o[2], &o[3], &o[4])
+        || !(size = open_norm_views(o, b, 5, kinds, &rows, &d)))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (size == 4) norm_y_f32(b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, rows, d);
+    else norm_y_f64(b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, rows, d);
+    Py_END_ALLOW_THREADS
+    release(b, 5);
+    Py_RETURN_NONE;
+}
+
+static PyObject *norm_dy(PyObject *self, PyObject *args) {
+    PyObject *o[5];
+    Py_buffer b[5];
+    const char *kinds[5] = {"mw", "mw", "m", "m", "c"};
+    Py_ssize_t rows, d;
+    int size;
+    if (!PyArg_ParseTuple(args, "OOOOO", &o[0], &o[1], &o[2], &o[3], &o[4])
+        || !(size = open_norm_views(o, b, 5, kinds, &rows, &d)))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (size == 4) norm_dy_f32(b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, rows, d);
+    else norm_dy_f64(b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, rows, d);
+    Py_END_ALLOW_THREADS
+    release(b, 5);
+    Py_RETURN_NONE;
+}
+
+static PyObject *norm_dx(PyObject *self, PyObject *args) {
+    PyObject *o[5];
+    Py_buffer b[5];
+    const char *kinds[5] = {"mw", "m", "r", "r", "r"};
+    Py_ssize_t rows, d;
+    int size;
+    if (!PyArg_ParseTuple(args, "OOOOO", &o[0], &o[1], &o[2], &o[3], &o[4])
+        || !(size = open_norm_views(o, b, 5, kinds, &rows, &d)))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (size == 4) norm_dx_f32(b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, rows, d);
+    else norm_dx_f64(b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, rows, d);
+    Py_END_ALLOW_THREADS
+    release(b, 5);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"sgd", sgd, METH_VARARGS, "sgd(p, g, lr): p -= g * lr"},
     {"momentum", momentum, METH_VARARGS,
      "momentum(p, g, v, mu, lr, nesterov): v = v mu + g; p -= (v mu + g if nesterov else v) lr"},
     {"adam", adam, METH_VARARGS,
      "adam(p, g, m, v, b1, 1-b1, b2, 1-b2, eps_t, lr_t): Adam's moments and update"},
+    {"gelu_u", gelu_u, METH_VARARGS, "gelu_u(u, x, ck, c): u = ((x x) ck + c) x"},
+    {"gelu_y", gelu_y, METH_VARARGS, "gelu_y(y, x, t): y = ((t + 1) x) 0.5"},
+    {"gelu_dx", gelu_dx, METH_VARARGS,
+     "gelu_dx(dx, dy, x, t, 3ck, c): GELU's input gradient from x and t = tanh(u)"},
+    {"norm_y", norm_y, METH_VARARGS, "norm_y(y, xhat, r, g, b): xhat *= r; y = xhat g + b"},
+    {"norm_dy", norm_dy, METH_VARARGS, "norm_dy(gx, dxhat, dy, xhat, g): dy xhat, dy g"},
+    {"norm_dx", norm_dx, METH_VARARGS,
+     "norm_dx(dx, xhat, m1, m2, r): dx = (dx - (xhat m2 + m1)) r"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "models._fused",
-                                    "One-pass optimizer updates (see models/optim.py).", -1,
+                                    "One-pass optimizer updates, GELU and LayerNorm passes "
+                                    "(see models/optim.py, models/layers.py).", -1,
                                     methods};
 
 PyMODINIT_FUNC PyInit__fused(void) { return PyModule_Create(&module); }

@@ -30,11 +30,25 @@ identity sum_j dA_ij A_ij = dY_i . sum_j A_ij V_j = dY_i . Y_i (as in
 FlashAttention, Dao et al. 2022). The per-head products are written straight
 into the (B, T, heads, d_head) layout the projections use, so no transposed
 copies are made.
+
+Between the projections, `attend` / `attend_backward` run chunk by chunk of
+(batch row, heads), each chunk's (T, T) scores about 1 MB so that they stay in
+cache from the product to the softmax and back, and on NumPy the chunks are
+shared among as many threads as the BLAS has, each calling it single-threaded
+(`over_heads`): a multithreaded BLAS wakes and synchronises its threads for
+every (T, T) product, which on a loaded 2-core machine made these products
+up to 20x slower than one thread. A product per head is what the
+single-threaded BLAS computes whatever the chunking, so the results are
+bit-identical (tests/models/test_layers_fused.py); with selective
+recomputation a chunk's A is a chunk-sized temporary.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from dtlab.models.backend import array_module
 from dtlab.models.comm import Comm
@@ -68,47 +82,71 @@ class CausalSelfAttention(Module):
         return self.qkv.specs() + self.proj.specs()
 
     def forward(self, P, x):
-        xp = array_module(x)
-        B, T, _ = x.shape
-        nh, hs = self.h, self.hs  # this rank's heads
-        C = nh * hs
         qkv, qkv_ctx = self.qkv.forward(P, x)  # (B, T, 3C)
-        q, k, v = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)  # 3 x (B, nh, T, hs)
-        a = self._softmax(xp, q, k)  # (B, nh, T, T)
-        y = xp.empty((B, T, nh, hs), dtype=a.dtype)
-        xp.matmul(a, v, out=y.transpose(0, 2, 1, 3))  # (B, nh, T, hs) view: Y = A V
-        out, proj_ctx = self.proj.forward(P, y.reshape(B, T, C))
-        return out, (qkv_ctx, q, k, v, None if self.recompute_scores else a, proj_ctx)
+        y, core_ctx = self.attend(qkv)  # (B, T, C)
+        out, proj_ctx = self.proj.forward(P, y)
+        return out, (qkv_ctx, core_ctx, proj_ctx)
 
-    def _softmax(self, xp, q, k):
-        """A = softmax(Q K^T / sqrt(d_head) + M), (B, nh, T, T), in place in one buffer."""
-        T = q.shape[2]
-        a = (q * (1.0 / math.sqrt(self.hs))) @ k.swapaxes(-1, -2)  # (B, nh, T, T) scores S
-        a += _causal_mask(xp, T, a.dtype)
+    def attend(self, qkv):
+        """Y = softmax(Q K^T / sqrt(d_head) + M) V of the fused projection `qkv` (B, T, 3C):
+        (Y as (B, T, C), the context attend_backward needs), one chunk of heads at a time."""
+        xp = array_module(qkv)
+        B, T, _ = qkv.shape
+        nh, hs = self.h, self.hs  # this rank's heads
+        q, k, v = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)  # 3 x (B, nh, T, hs)
+        kept = None if self.recompute_scores else xp.empty((B, nh, T, T), dtype=qkv.dtype)
+        y = xp.empty((B, T, nh, hs), dtype=qkv.dtype)
+        y_heads = y.transpose(0, 2, 1, 3)  # (B, nh, T, hs) view
+        mask = _causal_mask(xp, T, qkv.dtype)
+
+        def chunk(i):  # i: (batch slice, head slice)
+            a = self._softmax(xp, q[i], k[i], mask, None if kept is None else kept[i])
+            xp.matmul(a, v[i], out=y_heads[i])  # Y = A V
+
+        over_heads(xp, chunk, B, nh, T)
+        return y.reshape(B, T, nh * hs), (q, k, v, kept)
+
+    def _softmax(self, xp, q, k, mask, out=None):
+        """A = softmax(Q K^T / sqrt(d_head) + M), (..., T, T), in place in one buffer."""
+        a = xp.matmul(q * (1.0 / math.sqrt(self.hs)), k.swapaxes(-1, -2), out=out)  # scores S
+        a += mask
         a -= a.max(axis=-1, keepdims=True)
         xp.exp(a, out=a)
         a *= 1.0 / a.sum(axis=-1, keepdims=True)
         return a
 
     def backward(self, P, ctx, dout):
-        xp = array_module(dout)
-        qkv_ctx, q, k, v, a, proj_ctx = ctx
-        if a is None:  # selective recomputation: rebuild A exactly as forward made it
-            a = self._softmax(xp, q, k)
-        B, nh, T, hs = q.shape
+        qkv_ctx, core_ctx, proj_ctx = ctx
         dy = self.proj.backward(P, proj_ctx, dout)  # (B, T, C)
+        return self.qkv.backward(P, qkv_ctx, self.attend_backward(core_ctx, proj_ctx, dy))
+
+    def attend_backward(self, ctx, y, dy):
+        """dqkv (B, T, 3C) of attend's output `y` (B, T, C, the projection's input) and its
+        gradient `dy`, chunk by chunk; with recompute_scores, A is rebuilt exactly as forward
+        made it."""
+        xp = array_module(dy)
+        q, k, v, kept = ctx
+        B, nh, T, hs = q.shape
         dy = dy.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # (B, nh, T, hs) dY
-        y = proj_ctx.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # (B, nh, T, hs) Y
-        dqkv = xp.empty((B, T, 3, nh, hs), dtype=dout.dtype)
+        y = y.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # (B, nh, T, hs) Y
+        dqkv = xp.empty((B, T, 3, nh, hs), dtype=dy.dtype)
         dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)  # 3 x (B, nh, T, hs) views
-        xp.matmul(a.swapaxes(-1, -2), dy, out=dv)  # dV = A^T dY
-        ds = dy @ v.swapaxes(-1, -2)  # (B, nh, T, T) dA
-        ds -= xp.einsum("bhtd,bhtd->bht", dy, y)[..., None]  # - rowsum(dY * Y)
-        ds *= a  # dS
-        xp.matmul(ds, k, out=dq)
-        xp.matmul(ds.swapaxes(-1, -2), q, out=dk)
-        dqkv[:, :, :2] *= 1.0 / math.sqrt(hs)
-        return self.qkv.backward(P, qkv_ctx, dqkv.reshape(B, T, 3 * nh * hs))
+        mask, scale = _causal_mask(xp, T, dy.dtype), 1.0 / math.sqrt(hs)
+
+        def chunk(i):  # i: (batch slice, head slice)
+            a = self._softmax(xp, q[i], k[i], mask) if kept is None else kept[i]
+            xp.matmul(a.swapaxes(-1, -2), dy[i], out=dv[i])  # dV = A^T dY
+            ds = dy[i] @ v[i].swapaxes(-1, -2)  # (b, h, T, T) dA
+            ds -= xp.einsum("bhtd,bhtd->bht", dy[i], y[i])[..., None]  # - rowsum(dY * Y)
+            ds *= a  # dS
+            dq_i, dk_i = dq[i], dk[i]
+            xp.matmul(ds, k[i], out=dq_i)  # dQ = dS K
+            xp.matmul(ds.swapaxes(-1, -2), q[i], out=dk_i)  # dK = dS^T Q
+            dq_i *= scale
+            dk_i *= scale
+
+        over_heads(xp, chunk, B, nh, T)
+        return dqkv.reshape(B, T, 3 * nh * hs)
 
 
 _MASKS: dict = {}
@@ -120,3 +158,81 @@ def _causal_mask(xp, T: int, dtype):
     if key not in _MASKS:
         _MASKS[key] = xp.triu(xp.full((T, T), -xp.inf, dtype=dtype), k=1)
     return _MASKS[key]
+
+
+SCORES_PER_CHUNK = 1 << 18  # (T, T) score floats a chunk aims at: 1 MB, about an L2 cache
+SCORES_PER_THREAD = 1 << 17  # fewer score floats a thread are not worth waking it for
+
+
+def head_chunks(B: int, nh: int, T: int, n: int) -> list[tuple[slice, slice]]:
+    """(batch slice, head slice) chunks covering (B, nh): whole batch rows while a row's
+    scores are under SCORES_PER_CHUNK, else groups of heads of one row; at least `n`
+    chunks where there are that many heads."""
+    per_head = T * T
+    if nh * per_head <= SCORES_PER_CHUNK and B >= n:
+        count = min(B, max(n, -(-B * nh * per_head // SCORES_PER_CHUNK)))
+        edges = [B * j // count for j in range(count + 1)]
+        return [(slice(edges[j], edges[j + 1]), slice(None)) for j in range(count)]
+    group = max(1, min(SCORES_PER_CHUNK // per_head, -(-nh * B // n)))
+    return [(slice(b, b + 1), slice(h, h + group)) for b in range(B) for h in range(0, nh, group)]
+
+
+def over_heads(xp, chunk, B: int, nh: int, T: int) -> None:
+    """chunk(i) for every head chunk i of (B, nh): on NumPy, spread over as many threads as
+    the BLAS has, each calling it single-threaded; on CuPy, once over the whole batch.
+
+    A (T, T) product per head is too small for a multithreaded BLAS: its threads are woken
+    and synchronised once per head, which on a busy machine costs several times the
+    product. Heads are independent and each product is computed as the single-threaded
+    BLAS computes it, so the results are bit-identical to one batched call."""
+    if xp.__name__ != "numpy":
+        chunk((slice(None), slice(None)))
+        return
+    blas = _numpy_blas()
+    threads = 1 if blas is None else blas.num_threads
+    chunks = head_chunks(B, nh, T, threads)
+    n = min(threads, len(chunks), B * nh * T * T // SCORES_PER_THREAD)
+    # one caller at a time changes the BLAS's thread count (another thread's attention
+    # meanwhile runs its chunks as they are)
+    if n <= 1 or not _LIMITING.acquire(blocking=False):
+        _each(chunk, chunks)
+        return
+    blas.set_num_threads(1)
+    try:
+        futures = [_pool(n - 1).submit(_each, chunk, chunks[j::n]) for j in range(1, n)]
+        try:
+            _each(chunk, chunks[0::n])
+        finally:
+            for f in futures:
+                f.result()
+    finally:
+        blas.set_num_threads(threads)
+        _LIMITING.release()
+
+
+def _each(chunk, chunks) -> None:
+    for i in chunks:
+        chunk(i)
+
+
+_THREADS: dict = {}
+_LIMITING = threading.Lock()
+
+
+def _numpy_blas():
+    """threadpoolctl's controller of the BLAS NumPy calls (None if it finds none)."""
+    if "blas" not in _THREADS:
+        from threadpoolctl import ThreadpoolController
+
+        libs = ThreadpoolController().select(user_api="blas").lib_controllers
+        ours = [lib for lib in libs if "numpy" in lib.filepath] or libs
+        _THREADS["blas"] = ours[0] if ours else None
+    return _THREADS["blas"]
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A pool of `workers` threads of this process (a forked child makes its own)."""
+    key = (os.getpid(), workers)
+    if key not in _THREADS:
+        _THREADS[key] = ThreadPoolExecutor(workers, thread_name_prefix="dtlab-heads")
+    return _THREADS[key]

@@ -26,8 +26,24 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from dtlab.models.backend import array_module
 from dtlab.models.params import FlatParams, ParamSpec
+
+try:
+    from dtlab.models import _fused
+except ImportError:
+    _fused = None
+
+
+def _one_pass(*arrays) -> bool:
+    """Whether models/_fused.c can take these arrays: NumPy, one float dtype, contiguous
+    (anything else takes the array lines, which it matches bit for bit)."""
+    dtype = arrays[0].dtype
+    return (_fused is not None and dtype in (np.float32, np.float64)
+            and all(type(a) is np.ndarray and a.dtype == dtype and a.flags.c_contiguous
+                    and a.flags.aligned for a in arrays))
 
 
 class Module:
@@ -113,7 +129,10 @@ class LayerNorm(Module):
 
     Backward, with xhat = (x - mean) * rstd and dxhat = dy * g:
         dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
-    Row sums of products go through einsum, which needs no (..., d) temporary.
+    Row sums of products go through einsum, which needs no (..., d) temporary. On NumPy
+    the elementwise passes between the row reductions run in C (models/_fused.c: the same
+    operations in the same order, bit-identical): 4 passes forward instead of 6, 6
+    backward instead of 10.
     """
 
     def __init__(self, name: str, d: int, eps: float = 1e-5):
@@ -132,21 +151,36 @@ class LayerNorm(Module):
         var /= self.d
         var += self.eps
         rstd = 1.0 / xp.sqrt(var)  # (..., 1)
+        g, b = P[f"{self.name}.g"], P[f"{self.name}.b"]
+        if _one_pass(xhat, rstd, g, b):
+            y = xp.empty_like(xhat)
+            _fused.norm_y(y, xhat, rstd, g, b)  # xhat *= rstd; y = xhat g + b
+            return y, (xhat, rstd)
         xhat *= rstd
-        y = xhat * P[f"{self.name}.g"]
-        y += P[f"{self.name}.b"]
+        y = xhat * g
+        y += b
         return y, (xhat, rstd)
 
     def backward(self, P, ctx, dy):
         xp = array_module(dy)
         xhat, rstd = ctx
-        tmp = dy * xhat  # (..., d)
+        g = P[f"{self.name}.g"]
+        fused = _one_pass(dy, xhat, rstd, g)
+        if fused:
+            tmp, dx = xp.empty_like(dy), xp.empty_like(dy)
+            _fused.norm_dy(tmp, dx, dy, xhat, g)  # dy xhat and dxhat = dy g, (..., d)
+        else:
+            tmp = dy * xhat  # (..., d)
         P.grads[f"{self.name}.g"] += tmp.reshape(-1, self.d).sum(axis=0)
         P.grads[f"{self.name}.b"] += dy.reshape(-1, self.d).sum(axis=0)
-        dx = dy * P[f"{self.name}.g"]  # dxhat, (..., d)
+        if not fused:
+            dx = dy * g  # dxhat, (..., d)
         m1 = dx.mean(axis=-1, keepdims=True)  # (..., 1)
         m2 = xp.einsum("...i,...i->...", dx, xhat)[..., None]  # (..., 1)
         m2 /= self.d
+        if fused and _one_pass(dx, xhat, m1, m2, rstd):
+            _fused.norm_dx(dx, xhat, m1, m2, rstd)  # (dx - (xhat m2 + m1)) rstd
+            return dx
         xp.multiply(xhat, m2, out=tmp)
         tmp += m1
         dx -= tmp
@@ -200,11 +234,21 @@ class GELU(Module):
         gelu(x) = 0.5 x (1 + t),   t = tanh(u),   u = c (x + k x^3),  c = sqrt(2/pi), k = 0.044715
         gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) u',   u' = c (1 + 3 k x^2)
 
-    Computed in place in two (..., d) buffers each way; the context is (x, t).
+    Computed in place in two (..., d) buffers each way; the context is (x, t). On NumPy
+    the polynomial passes run in one pass of C each (models/_fused.c: the same operations
+    in the same order, bit-identical) and tanh is NumPy's: 3 passes forward instead of
+    8, one backward instead of 11.
     """
 
     def forward(self, P, x):
         xp = array_module(x)
+        if _one_pass(x):
+            t = xp.empty_like(x)  # (..., d)
+            _fused.gelu_u(t, x, _GELU_C * _GELU_K, _GELU_C)
+            xp.tanh(t, out=t)
+            y = xp.empty_like(x)
+            _fused.gelu_y(y, x, t)
+            return y, (x, t)
         t = x * x  # (..., d)
         t *= _GELU_C * _GELU_K
         t += _GELU_C
@@ -217,6 +261,10 @@ class GELU(Module):
 
     def backward(self, P, ctx, dy):
         x, t = ctx
+        if _one_pass(dy, x, t):
+            dx = array_module(dy).empty_like(x)  # (..., d)
+            _fused.gelu_dx(dx, dy, x, t, 3 * _GELU_C * _GELU_K, _GELU_C)
+            return dx
         dx = x * x  # (..., d)
         dx *= 3 * _GELU_C * _GELU_K
         dx += _GELU_C  # u'

@@ -1,8 +1,9 @@
 """Training-step benchmark of the dense models against a matmul of the same run.
 
-    dtlab-bench model --json bench-model.json     # 3 sizes x 2 models, ~1 min
+    dtlab-bench model --json bench-model.json     # 3 sizes x 2 models, ~2 min
+    dtlab-bench model --reps 15 --json m.json     # the comparison with PyTorch, medians of 15
     dtlab-bench model --tiny                      # seconds; run by the test suite
-    DTLAB_DEVICE=gpu dtlab-bench model            # the same on CuPy
+    DTLAB_DEVICE=gpu dtlab-bench model            # the same on CuPy (no PyTorch comparison)
 
 For each model and size it times one training step (zero grads, forward,
 backward, AdamW update), best of --reps after --warmup, and reads it against
@@ -18,10 +19,27 @@ recomputation (medium-sel: attention scores and softmax rebuilt in backward,
 Korthikanti et al. 2022) and whole-block recomputation (medium-full); their
 act MB and step time columns are the memory / time trade.
 
-Best-of-N timings because the machine is shared: other processes only ever
+Where PyTorch is installed (it is not a dependency), every size is also run
+by its PyTorch eager twin (scripts/lab/bench/model_torch.py: the same function
+and parameter values, torch's own kernels: SDPA, fused AdamW, ...), its step
+timed alternately with dtlab's in the same process on the same threads, each
+timed call after an untimed one of its own (a call right after the other library's
+meets its thread pool still spinning or asleep: up to 20x slower on 2 busy cores):
+
+    torch/dtlab = median torch step / median dtlab step     (> 1: dtlab is faster)
+
+and a per-layer table follows: each layer kind at the shape the step meets it,
+forward and backward (the loss and the optimizer step alone), dtlab's and
+torch's medians, alternately timed. Without PyTorch the run says so and
+measures its own baseline, the matmul, as always. The header records the BLAS
+NumPy runs (threadpoolctl: library, kernel architecture, threads) and any
+OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE that would change it.
+
+Best-of-N beside the medians because the machine is shared: other processes only ever
 add time. Activation bytes are measured on the forward context
 (models/memory.py) and compared with models/cost.py; a mismatch counts in #wrong,
-as does a non-finite loss, and makes the exit status 1.
+as does a non-finite loss or a PyTorch twin whose first loss differs from
+dtlab's by more than 1e-4 (relative), and makes the exit status 1.
 """
 
 from __future__ import annotations
@@ -37,7 +55,9 @@ import sys
 import time
 
 import numpy as np
+from threadpoolctl import threadpool_info
 
+from dtlab.lab.bench import model_torch
 from dtlab.models import backend
 from dtlab.models.cost import estimate
 from dtlab.models.memory import context_bytes
@@ -82,18 +102,36 @@ TINY = [
 ]
 
 
+TWIN_RTOL = 1e-4  # the PyTorch twin's first loss against dtlab's
+
+
 def best_time(fn, reps: int, warmup: int) -> tuple[float, float]:
     """(best, median) seconds of `fn()` over `reps` runs after `warmup`."""
-    for _ in range(warmup):
-        fn()
-    backend.synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        backend.synchronize()
-        times.append(time.perf_counter() - t0)
+    times = alternate_times([fn], reps, warmup)[0]
     return min(times), statistics.median(times)
+
+
+def alternate_times(fns, reps: int, warmup: int, settle: bool = False) -> list[list[float]]:
+    """Seconds of each of `fns` over `reps` rounds after `warmup`, the functions taking
+    turns within a round, so that a slow spell of the machine falls on all of them. With
+    `settle` each timed call follows an untimed one of the same function: the threads of
+    the library that ran before (OpenBLAS's, PyTorch's OpenMP pool) have gone idle and
+    its own are awake, as in a process that runs only one of them."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    backend.synchronize()
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, out in zip(fns, times, strict=True):
+            if settle:
+                fn()
+                backend.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            backend.synchronize()
+            out.append(time.perf_counter() - t0)
+    return times
 
 
 def matmul_shape(name: str, cfg, batch: int) -> tuple[int, int, int]:
@@ -121,17 +159,23 @@ def make_batch(name: str, cfg, batch: int, seed: int = 0):
             rng.integers(0, cfg.n_classes, size=batch))
 
 
-def bench_one(name: str, size: str, cfg, batch: int, reps: int, warmup: int) -> dict:
+def bench_one(name: str, size: str, cfg, batch: int, reps: int, warmup: int,
+              torch_threads: int | None = None) -> dict:
+    """One size's row; with `torch_threads`, against its PyTorch twin on that many threads."""
     model = build_model(name, cfg)
     P = model.init_params(0)
     replica = Replica(model, P)
-    opt = make_optimizer(OptimConfig(), P.data, P.decay_mask())
-    data = model.prepare(make_batch(name, cfg, batch), P)  # on the device once
+    optim = OptimConfig()
+    opt = make_optimizer(optim, P.data, P.decay_mask())
+    host_batch = make_batch(name, cfg, batch)
+    data = model.prepare(host_batch, P)  # on the device once
     cost = estimate(name, cfg, batch, optimizer="adamw")
 
-    _, ctx = model.forward(P, data)
+    first_loss, ctx = model.forward(P, data)
     measured = context_bytes(ctx)
     del ctx
+    twin = None if torch_threads is None else model_torch.Twin(model, P, optim, torch_threads)
+    twin_loss = twin.loss(*map(twin.torch.from_numpy, host_batch)).item() if twin else None
     losses = []
 
     def step():
@@ -140,13 +184,21 @@ def bench_one(name: str, size: str, cfg, batch: int, reps: int, warmup: int) -> 
 
     m, k, n = matmul_shape(name, cfg, batch)
     mm_before = matmul_rate(m, k, n, reps, warmup)
-    best, median = best_time(step, reps, warmup)
+    if twin is None:
+        times = alternate_times([step], reps, warmup)
+    else:
+        inputs, targets = map(twin.torch.from_numpy, host_batch)
+        times = alternate_times([step, lambda: twin.step(inputs, targets)], reps, warmup,
+                                settle=True)
+    best, median = min(times[0]), statistics.median(times[0])
     # the matmul's best before or after the step: a transient slowdown of the
     # baseline would otherwise flatter the ratio
     mm = max(mm_before, matmul_rate(m, k, n, reps, warmup))
     gflops = cost.flops_step / best / 1e9
-    wrong = int(measured != cost.activation_bytes) + int(not all(map(math.isfinite, losses)))
-    return {
+    twin_off = twin is not None and not math.isclose(twin_loss, first_loss, rel_tol=TWIN_RTOL)
+    wrong = (int(measured != cost.activation_bytes) + int(not all(map(math.isfinite, losses)))
+             + int(twin_off))
+    row = {
         "model": name, "size": size, "config": cost.config, "batch_size": batch,
         "params": cost.params_total, "tokens_per_step": cost.tokens_per_step,
         "flops_step": cost.flops_step, "step_s_best": best, "step_s_median": median,
@@ -154,20 +206,91 @@ def bench_one(name: str, size: str, cfg, batch: int, reps: int, warmup: int) -> 
         "ratio": gflops / mm, "act_bytes_measured": measured,
         "act_bytes_estimated": cost.activation_bytes, "loss": losses[-1], "wrong": wrong,
     }
+    if twin is not None:
+        torch_median = statistics.median(times[1])
+        row.update(torch_step_s_median=torch_median, torch_step_s_best=min(times[1]),
+                   torch_over_dtlab=torch_median / median, first_loss=first_loss,
+                   torch_first_loss=twin_loss,
+                   layers=layer_rows(twin, P, host_batch, opt, reps, warmup))
+    return row
 
 
-HEADER = (f"{'model':>12}{'size':>8}{'params':>11}{'tokens':>8}{'step(ms)':>10}"
+def layer_rows(twin, P, host_batch, opt, reps: int, warmup: int) -> list[dict]:
+    """Each layer of the model against its PyTorch kernels, alternately timed (medians)."""
+    rows = []
+    for label, count, shape, dtlab_fn, torch_fn in twin.layers(P, *host_batch, opt):
+        dtlab_s, torch_s = map(statistics.median,
+                               alternate_times([dtlab_fn, torch_fn], reps, warmup, settle=True))
+        rows.append({"layer": label, "count": count, "input_shape": list(shape),
+                     "dtlab_s": dtlab_s, "torch_s": torch_s, "torch_over_dtlab": torch_s / dtlab_s})
+    return rows
+
+
+HEADER = (f"{'model':>12}{'size':>12}{'params':>11}{'tokens':>8}{'step(ms)':>10}"
           f"{'GFLOP':>9}{'GFLOP/s':>9}{'mm shape':>17}{'mm GFLOP/s':>11}{'ratio':>7}"
-          f"{'act MB':>9}{'est MB':>9}{'#wrong':>7}")
+          f"{'act MB':>9}{'est MB':>9}{'#wrong':>7}{'torch(ms)':>10}{'torch/dtlab':>12}")
 
 
 def row_line(r: dict) -> str:
     shape = "x".join(map(str, r["matmul_shape"]))
-    return (f"{r['model']:>12}{r['size']:>8}{r['params'] / 1e6:>10.2f}M{r['tokens_per_step']:>8}"
-            f"{r['step_s_best'] * 1e3:>10.2f}{r['flops_step'] / 1e9:>9.2f}{r['gflops']:>9.1f}"
+    torch_cols = (f"{r['torch_step_s_median'] * 1e3:>10.2f}{r['torch_over_dtlab']:>12.2f}"
+                  if "torch_step_s_median" in r else f"{'-':>10}{'-':>12}")
+    return (f"{r['model']:>12}{r['size']:>12}{r['params'] / 1e6:>10.2f}M"
+            f"{r['tokens_per_step']:>8}{r['step_s_median'] * 1e3:>10.2f}"
+            f"{r['flops_step'] / 1e9:>9.2f}{r['gflops']:>9.1f}"
             f"{shape:>17}{r['matmul_gflops']:>11.1f}{r['ratio']:>7.2f}"
             f"{r['act_bytes_measured'] / 1e6:>9.2f}{r['act_bytes_estimated'] / 1e6:>9.2f}"
-            f"{r['wrong']:>7}")
+            f"{r['wrong']:>7}{torch_cols}")
+
+
+LAYER_HEADER = (f"{'model':>12}{'size':>12}  {'layer':<24}{'x':>4}{'input shape':>16}"
+                f"{'dtlab ms':>10}{'torch ms':>10}{'torch/dtlab':>12}")
+
+
+def layer_lines(r: dict) -> list[str]:
+    """The per-layer table of one row, with the layers' sum (times their counts) last."""
+    lines = []
+    for x in r["layers"]:
+        shape = "x".join(map(str, x["input_shape"]))
+        lines.append(f"{r['model']:>12}{r['size']:>12}  {x['layer']:<24}{x['count']:>4}"
+                     f"{shape:>16}{x['dtlab_s'] * 1e3:>10.3f}{x['torch_s'] * 1e3:>10.3f}"
+                     f"{x['torch_over_dtlab']:>12.2f}")
+    dtlab = sum(x["count"] * x["dtlab_s"] for x in r["layers"])
+    torch = sum(x["count"] * x["torch_s"] for x in r["layers"])
+    lines.append(f"{r['model']:>12}{r['size']:>12}  {'sum of layers x count':<24}{'':>4}{'':>16}"
+                 f"{dtlab * 1e3:>10.3f}{torch * 1e3:>10.3f}{torch / dtlab:>12.2f}")
+    return lines
+
+
+def blas_record() -> dict:
+    """The BLAS NumPy runs (threadpoolctl) and the OpenBLAS variables that would change
+    which kernels it picks: recorded, never set."""
+    libs = [{key: lib.get(key) for key in ("internal_api", "version", "architecture",
+                                          "num_threads", "threading_layer", "filepath")}
+            for lib in threadpool_info() if lib.get("user_api") == "blas"]
+    env = {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
+                                      "OPENBLAS_VERBOSE") if k in os.environ}
+    return {"libraries": libs, "environment": env}
+
+
+def describe_blas(blas: dict) -> str:
+    numpy_libs = [lib for lib in blas["libraries"] if "numpy" in (lib["filepath"] or "")]
+    words = ", ".join(f"{lib['internal_api']} {lib['version']} {lib['architecture']} kernels"
+                      for lib in numpy_libs or blas["libraries"][:1]) or "none found"
+    env = " ".join(f"{k}={v}" for k, v in blas["environment"].items())
+    return f"NumPy's BLAS: {words}" + (f" (set in the environment: {env})" if env else "")
+
+
+def cpu_name() -> str:
+    """The processor's model name (Linux /proc/cpuinfo), else platform's word for it."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def start(prog: str):
@@ -201,7 +324,8 @@ def trainer_step(session, role: str):
 def machine_header(device: str, threads, **fields) -> dict:
     """The JSON header of a single-process benchmark: where it ran, then `fields`."""
     return {"device": device, "numpy": np.__version__, "python": platform.python_version(),
-            "machine": platform.machine(), "cpus": os.cpu_count(),
+            "machine": platform.machine(), "cpu": cpu_name(), "cpus": os.cpu_count(),
+            "blas": blas_record(),
             "load_average": os.getloadavg(), "threads": threads.as_dict(), **fields}
 
 
@@ -211,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny sizes, one rep: a smoke run")
     p.add_argument("--reps", type=int, default=None, help="timed steps per size (default 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2)")
+    p.add_argument("--no-torch", action="store_true",
+                   help="leave out the PyTorch comparison even where PyTorch is installed")
     args = p.parse_args(argv)
     reps = args.reps if args.reps is not None else (1 if args.tiny else 5)
     warmup = args.warmup if args.warmup is not None else (0 if args.tiny else 2)
@@ -221,20 +347,50 @@ def main(argv: list[str] | None = None) -> int:
     if started is None:
         return 2
     threads, device = started
-    header = machine_header(device, threads, reps=reps, warmup=warmup, timing="best of reps")
-    print(f"# dtlab model step benchmark on {header['device']}: best of {reps} after "
-          f"{warmup} warm-up, {threads.describe()}; "
-          "GFLOP = dtlab.models.cost matmul FLOPs per step; "
-          "ratio = GFLOP/s / same-run float32 matmul GFLOP/s")
+    torch_version, why_not = torch_comparison(device, args.no_torch)
+    header = machine_header(device, threads, reps=reps, warmup=warmup,
+                            timing="median of reps (best kept too), steps alternating with "
+                                   "PyTorch's where it runs", torch=torch_version)
+    print(f"# dtlab model step benchmark on {header['device']} ({header['cpu']}): median of "
+          f"{reps} after {warmup} warm-up, {threads.describe()}; {describe_blas(header['blas'])}")
+    print("# GFLOP = dtlab.models.cost matmul FLOPs per step; ratio = GFLOP/s (from the best "
+          "step) / same-run float32 matmul GFLOP/s")
     print("# legend: tokens = per step; GFLOP = matmul GFLOP per step; mm = the same-run "
           "matmul's shape and rate; act MB = measured activation bytes kept for backward; est "
-          "MB = models/cost.py's figure; #wrong = mismatched bytes or a non-finite loss")
+          "MB = models/cost.py's figure; #wrong = mismatched bytes, a non-finite loss or a "
+          "PyTorch twin that computes another loss")
+    if torch_version:
+        print(f"# PyTorch {torch_version} eager on {threads.threads} thread(s), steps taken in "
+              "turn with dtlab's, each timed after an untimed one of its own: torch(ms) = its "
+              "median step; torch/dtlab > 1: dtlab faster")
+    else:
+        print(f"# {why_not}: no comparison with PyTorch, the matmul baseline only")
     print("#" + HEADER[1:])
     rows = []
     for name, size, cfg, batch in TINY if args.tiny else SIZES:
-        rows.append(bench_one(name, size, cfg, batch, reps, warmup))
+        rows.append(bench_one(name, size, cfg, batch, reps, warmup,
+                              threads.threads if torch_version else None))
         print(row_line(rows[-1]), flush=True)
+    if torch_version:
+        print(f"# per layer, forward and backward at the step's shapes (the loss and the "
+              f"optimizer step alone), medians of {reps} taken in turn; x = times a step runs it")
+        print("#" + LAYER_HEADER[1:])
+        for r in rows:
+            print("\n".join(layer_lines(r)), flush=True)
     return finish(rows, header, args.json)
+
+
+def torch_comparison(device: str, off: bool) -> tuple[str | None, str]:
+    """(PyTorch's version, "") where the comparison runs, else (None, why not)."""
+    if off:
+        return None, "--no-torch"
+    if device != "cpu":
+        return None, f"on {device}"
+    if not model_torch.available():
+        return None, "PyTorch not installed"
+    import torch
+
+    return torch.__version__, ""
 
 
 def finish(rows: list[dict], header: dict, path: str) -> int:

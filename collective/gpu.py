@@ -38,7 +38,7 @@ AWARE_ENV = "DTLAB_GPU_AWARE_MPI"
 
 
 def is_device_array(a) -> bool:
-    return not isinstance(a, np.ndarray) and hasattr(a, "__cuda_array_interface__")
+    return backend.is_device_array(a)
 
 
 def _loaded_libmpi() -> str | None:

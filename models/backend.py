@@ -4,6 +4,11 @@
     DTLAB_DEVICE=gpu   CuPy; an error if CuPy or a GPU is missing
     DTLAB_DEVICE=auto  CuPy if it imports and sees a GPU, else NumPy (default)
 
+    DTLAB_ARRAY_MODULE=a.module   that module stands in for CuPy (gpu and auto pick
+                                  it): the tests' CuPy-discipline check names
+                                  `support.strict_xp`, arrays held to CuPy's rules
+                                  computing with NumPy. Only tests set it.
+
 No other module imports cupy. Array code asks `array_module(x)` for the
 namespace of the arrays it was handed, so one function body serves both.
 When several processes share a host, each takes GPU `local_rank % n_gpus`;
@@ -13,6 +18,7 @@ failing that, from the launcher's environment.
 
 from __future__ import annotations
 
+import importlib
 import os
 from types import ModuleType
 
@@ -34,7 +40,16 @@ class DeviceError(RuntimeError):
 _xp: ModuleType | None = None
 
 
+ARRAY_MODULE_ENV = "DTLAB_ARRAY_MODULE"
+
+
 def _import_cupy() -> ModuleType | None:
+    stand_in = os.environ.get(ARRAY_MODULE_ENV)
+    if stand_in:
+        try:
+            return importlib.import_module(stand_in)
+        except ImportError as e:
+            raise DeviceError(f"{ARRAY_MODULE_ENV}={stand_in} does not import: {e}") from e
     try:
         import cupy  # the only cupy import in dtlab
 
@@ -94,7 +109,17 @@ def array_module(a) -> ModuleType:
     """NumPy for host arrays, CuPy for device arrays."""
     if isinstance(a, np.ndarray) or np.isscalar(a):
         return np
-    return xp() if hasattr(a, "__cuda_array_interface__") else np
+    module = xp()
+    if module is not np and isinstance(a, module.ndarray):
+        return module
+    return module if hasattr(a, "__cuda_array_interface__") else np
+
+
+def is_device_array(a) -> bool:
+    """An array of the device module, or anything else exposing `__cuda_array_interface__`."""
+    if isinstance(a, np.ndarray):
+        return False
+    return hasattr(a, "__cuda_array_interface__") or array_module(a) is not np
 
 
 def to_host(a) -> np.ndarray:

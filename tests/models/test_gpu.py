@@ -33,8 +33,9 @@ MODELS = [
     ("transformer", TransformerConfig(**TINY_T), 3),
     ("transformer", TransformerConfig(ffn="swiglu", norm="rmsnorm", **TINY_T), 3),
     ("transformer", TransformerConfig(recompute=True, **TINY_T), 3),
+    ("transformer", TransformerConfig(moe_experts=4, moe_top_k=2, moe_dropless=True, **TINY_T), 3),
 ]
-IDS = ["mlp-gelu", "mlp-relu", "gpt", "swiglu-rmsnorm", "recompute"]
+IDS = ["mlp-gelu", "mlp-relu", "gpt", "swiglu-rmsnorm", "recompute", "moe"]
 
 
 def no_gpu_env(**extra):

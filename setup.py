@@ -5,8 +5,9 @@ install go on without them, and the Python code then runs its NumPy twin:
 
 - pserver/common/_kernels.c: one-pass copy, Adler-32 and finiteness checks for the
   parameter server's streams (pserver.common.codec falls back to ISA-L and NumPy).
-- models/_fused.c: one-pass optimizer updates, bit-identical to the NumPy
-  lines of models/optim.py, which it falls back to. -ffp-contract=off keeps
+- models/_fused.c: one-pass optimizer updates and GELU / LayerNorm passes,
+  bit-identical to the NumPy lines of models/optim.py and models/layers.py,
+  which it falls back to. -ffp-contract=off keeps
   the compiler from fusing a multiply and an add into one rounding;
   -fno-math-errno lets it vectorize sqrt (its results are unchanged).
 """

@@ -246,7 +246,8 @@ def test_heterogeneous_preset_names_the_winner_the_numbers_name(tmp_path):
                 "200", "--eval-every", "20", "--target-loss", "0.9", "--out", str(out))
     assert r.returncode == 0, r.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert "--straggler" in summary["runs"][0]["commands"][0]
+    config = json.loads((out / "config.json").read_text())
+    assert config["run"]["straggler"] == "1:4"  # the flag given wins over the preset's
     times = {x["name"]: x["stats"]["eval_steps_to_target"] * x["stats"]["s_per_step"]
              for x in summary["runs"] if x["stats"]["eval_steps_to_target"]}
     winner = min(times, key=times.get)

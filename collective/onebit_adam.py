@@ -92,12 +92,7 @@ class OneBitAdam:
         a, xp = self.inner, array_module(param)
         lr = a.lr if lr is None else lr
         a.steps += 1
-        if a.weight_decay and a.decoupled:
-            decay = a._decay(param)
-            decay *= lr
-            param -= decay
-        elif a.weight_decay:
-            grad = grad + a._decay(param)
+        grad = a.decayed(param, grad, lr)
         b1, b2 = a.beta1, a.beta2
         xp.multiply(a.m, b1, out=self.local)
         self.local += xp.multiply(grad, 1 - b1, out=a._tmp)  # (n,) m_r

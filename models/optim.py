@@ -195,14 +195,20 @@ class Adam(Optimizer):
         super().__init__(param_template, lr, **kw)
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
 
-    def _update(self, p, g, lr):
-        xp = array_module(p)
+    def decayed(self, p, g, lr):
+        """Weight decay: AdamW shrinks p by lr x decay now and returns g as it is; Adam
+        returns g + decay (L2)."""
         if self.weight_decay and self.decoupled:
             decay = self._decay(p)
             decay *= lr
             p -= decay
         elif self.weight_decay:
             g = g + self._decay(p)
+        return g
+
+    def _update(self, p, g, lr):
+        xp = array_module(p)
+        g = self.decayed(p, g, lr)
         b1, b2, t = self.beta1, self.beta2, self.steps
         # p -= lr_t * m / (sqrt(v) + eps_t), bias corrections folded into lr_t and eps_t
         lr_t = lr * math.sqrt(1 - b2**t) / (1 - b1**t)

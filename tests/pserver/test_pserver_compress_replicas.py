@@ -11,8 +11,9 @@ import signal
 
 import numpy as np
 import pytest
-from support.faults import status, wait_for
+from support.faults import status
 from support.pserver_util import TINY_MLP_FLAGS, DaemonProcess, initial_params
+from support.waiting import wait_for
 
 from dtlab.models.compress import CompressConfig, Sign, TopK
 from dtlab.models.config import build

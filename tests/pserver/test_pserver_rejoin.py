@@ -28,6 +28,7 @@ import time
 import numpy as np
 from support import faults
 from support.pserver_util import connect, initial_params
+from support.waiting import wait_for
 
 T = faults.REPLICA_TIMEOUT_S
 FAULT_S = 3.0
@@ -42,7 +43,7 @@ def test_acknowledgements_resume_within_the_lease_and_replicas_rejoin_by_themsel
     try:
         servers = "|".join(pair.addresses)
         pushers = faults.Pushers(servers, 2, params, shm=False, rpc_timeout_s=120.0)
-        faults.wait_for("pushes acknowledged", lambda: len(pushers.times) > 20 or
+        wait_for("pushes acknowledged", lambda: len(pushers.times) > 20 or
                         bool(pushers.errors))
         for kind in ("cut-both", "pause-primary", "pause-backup"):
             pair.inject(kind)

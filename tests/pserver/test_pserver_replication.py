@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support.faults import Proxy, RoleWatch, status, wait_for
+from support.faults import Proxy, RoleWatch, status
 from support.pserver_util import (
     ONE_BLAS_THREAD,
     ROOT,
@@ -31,6 +31,7 @@ from support.pserver_util import (
     run_workers,
     serve,
 )
+from support.waiting import wait_for
 
 from dtlab.models.config import ConfigError, build
 from dtlab.models.run import checkpoint

@@ -12,8 +12,9 @@ import signal
 import grpc
 import numpy as np
 import pytest
-from support.faults import status, wait_for
+from support.faults import status
 from support.pserver_util import TINY_MLP_FLAGS, DaemonProcess, connect, initial_params
+from support.waiting import wait_for
 
 SGD_FLAGS = ["--optimizer", "sgd", "--lr", "1", "--warmup", "0", "--schedule", "constant"]
 

@@ -96,14 +96,6 @@ def role(address: str, timeout: float = 0.5) -> str | None:
         return None
 
 
-def wait_for(what: str, ok, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not ok():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not within {timeout} s: {what}")
-        time.sleep(0.02)
-
-
 class _Forwarder:
     """127.0.0.1:PORT forwarding TCP connections. While cut it forwards nothing (what
     arrives waits, so the senders' TCP stalls, as over a cut cable) and opens no new

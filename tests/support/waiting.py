@@ -10,7 +10,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def wait_for(what: str, check: Callable[[], T], timeout: float = 20.0,
+def wait_for(what: str, check: Callable[[], T], timeout: float = 30.0,
              every: float = 0.02) -> T:
     """Poll `check()` until it returns something truthy (returned), or fail after
     `timeout` seconds with an AssertionError that says `what` did not happen."""

@@ -82,7 +82,8 @@ class RunConfig:
     eval_every: int = described(0, "held-out loss every N steps and at the end (0: never)")
     straggler: str = described("", "RANK:FACTOR[,RANK:FACTOR...]: that rank (async: worker) "
                                     "computes FACTOR times slower, sleeping the difference "
-                                    "each step")
+                                    "each step; lognormal:SIGMA: every rank's FACTOR drawn, "
+                                    "exp(|z|) with z ~ N(0, SIGMA^2) seeded by (seed, rank)")
     delay_ms: float = described(0.0, "a random extra delay per step and rank, exponential "
                                      "with this mean in ms, seeded by (seed, rank, step)")
     trace: str = described("", "write a Chrome trace (JSON, opens in Perfetto) here; {rank} "

@@ -2,6 +2,8 @@
 
     --straggler 1:3       rank (or async worker) 1 takes 3x its compute time each step
     --straggler 2:2,3:4   ranks 2 and 3 take 2x and 4x: workers of different speeds
+    --straggler lognormal:0.5   every rank's factor exp(|z|), z ~ N(0, 0.25), seeded by
+                          (seed, rank): speeds drawn from a distribution
     --delay-ms 5          every rank or worker waits a random extra time each step,
                           exponential with mean 5 ms, seeded by (seed, rank, step)
 
@@ -26,7 +28,9 @@ class Straggler:
     """The extra time rank `rank` spends after computing step `step`."""
 
     def __init__(self, spec: str, delay_ms: float, seed: int, rank: int):
-        self.factor = parse_straggler(spec).get(rank, 1.0)
+        sigma = drawn_sigma(spec)
+        self.factor = (slowdown(sigma, seed, rank) if sigma is not None
+                       else parse_straggler(spec).get(rank, 1.0))
         if delay_ms < 0:
             raise ConfigError(f"--delay-ms must not be negative (got {delay_ms})")
         self.delay_s, self.seed, self.rank = delay_ms / 1e3, seed, rank
@@ -50,10 +54,35 @@ class Straggler:
         return extra
 
 
+def drawn_sigma(spec: str) -> float | None:
+    """'lognormal:0.5' -> 0.5 (every rank's factor drawn); None for RANK:FACTOR pairs."""
+    kind, _, value = spec.partition(":")
+    if kind != "lognormal":
+        return None
+    try:
+        sigma = float(value)
+    except ValueError:
+        sigma = -1.0
+    if not sigma > 0:
+        raise ConfigError(f"--straggler {spec!r}: lognormal:SIGMA takes a positive SIGMA")
+    return sigma
+
+
+def slowdown(sigma: float, seed: int, rank: int) -> float:
+    """Rank `rank`'s factor under --straggler lognormal:SIGMA: exp(|z|), z ~ N(0, SIGMA^2)
+    drawn from (seed, rank), so at least 1 (a median of exp(0.674 SIGMA)) and the same in
+    every topology and launch."""
+    z = np.random.default_rng([seed, rank, 13]).normal(0.0, sigma)
+    return float(np.exp(abs(z)))
+
+
 def parse_straggler(spec: str) -> dict[int, float]:
-    """'1:3' -> {1: 3.0}; '1:2,3:4' -> {1: 2.0, 3: 4.0}; '' -> {}; anything else a
-    ConfigError naming --straggler."""
+    """'1:3' -> {1: 3.0}; '1:2,3:4' -> {1: 2.0, 3: 4.0}; '' and 'lognormal:S' (every
+    rank's factor drawn: `slowdown`) -> {}; anything else a ConfigError naming
+    --straggler."""
     out: dict[int, float] = {}
+    if drawn_sigma(spec) is not None:
+        return out
     for item in spec.split(",") if spec else ():
         try:
             rank, factor = item.split(":")

@@ -10,6 +10,7 @@ expected outcome stated, and the report says whether this run bore it out.
     dtlab-compare --preset streaming-diloco        # DiLoCo H = 30 vs 3 fragments, int4
     dtlab-compare --preset onebit-adam             # Adam vs 1-bit Adam
     dtlab-compare --preset heterogeneous           # workers 1x, 1x, 2x, 4x slow
+    dtlab-compare --preset heterogeneous-drawn     # 8 workers, speeds drawn (lognormal)
 
 Each preset is a set of flags put before the ones given (a flag given wins; a --tune
 given replaces the preset's grid) and a check of the expectation on the summary. What a
@@ -268,6 +269,13 @@ PRESETS.update({
         "the slowest every step, so a method that does not (backup workers, SSP, ASP, async "
         "local SGD) reaches the held-out target first in time; the report names the winner "
         "and by how much", _heterogeneous),
+    "heterogeneous-drawn": Reproduction(
+        ("--runs", "sync-ring,async-bsp,async-bsp-backup1,async-ssp2,async-asp,"
+                   "async-diloco10", "--ranks", "8", "--straggler", "lognormal:0.5"),
+        "8 workers whose speeds are drawn (--straggler lognormal:0.5: each slowed by exp(|z|), "
+        "z ~ N(0, 0.25), median 1.4x, seeded by rank): as in heterogeneous, a method that "
+        "does not wait for the slowest every step reaches the held-out target first; the "
+        "report names the winner and by how much", _heterogeneous),
 })
 
 

@@ -4,6 +4,7 @@ a sync run's result does not depend on them."""
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from support.mpirun import mpirun
 
@@ -24,6 +25,11 @@ def test_delays_are_seeded_by_seed_rank_and_step():
     assert not Straggler("1:3", 0.0, seed=0, rank=0).active
     speeds = [Straggler("2:2,3:4", 0.0, seed=0, rank=r).factor for r in range(4)]
     assert speeds == [1.0, 1.0, 2.0, 4.0]  # workers of different speeds
+    drawn = [Straggler("lognormal:0.5", 0.0, seed=3, rank=r).factor for r in range(64)]
+    assert drawn == [Straggler("lognormal:0.5", 0.0, seed=3, rank=r).factor for r in range(64)]
+    assert min(drawn) >= 1.0 and len(set(drawn)) == 64  # seeded per rank, never faster
+    assert 1.2 < float(np.median(drawn)) < 1.6  # exp(0.674 x 0.5) = 1.40
+    assert drawn != [Straggler("lognormal:0.5", 0.0, seed=4, rank=r).factor for r in range(64)]
 
 
 def test_a_sync_run_with_a_straggler_logs_its_delays_and_ends_the_same(tmp_path):
@@ -45,6 +51,7 @@ def test_a_sync_run_with_a_straggler_logs_its_delays_and_ends_the_same(tmp_path)
     (["--straggler", "1"], "--straggler '1': expected RANK:FACTOR"),
     (["--straggler", "1:0.5"], "each factor >= 1"),
     (["--straggler", "1:2,1:3"], "rank 1 given twice"),
+    (["--straggler", "lognormal:0"], "lognormal:SIGMA takes a positive SIGMA"),
     (["--delay-ms", "-2"], "--delay-ms must not be negative"),
 ])
 def test_bad_straggler_flags_are_named(flags, message):

@@ -89,8 +89,7 @@ def quantized_allreduce(comm: Communicator, x, bits: int = 8, average: bool = Fa
     quantize.dequantize(z, out=part(mine))
     for t in range(N - 1):  # all-gather: forward the finished payloads unchanged
         out_s, in_s = (r - t) % N, (r - t - 1) % N
-        z = exchange(out_s, in_s, z)
-        z = quantize.Quantized(z.codes.copy(), z.scales.copy(), z.size, bits)  # recv reused
+        z = exchange(out_s, in_s, z)  # views of `recv`, packed again before it is reused
         quantize.dequantize(z, out=part(in_s))
     if track_bound:  # each rank added the half-scales of what it quantized: sum them
         comm.allreduce(bound, algo="mpi")

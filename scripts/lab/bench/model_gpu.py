@@ -32,11 +32,11 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import numpy as np
 
 from dtlab.lab.bench import model_torch
+from dtlab.lab.bench.model import alternate_times
 from dtlab.models import backend
 from dtlab.models.run.session import build_session, parse
 
@@ -77,16 +77,9 @@ def torch_device():
 
 
 def timed(step, reps: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(reps):
-        backend.synchronize()
-        start = time.perf_counter()
-        step()
-        backend.synchronize()
-        times.append(time.perf_counter() - start)
-    return times
+    """Seconds of `step()` over `reps` runs after `warmup`, the device synchronised
+    around each (bench/model.py's timing)."""
+    return alternate_times([step], reps, warmup)[0]
 
 
 def dtlab_step(session):

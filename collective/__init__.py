@@ -7,17 +7,17 @@ synchronous trainer `dtlab-sync`. ARCHITECTURE.md maps its modules.
     comm = world()                                   # abort handler installed
     comm.allreduce(x, average=True)                  # ours, chosen by size
 
-The names below load on first use, so what needs no MPI (collective.choose, which
+The names below load on first use, so what needs no MPI (collective.algorithms.choose, which
 the cost model reads) imports without mpi4py.
 """
 
 import importlib
 
 _WHERE = {
-    "MismatchError": "agree",
-    "BucketReducer": "buckets", "ReduceTiming": "buckets",
+    "MismatchError": "transport.agree",
+    "BucketReducer": "reducers.buckets", "ReduceTiming": "reducers.buckets",
     "Communicator": "comm", "world": "comm",
-    "install_abort_handler": "failure",
+    "install_abort_handler": "transport.failure",
     "GridError": "grid", "ProcessGrid": "grid",
 }
 __all__ = sorted(_WHERE)

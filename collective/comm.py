@@ -11,7 +11,7 @@ Semantics, for every method:
   * float16 and bfloat16 (ml_dtypes) are summed as floats on every path,
     MPI's included: each addition in float32, rounded to the buffer's dtype
     once per hop, partial sums moving in the buffer's dtype (the rule and
-    its error bound: collective/link.py);
+    its error bound: collective/transport/link.py);
   * a world of size 1 is a real communicator: the operations are identities
     (or a local copy);
   * collectives run our own algorithms (ring, halving-doubling, recursive
@@ -21,17 +21,17 @@ Semantics, for every method:
     within a node, with scratch memory pooled per communicator;
     `allreduce(algo="mpi")` is MPI's own Allreduce, kept as the baseline;
   * before a collective, ranks check once per distinct buffer signature that
-    they agree on it (collective/agree.py), and every blocking wait is under
-    the stall watchdog (collective/failure.py);
+    they agree on it (collective/transport/agree.py), and every blocking wait is under
+    the stall watchdog (collective/transport/failure.py);
   * every collective call is recorded in the flight recorder (its sequence
     number on this communicator, size, dtype, algorithm, state), dumped when
-    the job stalls or aborts (collective/flight.py).
+    the job stalls or aborts (collective/transport/flight.py).
 
-allreduce algorithms (`algo`, default "ring"):
-  ring   ours: by buffer size, world size and node (collective/choose.py),
+allreduce algorithms (`algo`, default "ours"):
+  ours   ours: by buffer size, world size and node (collective/algorithms/choose.py),
          recursive doubling, shared-memory one-shot or two-shot, halving-
          doubling, or the ring reduce-scatter + all-gather, pipelined in
-         `chunk_bytes` sub-chunks (default 4 MiB, see collective/ring.py);
+         `chunk_bytes` sub-chunks (default 4 MiB, see collective/algorithms/ring.py);
          `ours` forces one of them.
   naive  reduce to rank 0, broadcast from it (the textbook baseline).
   mpi    MPI_Allreduce of the MPI library.
@@ -46,25 +46,25 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
-from dtlab.collective import gpu
-from dtlab.collective.agree import ALGOS, Agreement, MismatchError, resolve_mode
-from dtlab.collective.alltoall import pairwise_alltoallv
-from dtlab.collective.choose import OURS, allreduce_algorithm
-from dtlab.collective.doubling import bind_doubling
-from dtlab.collective.failure import install_abort_handler, resolve_timeout
-from dtlab.collective.flight import recorder
-from dtlab.collective.halving import bind_halving
-from dtlab.collective.link import TAG_ALLTOALL, Link, byte_view, mpi_sum
-from dtlab.collective.naive import naive_allreduce
-from dtlab.collective.ring import (
+from dtlab.collective.algorithms.alltoall import pairwise_alltoallv
+from dtlab.collective.algorithms.choose import OURS, allreduce_algorithm
+from dtlab.collective.algorithms.doubling import bind_doubling
+from dtlab.collective.algorithms.halving import bind_halving
+from dtlab.collective.algorithms.naive import naive_allreduce
+from dtlab.collective.algorithms.ring import (
     ring_allgather,
     ring_allreduce,
     ring_reduce_scatter,
     segment_bounds,
 )
-from dtlab.collective.shm import SharedArena, shm_one_shot, shm_two_shot
-from dtlab.collective.tree import tree_broadcast
-from dtlab.collective.waits import resolve_yield
+from dtlab.collective.algorithms.shm import SharedArena, shm_one_shot, shm_two_shot
+from dtlab.collective.algorithms.tree import tree_broadcast
+from dtlab.collective.transport import gpu
+from dtlab.collective.transport.agree import ALGOS, Agreement, MismatchError, resolve_mode
+from dtlab.collective.transport.failure import install_abort_handler, resolve_timeout
+from dtlab.collective.transport.flight import recorder
+from dtlab.collective.transport.link import TAG_ALLTOALL, Link, byte_view, mpi_sum
+from dtlab.collective.transport.waits import resolve_yield
 from dtlab.models import backend
 
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -150,18 +150,18 @@ class Communicator:
     """A group of ranks and the collectives over it.
 
     comm: the MPI communicator (default COMM_WORLD); name: used in errors.
-    algo: default allreduce algorithm, "ring" | "naive" | "mpi".
+    algo: default allreduce algorithm, "ours" | "naive" | "mpi".
     timeout: stall timeout in seconds (None: DTLAB_COLLECTIVE_TIMEOUT or 600;
         0 disables). check: "first" | "always" | "never" agreement check
         (None: DTLAB_COLLECTIVE_CHECK or "first").
     chunk_bytes: ring pipelining sub-chunk. ours: one of choose.OURS for every
-        allreduce(algo="ring") (None: chosen by size, collective/choose.py).
+        allreduce(algo="ours") (None: chosen by size, collective/algorithms/choose.py).
     persistent_buffers: how many distinct buffers keep their requests bound
         (least recently used first out); each pins its buffer. Raise it for a
         fixed set of buffers reduced every step (the bucket reducer does).
     yield_waits: poll-and-yield instead of blocking waits (None: automatic,
-        see collective/waits.py).
-    flight: record every call in the flight recorder (collective/flight.py); False
+        see collective/transport/waits.py).
+    flight: record every call in the flight recorder (collective/transport/flight.py); False
         records nothing (the baseline dtlab-bench flight times it against).
     """
 
@@ -170,7 +170,7 @@ class Communicator:
         comm: MPI.Comm | None = None,
         *,
         name: str = "world",
-        algo: str = "ring",
+        algo: str = "ours",
         timeout: float | None = None,
         check: str | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -266,7 +266,7 @@ class Communicator:
         return functools.partial(_BIND[ours](link, buf, xp).run, xp, sync, divide), ours
 
     def ours_for(self, nbytes: int) -> str:
-        """Which of our algorithms allreduce(algo="ring") runs on a host buffer of
+        """Which of our algorithms allreduce(algo="ours") runs on a host buffer of
         `nbytes` (collective on first use, like allreduce)."""
         return self.ours or allreduce_algorithm(nbytes, self.size, self._shared)
 

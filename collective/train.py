@@ -45,18 +45,18 @@ gradient already sums the e ranks' tokens: both are then the gradient of the mea
 all dp x e ranks, that of one process on the global batch with the same token groups.
 
 With --zero S the dp ranks shard the model instead of replicating it (ZeRO,
-Rajbhandari et al. 2020; collective/zero.py): stage 1 the optimizer state, stage 2 also
+Rajbhandari et al. 2020; collective/zero/sharding.py): stage 1 the optimizer state, stage 2 also
 the gradients, stage 3 also the parameters, over our ring reduce-scatter and all-gather
 within each (pp, tp) shard's dp communicator (Megatron-LM's distributed optimizer with
 --tp and --pp; stage 3 with --tp, not --pp; no --ep: the flags it cannot honour are
 refused by name). Each dp rank checkpoints its own slice, and --resume at another dp
-size cuts the slices again (collective/zero_checkpoint.py).
+size cuts the slices again (collective/zero/checkpoint.py).
 
-With --local-steps H (local SGD, DiLoCo: collective/local_sgd.py) every rank takes H
+With --local-steps H (local SGD, DiLoCo: collective/reducers/local_sgd.py) every rank takes H
 steps of its own optimizer and the ranks all-reduce their parameter change once per
-round; with --compress topk:F|randk:F|sign|powersgd:R (collective/compress_reducer.py)
+round; with --compress topk:F|randk:F|sign|powersgd:R (collective/reducers/compress.py)
 each step's gradients travel compressed, with error feedback. Both run on dp alone
-(collective/methods.py names what they refuse) and record sent_bytes and comm_rounds.
+(collective/reducers/methods.py names what they refuse) and record sent_bytes and comm_rounds.
 
 Rank 0 writes the metrics (per-step time split into compute, communication
 and waiting) and checkpoints. An exception on any rank aborts the whole job.
@@ -72,23 +72,21 @@ import time
 
 from mpi4py import MPI
 
-from dtlab.collective import flight
-from dtlab.collective.buckets import DEFAULT_BUCKET_BYTES, WIRE_DTYPES, BucketReducer
-from dtlab.collective.choose import OURS
+from dtlab.collective.algorithms.choose import OURS
 from dtlab.collective.comm import Communicator
-from dtlab.collective.exchange import Exchange
-from dtlab.collective.failure import FORWARD_S
 from dtlab.collective.grid import GridError, ProcessGrid
-from dtlab.collective.methods import (
+from dtlab.collective.reducers.buckets import DEFAULT_BUCKET_BYTES, WIRE_DTYPES
+from dtlab.collective.reducers.data_parallel import DataParallelReducer, plan_words
+from dtlab.collective.reducers.methods import (
     add_method_flags,
     agreement,
     method_configs,
     method_parts,
 )
-from dtlab.collective.zero import STAGES
-from dtlab.collective.zero_checkpoint import ZeroTrainer
-from dtlab.collective.zero_layout import RingTraffic
-from dtlab.collective.zero_trainer import shard_session, zero_bytes
+from dtlab.collective.transport import flight
+from dtlab.collective.transport.failure import FORWARD_S
+from dtlab.collective.zero.sharding import STAGES
+from dtlab.collective.zero.trainer import ZeroTrainer, shard_session, zero_bytes
 from dtlab.models.config import ConfigError
 from dtlab.models.data.dataset import in_words
 from dtlab.models.moe_ep import ExpertParallel
@@ -111,15 +109,9 @@ from dtlab.models.run.trainer import Summary, Trainer
 from dtlab.models.schedule import SCHEDULES
 
 INTERRUPTED = 130
-# --allreduce: "ring" forces our ring at every size, "auto" lets collective/choose.py pick
+# --allreduce: "ring" forces our ring at every size, "auto" lets
+# collective/algorithms/choose.py pick
 ALLREDUCE = ("ring", "auto", *(a for a in OURS if a != "ring"), "naive", "mpi")
-
-
-def comm_algorithm(allreduce: str) -> tuple[str, str | None]:
-    """--allreduce as the Communicator's (algo, ours)."""
-    if allreduce in ("naive", "mpi"):
-        return allreduce, None
-    return "ring", None if allreduce == "auto" else allreduce
 
 
 def add_sync_flags(parser: argparse.ArgumentParser) -> None:
@@ -154,10 +146,11 @@ def add_sync_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sync data parallelism")
     group.add_argument("--allreduce", choices=ALLREDUCE, default="ring",
                        help="gradient all-reduce: ring (ours, the ring at every size), auto "
-                            "(ours, chosen by size and node: collective/choose.py), a named "
-                            "one of ours (doubling, halving, shm-one-shot, shm-two-shot), "
-                            "naive (reduce + broadcast) or mpi (MPI's own Allreduce); the "
-                            "metrics header's allreduce_buckets says what each bucket ran")
+                            "(ours, chosen by size and node: "
+                            "collective/algorithms/choose.py), a named one of ours (doubling, "
+                            "halving, shm-one-shot, shm-two-shot), naive (reduce + broadcast) "
+                            "or mpi (MPI's own Allreduce); the metrics header's allreduce_buckets "
+                            "says what each bucket ran")
     group.add_argument("--wire", choices=sorted(WIRE_DTYPES), default="fp32",
                        help="dtype the gradient all-reduce moves (--zero: each unit's "
                             "reduce-scatter): fp16 and bf16 halve the bytes (each bucket cast, "
@@ -167,9 +160,9 @@ def add_sync_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                        help="start a bucket's all-reduce as soon as backward has produced it")
     group.add_argument("--zero", type=int, choices=(0, *STAGES), default=0,
-                       help="ZeRO sharded data parallelism (collective/zero.py): 1 shards the "
-                            "optimizer state over the dp ranks, 2 also the gradients, 3 also "
-                            "the parameters (0: every rank holds everything)")
+                       help="ZeRO sharded data parallelism (collective/zero/sharding.py): 1 "
+                            "shards the optimizer state over the dp ranks, 2 also the gradients, "
+                            "3 also the parameters (0: every rank holds everything)")
     group.add_argument("--zero-reshard-after-forward", action=argparse.BooleanOptionalAction,
                        default=None,
                        help="--zero 3: free each unit's gathered parameters after its forward "
@@ -181,87 +174,8 @@ def add_sync_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--explain-hang", metavar="DIR", default=None,
                        help="train nothing: read the flight-recorder dumps a stalled or "
                             "aborted job wrote into DIR (DTLAB_FLIGHT_DIR) and name the first "
-                            "collective its ranks disagree on (collective/flight.py)")
+                            "collective its ranks disagree on (collective/transport/flight.py)")
     add_method_flags(parser)
-
-
-class DataParallelReducer(Exchange):
-    """Adapts BucketReducer to the trainer: averages gradients and logged scalars.
-
-    With `experts` (comm, lo, divide) the buffer holds two parameter groups: [0, lo) is
-    averaged over `comm` in overlapped buckets, [lo, end) (the experts) over the experts'
-    comm once backward is done, then divided by `divide`."""
-
-    def __init__(self, comm: Communicator, grad, bucket_bytes: int, allreduce: str,
-                 overlap: bool, wire: str = "fp32",
-                 experts: tuple[Communicator, int, int] | None = None):
-        super().__init__(comm)
-        self.comm, self.grad = comm, grad
-        self.lo = grad.size if experts is None else experts[1]
-        algo, ours = comm_algorithm(allreduce)
-        self.buckets = BucketReducer(comm, grad[:self.lo], bucket_bytes=bucket_bytes,
-                                     algo=algo, ours=ours, overlap=overlap, wire=wire)
-        self.experts = None
-        if experts is not None:
-            self.experts = BucketReducer(experts[0], grad[self.lo:], bucket_bytes=bucket_bytes,
-                                         algo=algo, ours=ours, overlap=False, wire=wire)
-            self.divide = experts[2]
-        self.ready = self.buckets.ready
-        self.overlap = self.buckets.overlap
-        sent = [sent_bytes(b) for b in (self.buckets, self.experts) if b is not None]
-        self.sent_bytes = None if None in sent else sum(sent)
-
-    def wait(self) -> dict:
-        t = self.buckets.wait()
-        comm_s, wait_s, wire = t.comm_s, t.wait_s, t.wire_bytes
-        if self.experts is not None:
-            e = self.experts.wait()
-            self.grad[self.lo:] /= self.divide
-            comm_s, wait_s, wire = comm_s + e.comm_s, wait_s + e.wait_s, wire + e.wire_bytes
-        sent = {} if self.sent_bytes is None else {"sent_bytes": self.sent_bytes}
-        return {"comm_s": comm_s, "wait_s": wait_s, "wire_bytes": wire, **sent}
-
-    def plan(self) -> list[dict]:
-        """What every bucket's all-reduce runs (BucketReducer.plan), the experts' last."""
-        return self.buckets.plan() + (self.experts.plan() if self.experts is not None else [])
-
-    def close(self) -> None:
-        self.buckets.close()
-        if self.experts is not None:
-            self.experts.close()
-
-
-def sent_bytes(buckets: BucketReducer) -> int | None:
-    """Bytes of this rank's data that reach the other ranks per step in the buckets'
-    all-reduces, by the algorithm each bucket runs (L its bytes, N ranks): our ring, its
-    own schedule (collective/zero_layout.py RingTraffic; collective, built only where a
-    bucket runs it, which every rank's plan agrees on); halving-doubling and shared-memory
-    two-shot 2(N-1)/N L (a segment of the inputs read by its reducer, then the reduced
-    segments by every rank); one-shot (N-1) L (every rank reads every input); recursive
-    doubling log2 N x L (both for a power-of-two N). None where no formula holds: MPI's
-    own all-reduce, the naive one (root and others differ), a fold from another N."""
-    plan, n = buckets.plan(), buckets.comm.size
-    itemsize = (buckets.shadow if buckets.shadow is not None else buckets.grad).itemsize
-    if any(b["algorithm"] in ("mpi", "naive")
-           or (b["algorithm"] in ("doubling", "halving") and n & (n - 1)) for b in plan):
-        return None
-    traffic = RingTraffic(buckets.comm) if any(b["algorithm"] == "ring" for b in plan) else None
-    per_byte = {"halving": 2 * (n - 1) / n, "shm-two-shot": 2 * (n - 1) / n,
-                "shm-one-shot": n - 1, "doubling": n.bit_length() - 1, "none": 0}
-    total = 0
-    for (lo, hi), b in zip(buckets.buckets, plan, strict=True):
-        if b["algorithm"] == "ring":
-            total += traffic.allreduce(hi - lo, itemsize)
-        else:
-            total += round(per_byte[b["algorithm"]] * (hi - lo)) * itemsize
-    return total
-
-
-def plan_words(plan: list[dict]) -> str:
-    """The buckets' algorithms in words: "shm-two-shot (407 KB)", "ring (25 MB) x 3"."""
-    words = [f"{b['algorithm']} ({b['bytes'] / 1e3:,.0f} KB)" for b in plan]
-    return ", ".join(f"{w} x {words.count(w)}" if words.count(w) > 1 else w
-                     for w in dict.fromkeys(words))
 
 
 def check_replicas_agree(comm: Communicator, params, when: str) -> None:
@@ -467,7 +381,7 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
     kind = ZeroTrainer if zero else Trainer
     trainer = kind(session, log, reducer, is_main=rank == 0,
                    saves=zero is not None or grid.dp_rank == 0,
-                   agree=agreement(session, grid.world),  # collective/methods.py
+                   agree=agreement(session, grid.world),  # collective/reducers/methods.py
                    rank=rank, role="sync",
                    stages=grid.pp_comm.mpi.allgather if grid.pp_size > 1 else None)
     if zero is None:

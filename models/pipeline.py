@@ -74,7 +74,7 @@ from dtlab.models.schedule import LAYOUTS, make, validate, virtual_stage
 MAX_NDIM = 7
 HEADER, ACTIVATION, GRADIENT = 0, 1, 2
 MAX_MESSAGES = 10_000  # (micro-batch, stage) pairs, 3 tags each, below the collectives'
-#                        tags (collective/link.py)
+#                        tags (collective/transport/link.py)
 
 
 class PipelineStage(Model):

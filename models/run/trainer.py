@@ -57,7 +57,7 @@ class Trainer:
     (default: is_main). A model-parallel model's ranks each hold different bytes, so each
     one's checkpoints go to their own directory, <checkpoint_dir>/<shard>/ with shard
     "pp<r>of<n>-ep<r>of<n>-tp<r>of<n>" (the dimensions of size 1 left out); so do the dp
-    ranks of a model sharded over dp ("dp<r>of<n>", ZeRO: collective/zero_checkpoint.py)."""
+    ranks of a model sharded over dp ("dp<r>of<n>", ZeRO: collective/zero/checkpoint.py)."""
 
     def __init__(self, session: Session, log: MetricsLog, reducer: GradReducer | None = None,
                  is_main: bool = True, saves: bool | None = None, agree=None, rank: int = 0,
@@ -282,7 +282,7 @@ class Trainer:
 def model_parallel_groups(model) -> dict:
     """{"dp": comm, "pp": comm, "ep": comm, "tp": comm} for the dimensions a model is split
     over (dp: its parameters and optimizer state sharded over the dp ranks, ZeRO's
-    collective/zero_trainer.py ShardedModel; ep: its experts, models/moe_ep.py)."""
+    collective/zero/trainer.py ShardedModel; ep: its experts, models/moe_ep.py)."""
     groups = {"dp": getattr(model, "dp", None), "pp": model.pp,
               "ep": getattr(model, "ep", None), "tp": model.tp}
     return {name: comm for name, comm in groups.items() if comm is not None and comm.size > 1}

@@ -52,8 +52,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from dtlab.collective.failure import FORWARD_S
 from dtlab.collective.grid import GridError, ProcessGrid
+from dtlab.collective.transport.failure import FORWARD_S
 from dtlab.models.config import ConfigError, build, from_namespace
 from dtlab.models.optim import OptimConfig
 from dtlab.models.run.loop import Summary

@@ -1,4 +1,4 @@
-"""collective/choose.py: which of our all-reduce algorithms runs, by size and world.
+"""collective/algorithms/choose.py: which of our all-reduce algorithms runs, by size and world.
 
 Pure arithmetic, no MPI: the order doubling -> shared memory (one-shot, then
 two-shot) -> halving-doubling or the ring as buffers grow, the node question
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from dtlab.collective.choose import (
+from dtlab.collective.algorithms.choose import (
     ONE_SHOT_ADDED_BYTES,
     OURS,
     SHM_SEGMENT_BYTES,

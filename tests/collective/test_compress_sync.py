@@ -1,5 +1,5 @@
-"""Compressed gradients on the sync trainer (dtlab-sync --compress; collective/
-compress_reducer.py) against the exact cases they reduce to, and the exchange against
+"""Compressed gradients on the sync trainer (dtlab-sync --compress;
+collective/reducers/compress.py) against the exact cases they reduce to, and the exchange against
 the error-feedback residual.
 
 topk:1.0 and randk:1.0 send every element, so at dp 2 (the ring's sum a + b = b + a, as

@@ -1,4 +1,4 @@
-"""The flight recorder and its analyser (collective/flight.py).
+"""The flight recorder and its analyser (collective/transport/flight.py).
 
 Planted hangs in real 3-rank jobs (tests/support/mpi_progs/flight_prog.py):
 each ends within seconds by the watchdog or the abort handler, every rank
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from support.mpirun import mpirun
 
-from dtlab.collective import flight
+from dtlab.collective.transport import flight
 
 pytestmark = pytest.mark.usefixtures("mpiexec")
 
@@ -30,7 +30,7 @@ def _planted(case: str, folder: Path):
                env={"DTLAB_COLLECTIVE_TIMEOUT": "2", "DTLAB_FLIGHT_DIR": str(folder)})
     assert not r.timed_out and r.rc != 0, r
     assert r.seconds < QUICK_S, r  # the program sleeps 60 s: only an abort ends it early
-    assert f"explain: python -m dtlab.collective.flight {folder}" in r.stderr, r
+    assert f"explain: python -m dtlab.collective.transport.flight {folder}" in r.stderr, r
     dumps = flight.load(folder)
     assert sorted(dumps) == [0, 1, 2], r
     # the abort path unlinked the node's MPICH segment, and nothing brought it back
@@ -48,7 +48,7 @@ def test_a_rank_that_skips_an_allreduce_is_named_with_the_sequence_it_never_reac
     assert (f.comm, f.seq) == ("world", 6), f.text()
     assert f.groups == [("allreduce(4096 B float32, shm-one-shot) [started]", [0, 2])]
     assert f.missing == [(1, "#5 allreduce, done")]
-    cli = subprocess.run([sys.executable, "-m", "dtlab.collective.flight", str(tmp_path)],
+    cli = subprocess.run([sys.executable, "-m", "dtlab.collective.transport.flight", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
     assert cli.returncode == 0, cli.stderr
     assert "first disagreement at sequence 6" in cli.stdout

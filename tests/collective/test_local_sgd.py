@@ -1,4 +1,4 @@
-"""Sync local SGD and DiLoCo (dtlab-sync --local-steps H; collective/local_sgd.py) against
+"""Sync local SGD and DiLoCo (dtlab-sync --local-steps H; collective/reducers/local_sgd.py) against
 the exact cases they reduce to.
 
 H = 1 with inner SGD and outer SGD lr 1 is plain data parallelism: bit for bit on one
@@ -120,7 +120,7 @@ def test_the_logged_loss_is_the_global_batch_mean_as_in_plain_sync(two_ranks):
 
 
 def test_the_ranks_meet_only_at_round_ends_and_a_signal_stops_them_after_one(tmp_path):
-    """The stop agreement runs at round ends only (collective/methods.py, agreement): a
+    """The stop agreement runs at round ends only (collective/reducers/methods.py, agreement): a
     SIGTERM mid-round stops both ranks after that round, exit 0, no abort."""
     metrics = tmp_path / "m.jsonl"
     cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "dtlab.collective.train", *MLP,

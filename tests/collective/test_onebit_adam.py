@@ -1,4 +1,4 @@
-"""1-bit Adam on the sync topology (dtlab-sync --onebit-adam W; collective/onebit_adam.py)
+"""1-bit Adam on the sync topology (dtlab-sync --onebit-adam W; collective/reducers/onebit_adam.py)
 against the cases it reduces to.
 
 - W >= --steps: every step is a warm-up step, plain data-parallel AdamW bit for bit.

@@ -1,4 +1,4 @@
-"""The quantized ring all-reduce (collective/quantized_ring.py, dtlab-sync
+"""The quantized ring all-reduce (collective/algorithms/quantized_ring.py, dtlab-sync
 --quantize-grads int8|int4): every element within its bound of the direct sum at N = 1..4
 (tests/support/mpi_progs/quantized_check.py), and training through it at dp 2 near plain
 data parallelism (int8 closer than int4), its bytes what the ring's schedule sends."""

@@ -1,5 +1,5 @@
 """Streaming DiLoCo on the sync topology (dtlab-sync --local-steps H --fragments F
---overlap-steps tau --mix alpha --outer-precision; collective/streaming.py) against the
+--overlap-steps tau --mix alpha --outer-precision; collective/reducers/streaming.py) against the
 cases it reduces to, and its schedule and quantizer as data.
 
 - F = 1, tau = 0, fp32 (the flags given) is DiLoCo bit for bit (the same run without them).

@@ -12,7 +12,7 @@ of additions differs from the all-reduce's) the sums are reordered: float64 runs
 with plain DP and with one process on the global batch within 1e-12 relative (the largest
 difference measured: 3e-16).
 
-Checkpoints (collective/zero_checkpoint.py): a run stopped after 2 of 4 steps (the warm-up
+Checkpoints (collective/zero/checkpoint.py): a run stopped after 2 of 4 steps (the warm-up
 spans both, so the lr schedule does not depend on --steps) and resumed ends bit for bit on
 the uninterrupted run, every stage and plain DP, in float64 with accumulation and clipping
 and in fp16 (its loss scale saved); a stage-1 checkpoint resumes into stage 3 and a plain
@@ -33,9 +33,9 @@ from support.mpirun import mpirun
 
 from dtlab.collective.comm import Communicator
 from dtlab.collective.train import parse_args
-from dtlab.collective.zero_checkpoint import ZeroTrainer, recut
-from dtlab.collective.zero_layout import Layout, units_of
-from dtlab.collective.zero_trainer import shard_session
+from dtlab.collective.zero.checkpoint import recut
+from dtlab.collective.zero.layout import Layout, units_of
+from dtlab.collective.zero.trainer import ZeroTrainer, shard_session
 from dtlab.models.config import ConfigError
 from dtlab.models.cost import zero_traffic
 from dtlab.models.run import checkpoint

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dtlab.collective.choose import allreduce_algorithm
+from dtlab.collective.algorithms.choose import allreduce_algorithm
 from dtlab.lab.compare import study
 from dtlab.lab.compare.launch import RunSpec
 from dtlab.models.config import ConfigError

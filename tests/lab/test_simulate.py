@@ -85,7 +85,7 @@ def test_two_level_allreduce_by_hand():
     # 2 nodes (2 alpha_e + 1 MB beta_e)
     assert algo == "2-level/halving"
     assert t == pytest.approx(14 * 2e-6 + 14 / 8 * 8e6 * 1e-11 + 2 * 5e-6 + 1e6 * 2e-11)
-    # within one node it is the flat choice of collective/choose.py
+    # within one node it is the flat choice of collective/algorithms/choose.py
     t1, algo1 = sync_allreduce_s("ring", 8e6, 8, net)
     assert algo1 == "halving" and t1 == pytest.approx(6 * 2e-6 + 1.75 * 8e6 * 1e-11)
     # naive is flat: its root's link is the node's NIC

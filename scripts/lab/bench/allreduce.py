@@ -30,8 +30,8 @@ busbw is the bandwidth each rank's link carried in a bandwidth-optimal
 all-reduce (nccl-tests' definition), comparable across n. #wrong counts
 elements that differ from the exact rank sum after one verification call
 with inputs x_r[i] = (r + 1) (1 + i mod 3), whose sum is exact in float.
-"ring" is `Communicator.allreduce(algo="ring")`, our point-to-point family;
-its `via` says which algorithm the size took (collective/choose.py): "rd"
+"ring" is `Communicator.allreduce(algo="ours")`, our point-to-point family;
+its `via` says which algorithm the size took (collective/algorithms/choose.py): "rd"
 recursive doubling, "shm1" / "shm2" shared-memory one-shot / two-shot, "hd"
 halving-doubling, "ring" the ring. The exit status is 1 when any element was
 wrong.
@@ -43,13 +43,13 @@ Measured notes (figures belong here, with date and hardware, not in code comment
     was fast); with heap scratch 16 bytes past the buffer the ring ran at
     0.5-0.7x MPI's speed at 2-16 MB in about half the launches at 4 ranks,
     which receive buffers at the sender's page offset removed
-    (collective/pages.py). Poll-and-yield waits made the 4-rank all-reduce
-    5-10% faster (collective/waits.py); persistent requests cost 0.6 us per
+    (collective/transport/pages.py). Poll-and-yield waits made the 4-rank all-reduce
+    5-10% faster (collective/transport/waits.py); persistent requests cost 0.6 us per
     message instead of 2-3 us for Isend/Irecv; ring sub-chunks of 128 KB were
     10-35% slower at 1 MB and 1-4 MB chunks within noise of one chunk per
     segment at 16-64 MB (hence chunk_bytes = 4 MiB); xp.add(out=) was 1.7-2x
     faster than MPI.SUM.Reduce_local; the agreement check's small Allgather
-    (collective/agree.py) took 20-50 us at 2 ranks and 60-180 us at 4 ranks,
+    (collective/transport/agree.py) took 20-50 us at 2 ranks and 60-180 us at 4 ranks,
     1-3 times a whole 4 KB all-reduce.
   2026-12-01, Intel Xeon, 2 cores (shared with other jobs, load 3-5),
     MPICH 5.0.2 (CMA from 8 KiB), the mid-size issue: per-step costs at 2
@@ -63,7 +63,7 @@ Measured notes (figures belong here, with date and hardware, not in code comment
       n=2  64 KB 1.95 -> 0.67, 256 KB 2.51 -> 0.73, 1 MB 1.08 -> 0.89
       n=4  64 KB 1.80 -> 0.90, 256 KB 2.21 -> 1.02, 1 MB 1.05 -> 0.85
     (dtlab-bench allreduce --launches 5 --ranks 2,4; the
-    choice by size in collective/choose.py follows these sweeps, with
+    choice by size in collective/algorithms/choose.py follows these sweeps, with
     Communicator(ours=...) forcing each algorithm in turn).
 """
 
@@ -81,10 +81,11 @@ import time
 
 import numpy as np
 
-from dtlab.collective.choose import OURS
+from dtlab.collective.algorithms.choose import OURS
 from dtlab.models.run.launcher import mpiexec_path
 
 ALGOS = ("ring", "naive", "mpi")
+COMM_ALGO = {"ring": "ours"}  # the row "ring" is Communicator.allreduce(algo="ours")
 VIA = {"doubling": "rd", "halving": "hd", "ring": "ring", "shm-one-shot": "shm1",
        "shm-two-shot": "shm2"}
 MOVED_PER_SIZE = 64 << 20
@@ -128,7 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ring sub-chunk (default: the Communicator's)")
     p.add_argument("--ours", choices=OURS, default=None,
                    help="force one of our algorithms for every size (default: by size, "
-                        "collective/choose.py)")
+                        "collective/algorithms/choose.py)")
     p.add_argument("--tiny", action="store_true", help="4-16 KB, 5 iterations, 1 round")
     p.add_argument("--json", help="write the rows (and run metadata) here")
     p.add_argument("--launches", type=int, default=0,
@@ -168,7 +169,7 @@ def run_algo(comm, algo: str, buf: np.ndarray, iters: int) -> float:
             mpi.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
     else:
         for _ in range(iters):
-            comm.allreduce(buf, algo=algo)
+            comm.allreduce(buf, algo=COMM_ALGO.get(algo, algo))
     mean = (time.perf_counter() - start) / iters
     return mpi.allreduce(mean, op=MPI.MAX)
 
@@ -181,7 +182,7 @@ def count_wrong(comm, algo: str, buf: np.ndarray) -> int:
     if algo == "mpi":
         comm.mpi.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
     else:
-        comm.allreduce(buf, algo=algo)
+        comm.allreduce(buf, algo=COMM_ALGO.get(algo, algo))
     expected = (n * (n + 1) // 2) * (1 + idx % 3)
     return comm.mpi.allreduce(int(np.count_nonzero(buf != expected)), op=MPI.SUM)
 

@@ -1,4 +1,5 @@
-"""Flight recorder overhead: what recording each all-reduce (collective/flight.py) adds to it.
+"""Flight recorder overhead: what recording each all-reduce
+(collective/transport/flight.py) adds to it.
 
     mpiexec -n 2 dtlab-bench flight --json flight-n2.json    # 4 KB..16 MB
     mpiexec -n 4 dtlab-bench flight --max-bytes 1M           # shorter sweep
@@ -10,7 +11,7 @@ every call, as a training step's buckets are: the call's fast path) each
 repetition times, one right after the other on the same array,
 
   off  the all-reduce on a duplicate of the communicator made with
-       flight=False (collective/flight.py's Off recorder: nothing recorded),
+       flight=False (collective/transport/flight.py's Off recorder: nothing recorded),
        the mean of a size-dependent number of calls (about 64 MB moved, 3 to
        1000 calls), the slowest rank's;
   on   the same on the communicator as every run has it, recorder included;
@@ -96,7 +97,7 @@ def recorder_s(comm, recorder, buf: np.ndarray, algo: str, pairs: int) -> float:
     (a block the scheduler preempted, on a shared host, is an outlier), slowest rank."""
     from mpi4py import MPI
 
-    from dtlab.collective.flight import Recorder
+    from dtlab.collective.transport.flight import Recorder
 
     nbytes, dtype, block = buf.nbytes, buf.dtype, min(BLOCK, pairs)
     comm.barrier()
@@ -115,7 +116,7 @@ def recorder_s(comm, recorder, buf: np.ndarray, algo: str, pairs: int) -> float:
 
 
 def measure(comm, args) -> list[dict]:
-    from dtlab.collective.flight import Recorder
+    from dtlab.collective.transport.flight import Recorder
 
     off_comm = comm.dup("bench-flight-off", flight=False)  # the same settings, no recorder
     # a recorder of its own (made on every rank alike): its entries share the ring

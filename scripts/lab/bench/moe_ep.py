@@ -7,7 +7,7 @@ Two measurements, every rank taking part, each rep's time the slowest rank's (MP
 
   all-to-all: ours as the MoE layers call it (collective/train.py's posted_alltoallv:
       Communicator.ialltoallv, every pairwise exchange posted at once, one wait), our
-      step-by-step pairwise alltoallv (collective/alltoall.py) and MPI's Alltoallv on the
+      step-by-step pairwise alltoallv (collective/algorithms/alltoall.py) and MPI's Alltoallv on the
       same float32 buffers of B bytes per rank (B/n to every rank), taking turns rep by
       rep; median of the reps; bus bandwidth as nccl-tests defines it for all-to-all:
       busbw = (B / t) (n - 1) / n. Each result is checked against the blocks every rank

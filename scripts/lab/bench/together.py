@@ -14,7 +14,7 @@ barriers, as the all-reduce or the round holds them in step:
 
     rank    the batch, forward and backward, the gradient norm, the optimizer
             (models/run/trainer.py: a sync rank's compute_s); waits poll and
-            yield the core when the host is oversubscribed (collective/waits.py)
+            yield the core when the host is oversubscribed (collective/transport/waits.py)
     worker  the batch, forward and backward, the gradient norm (pserver/worker/loop.py:
             the servers run the optimizer); waits asleep, as a worker blocked in gRPC
 
@@ -41,7 +41,7 @@ import time
 
 from mpi4py import MPI
 
-from dtlab.collective.waits import resolve_yield
+from dtlab.collective.transport.waits import resolve_yield
 from dtlab.lab.bench.model import trainer_step
 from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.session import build_session, parse, replica_cost

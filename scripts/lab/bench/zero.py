@@ -18,7 +18,7 @@ rank 0's metrics and reports per stage:
     working       the per-unit buffer pools ZeRO 2 and 3 hold beside that (the gathered
                   units' parameters, the gradients in reduction), MB
     sent MB       bytes rank 0 sent per step, counted from our ring's schedule per
-                  collective (collective/zero_layout.py), against the formula: (N-1)/N of
+                  collective (collective/zero/layout.py), against the formula: (N-1)/N of
                   2 Psi-volumes (stages 0-2), 3 (stage 3) (models/cost.py zero_traffic)
     wait ms       time the step was blocked on communication: the reducer's wait plus,
                   stage 3, the forward and backward waits for a unit's all-gather (the

@@ -26,8 +26,8 @@ free of the mini-batch noise and of the topology's sampling.
 
 What a run moves (`traffic`), from its own records, every byte on the wire counted once
 over all processes: sync, N x what rank 0 sent (`sent_bytes`: the bytes of a rank's data
-that reach the others, by each bucket's algorithm, collective/train.py sent_bytes; runs
-over MPI's own or the naive all-reduce record none); async, every worker's tensor bytes pushed and
+that reach the others, by each bucket's algorithm, collective/reducers/data_parallel.py
+sent_bytes; runs over MPI's own or the naive all-reduce record none); async, every worker's tensor bytes pushed and
 pulled. Communication rounds: sync, the collectives a step ran (`comm_rounds`: local SGD
 1 a round, PowerSGD 2 a step; a plain step's bucketed all-reduce counts as 1, its
 buckets overlapping one backward); async, the steps that pushed (a local SGD worker's
@@ -223,9 +223,9 @@ def what_ran(topology: str, headers: list[dict], records: list[list[dict]]) -> d
         ran["allreduce"] = header.get("allreduce")
         ran["buckets"] = header.get("allreduce_buckets", [])
         ran["zero"] = header.get("zero", 0)
-        ran["local_steps"] = header.get("local_steps", 0)  # collective/local_sgd.py
+        ran["local_steps"] = header.get("local_steps", 0)  # collective/reducers/local_sgd.py
         ran["outer"] = header.get("outer")
-        ran["compress"] = header.get("compress", "")  # collective/compress_reducer.py
+        ran["compress"] = header.get("compress", "")  # collective/reducers/compress.py
         ran["error_feedback"] = header.get("error_feedback")
         z = header.get("zero_bytes")
         ran["memory"] = {"per_rank_bytes": z["total_bytes"] if z else

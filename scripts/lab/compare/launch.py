@@ -5,7 +5,7 @@ A run's name says its method (compare/registry.py: one entry per method, `dtlab-
 
     sync-ring | sync-naive | sync-mpi
         mpiexec -n N dtlab-sync --config CFG --allreduce ALGO --metrics OUT/NAME.jsonl
-    sync-localH | sync-dilocoH                      (collective/local_sgd.py)
+    sync-localH | sync-dilocoH                      (collective/reducers/local_sgd.py)
         ... dtlab-sync ... --local-steps H [--outer-optimizer nesterov --outer-lr 0.7
             --outer-momentum 0.9]    (local SGD: outer SGD lr 1; DiLoCo: Douillard et al.)
     sync-topkP | sync-randkP | sync-sign | sync-powersgdR, each optionally with -noef

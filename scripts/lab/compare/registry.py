@@ -182,29 +182,29 @@ METHODS: tuple[Method, ...] = (
     Method("sync-zeroS", r"sync-zero(?P<zero>[123])",
            "ZeRO stage S = 1, 2, 3 (Rajbhandari et al. 2020): optimizer state, gradients, "
            "parameters sharded over the ranks",
-           "dtlab.collective.zero_trainer.ZeroReducer", _zero),
+           "dtlab.collective.zero.trainer.ZeroReducer", _zero),
     Method("sync-localH | sync-dilocoH", r"sync-(?P<kind>local|diloco)(?P<H>[1-9]\d*)",
            "H local steps, then the outer gradient all-reduced (Stich 2019; DiLoCo: outer "
            "Nesterov, Douillard et al. 2023)",
-           "dtlab.collective.local_sgd.LocalReducer", _local("sync")),
+           "dtlab.collective.reducers.local_sgd.LocalReducer", _local("sync")),
     Method("sync-streamHxF[-tT][-int8|-int4]",
            r"sync-stream(?P<H>[1-9]\d*)x(?P<F>[1-9]\d*)(-t(?P<tau>\d+))?(-(?P<bits>int8|int4))?",
            "Streaming DiLoCo (Douillard et al. 2025): F fragments, one synchronised every H / "
            "F steps, its exchange overlapping T steps, outer gradients in fp32, int8 or 4 bits",
-           "dtlab.collective.streaming.LocalOptimizer", _streaming),
+           "dtlab.collective.reducers.streaming.LocalOptimizer", _streaming),
     Method("sync-qring8 | sync-qring4", r"sync-qring(?P<bits>[84])",
            "gradients averaged through a ring all-reduce of int8 or 4-bit payloads, a scale per "
            "256 values, re-quantized at every hop (INTELLECT-1's ring)",
-           "dtlab.collective.quantized_ring.QuantizedReducer", _quantized),
+           "dtlab.collective.algorithms.quantized_ring.QuantizedReducer", _quantized),
     Method("sync-onebitadamW", r"sync-onebitadam(?P<W>[1-9]\d*)",
            "1-bit Adam (Tang et al. 2021): W warm-up steps of Adam, then the momentum all-"
            "gathered as signs with error feedback, the variance frozen",
-           "dtlab.collective.onebit_adam.OneBitReducer", _onebit),
+           "dtlab.collective.reducers.onebit_adam.OneBitReducer", _onebit),
     Method("sync-topkP | sync-randkP | sync-sign | sync-powersgdR [-noef]",
            rf"sync-(?P<compress>{SPARSE}|sign|powersgd(?P<rank>[1-9]\d*))(?P<noef>-noef)?",
            "compressed gradients with error feedback (Karimireddy et al. 2019; PowerSGD, "
            "Vogels et al. 2019); P percent kept, R the rank",
-           "dtlab.collective.compress_reducer.CompressReducer", _compressed("sync")),
+           "dtlab.collective.reducers.compress.CompressReducer", _compressed("sync")),
     Method("async-localH | async-dilocoH", r"async-(?P<kind>local|diloco)(?P<H>[1-9]\d*)",
            "async local SGD: each worker pushes its outer gradient every H steps to ASP "
            "servers (DiLoCo: Delayed Nesterov, Liu et al. 2024)",

@@ -13,7 +13,7 @@ The link is the alpha-beta model of one TCP stream through the shaped qdisc
     gamma = the calibrated local all-reduce's per byte (the adds run on this host's CPUs)
 
 Sync, one rank per host (N <= H): the all-reduce formulas of formulas.py on that
-link (no shared memory: every rank is on a host of its own, as collective/choose.py
+link (no shared memory: every rank is on a host of its own, as collective/algorithms/choose.py
 sees it); compute is this host's, its cores shared by the N ranks (step.Host).
 
 Async: a worker's round is pull + push (one message each way per shard, Li et

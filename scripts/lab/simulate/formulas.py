@@ -2,7 +2,7 @@
 
 With alpha one message's latency, beta the time per byte on a link and gamma
 the time to add one byte (Thakur, Rabenseifner & Gropp 2005; the same costs
-collective/choose.py orders our all-reduces by), an all-reduce of n bytes
+collective/algorithms/choose.py orders our all-reduces by), an all-reduce of n bytes
 over N ranks costs a alpha + b n beta + c n gamma, with (a, b, c):
 
     ring           2(N-1),      2(N-1)/N,  (N-1)/N     reduce-scatter + all-gather
@@ -11,11 +11,12 @@ over N ranks costs a alpha + b n beta + c n gamma, with (a, b, c):
     shm-one-shot   1,           1,         N-1         one barrier; every rank adds N copies
     shm-two-shot   2,           2,         (N-1)/N     two barriers; rank r adds segment r
     naive          2(N-1),      2(N-1),    N-1         the root receives, adds and sends N-1
-    alltoall       N-1,         (N-1)/N,   0           pairwise exchange (collective/alltoall.py;
+    alltoall       N-1,         (N-1)/N,   0           pairwise exchange
+                                                       (collective/algorithms/alltoall.py;
                                                        n: the bytes one rank sends in all; the
                                                        MoE dispatch and combine)
 
-"ours" is the algorithm collective/choose.py picks for that size and N
+"ours" is the algorithm collective/algorithms/choose.py picks for that size and N
 (shared memory only when every rank is on one host, as there).
 
 Two levels (`gpus_per_node` G > 1, M = N / G nodes), as NCCL's tree/ring
@@ -45,7 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dtlab.collective.choose import allreduce_algorithm
+from dtlab.collective.algorithms.choose import allreduce_algorithm
 from dtlab.lab.simulate.links import Link
 
 
@@ -74,7 +75,7 @@ def allreduce_s(algo: str, nbytes: float, n_ranks: int, link: Link) -> float:
 
 
 def ours(nbytes: float, n_ranks: int, one_host: bool) -> str:
-    """The algorithm Communicator.allreduce runs (collective/choose.py)."""
+    """The algorithm Communicator.allreduce runs (collective/algorithms/choose.py)."""
     return allreduce_algorithm(int(nbytes), n_ranks, lambda: one_host)
 
 
@@ -124,7 +125,8 @@ def sync_allreduce_s(kind: str, nbytes: float, n_ranks: int, net: Network,
 def bucketed_allreduce_s(kind: str, grad_bytes: float, bucket_bytes: float, n_ranks: int,
                          net: Network, one_host_shm: bool = False) -> tuple[float, float, str]:
     """(all buckets' seconds, the last bucket's, algorithm of the largest) for a gradient
-    cut into buckets of `bucket_bytes` (collective/buckets.py), reduced one after another."""
+    cut into buckets of `bucket_bytes` (collective/reducers/buckets.py), reduced one after
+    another."""
     full, rest = divmod(grad_bytes, bucket_bytes)
     sizes = [bucket_bytes] * int(full) + ([rest] if rest else [])
     times = [sync_allreduce_s(kind, s, n_ranks, net, one_host_shm) for s in sizes]

@@ -4,8 +4,8 @@ compressed gradients, each one's step time beside plain data parallelism's.
     dtlab-simulate --link 100gbit --intra-link nvlink --gpus-per-node 8 --tflops 100 \
         --methods local:8,diloco:50,topk:0.01,randk:0.01,sign,powersgd:4
 
-What each method's step costs, as dtlab-sync runs it (collective/local_sgd.py,
-collective/compress_reducer.py), with ar(n) our ring family's all-reduce of n bytes
+What each method's step costs, as dtlab-sync runs it (collective/reducers/local_sgd.py,
+collective/reducers/compress.py), with ar(n) our ring family's all-reduce of n bytes
 (formulas.sync_allreduce_s) and ag(m) a flat ring all-gather of m bytes from every rank,
 (N-1) alpha + (N-1) m beta on the ring's link (zero.ring_link):
 

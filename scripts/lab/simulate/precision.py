@@ -3,7 +3,8 @@
     p = Precision.of(dtype="float32", precision="bf16", wire="fp32")
     p.compute, p.activation, p.p2p, p.tp, p.gradient, p.gather    # bf16 2 2 2 2 2
 
-As dtlab's trainers run them (models/precision.py, collective/buckets.py, collective/zero.py):
+As dtlab's trainers run them (models/precision.py, collective/reducers/buckets.py,
+collective/zero/sharding.py):
 
     tensor class                 --dtype D (--precision fp32)   --precision fp16|bf16
     compute (the matmuls' rate)  D (float32: fp32, no TF32)     the half dtype

@@ -24,11 +24,11 @@ loader's rank w of N, as the comparison's programs read their data):
     localH     N replicas, each H inner steps with its own optimizer on its own data from
     dilocoH    the round's global parameters, then the mean outer gradient through the outer
                optimizer (models/outer.py: SGD lr 1, or DiLoCo's Nesterov 0.7 / 0.9,
-               Douillard et al. 2023), as collective/local_sgd.py; the replicas run one after
-               another, so only their optimizer states are kept (N of them)
+               Douillard et al. 2023), as collective/reducers/local_sgd.py; the
+               replicas run one after another, so only their optimizer states are kept (N of them)
     topkP,     each of the N workers compresses its own gradient with its own error-feedback
     randkP,    residual (models/compress.py), the N payloads are added and divided by N
-    sign       (collective/compress_reducer.py)
+    sign       (collective/reducers/compress.py)
 
 The held-out loss (make_heldout's examples) is evaluated every `eval_every` steps (at the
 end of a round for local SGD); the target is reached at the first evaluation at or below

@@ -20,7 +20,7 @@ statistics). Without measured steps (a preset device) the spread is taken
 as none.
 
 Overlap. The sync trainer starts each gradient bucket's all-reduce on a
-comm thread as soon as backward has produced it (collective/buckets.py), so
+comm thread as soon as backward has produced it (collective/reducers/buckets.py), so
 all but the last bucket can hide behind the rest of backward (2/3 of the
 matmul FLOPs). With k micro-batches a step (--grad-accum k) the gradients are
 final only in the last micro-batch's backward, and dtlab-sync starts the
@@ -34,7 +34,7 @@ time from compute, so nothing is hidden.
 
 Async on a shared host. A worker blocked on a pull or push sleeps in gRPC
 and gives its core away, so the workers do not all compute at once as the
-sync ranks (which poll in their waits, collective/waits.py) do: a round
+sync ranks (which poll in their waits, collective/transport/waits.py) do: a round
 takes the longer of its critical path (one worker's compute with its
 threads, the slowest worker, pull, push) and the CPU work of the round
 spread over the cores, W (compute + one worker's pull + push round) / C;

@@ -67,10 +67,10 @@ def predictions(rows: list[dict], steps_to_target: int | None) -> str:
     out = render(cols)
     out.append("# legend: N ranks (sync) = workers (async); nodes = ceil(N / gpus per node); "
                "compute = forward + backward + update of one rank's batch; ring = exposed "
-               "all-reduce of our ring family (algo: the one collective/choose.py picks, "
-               "2-level/X: intra-node ring + X across nodes); step = compute + exposed "
-               "communication; eff = compute / ring step (weak scaling: N = 1 is compute "
-               "alone); "
+               "all-reduce of our ring family (algo: the one "
+               "collective/algorithms/choose.py picks, 2-level/X: intra-node ring + X across "
+               "nodes); step = compute + exposed communication; eff = compute / ring step "
+               "(weak scaling: N = 1 is compute alone); "
                + ("naive = reduce to rank 0 + broadcast; ps = pull + push with the "
                   "parameter-server shards (with --link local or --shards); " if len(kinds) > 1
                   else "")

@@ -7,7 +7,7 @@ vocabulary-parallel embedding adds one forward, the head one backward, the cross
 one of its (N, 2) statistics and an all-gather of N row maxima. Per micro-batch these are
 dtlab.lab.bench.parallel_formulas.tp_payload's bytes, split by the stage they run on.
 They run within a node (tp is the grid's fastest dimension), on the intra-node link at
-the all-reduce collective/choose.py picks; the all-gather of n output bytes costs
+the all-reduce collective/algorithms/choose.py picks; the all-gather of n output bytes costs
 (t - 1) alpha + (t - 1)/t n beta (a ring).
 
 Recomputation (--recompute) runs each block's forward again in backward, its two

@@ -35,7 +35,7 @@ unit 0 is the first in forward, unit L-1 the last:
                  backward but the last)
 
 and all of it where they have not. With k micro-batches a step (--grad-accum k), as
-collective/zero.py runs them: stage 1 reduce-scatters in the last micro-batch's backward
+collective/zero/sharding.py runs them: stage 1 reduce-scatters in the last micro-batch's backward
 only (as plain data parallelism, step.py), stage 2 in every micro-batch's, stage 3 also
 gathers every micro-batch; backward and forward above are then one micro-batch's, and
 stage 2's reduce-scatter part and all of stage 3's come k times. On a shared host every

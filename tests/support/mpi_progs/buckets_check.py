@@ -25,7 +25,7 @@ from mpi4py import MPI
 from rank_checks import RankChecks
 
 from dtlab.collective import BucketReducer, world
-from dtlab.collective.buckets import bucket_bounds
+from dtlab.collective.reducers.buckets import bucket_bounds
 from dtlab.models.mlp import MLP, MLPConfig
 from dtlab.models.model import Replica
 

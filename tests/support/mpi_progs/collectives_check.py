@@ -24,8 +24,9 @@ from fakecuda import FakeDeviceArray
 from mpi4py import MPI
 from rank_checks import RankChecks
 
-from dtlab.collective import Communicator, gpu
-from dtlab.collective.ring import segment_bounds
+from dtlab.collective import Communicator
+from dtlab.collective.algorithms.ring import segment_bounds
+from dtlab.collective.transport import gpu
 
 DTYPES = (np.float32, np.float64, np.float16, np.int32, np.int64)
 # (name, Communicator.ours, chunk_bytes): each of our all-reduce algorithms forced
@@ -233,7 +234,7 @@ def check_new_communicators() -> None:
 def check_errors() -> None:
     cases = [
         (lambda: comm.allreduce(np.zeros((4, 4))[:, 0]), ValueError, "C-contiguous"),
-        (lambda: comm.allreduce(np.zeros(4), algo="tree"), ValueError, "ring"),
+        (lambda: comm.allreduce(np.zeros(4), algo="tree"), ValueError, "ours"),
         (lambda: comm.allreduce(np.zeros(4, np.int32), average=True), TypeError, "floating"),
         (lambda: comm.broadcast(np.zeros(4), root=N), ValueError, "root"),
         (lambda: comm.allgather(np.zeros(3), counts=[1] * N), ValueError, "counts"),

@@ -1,4 +1,4 @@
-"""The compressed exchange (collective/compress_reducer.py) carries exactly what the ranks'
+"""The compressed exchange (collective/reducers/compress.py) carries exactly what the ranks'
 error-feedback residuals do not hold.
 
     mpiexec -n 3 python -m mpi4py tests/support/mpi_progs/compress_check.py
@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from dtlab.collective.comm import Communicator
-from dtlab.collective.compress_reducer import CompressReducer
+from dtlab.collective.reducers.compress import CompressReducer
 from dtlab.models.compress import CompressConfig
 from dtlab.models.mlp import MLPConfig
 from dtlab.models.zoo import build_model

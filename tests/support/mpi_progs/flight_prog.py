@@ -2,7 +2,7 @@
 
     DTLAB_COLLECTIVE_TIMEOUT=2 DTLAB_FLIGHT_DIR=/tmp/fl mpiexec -n 3 \\
         python tests/support/mpi_progs/flight_prog.py skip
-    python -m dtlab.collective.flight /tmp/fl
+    python -m dtlab.collective.transport.flight /tmp/fl
 
 skip:     rank 1 skips the third of five 4 KB all-reduces, then works alone
           (sleeps): ranks 0 and 2 stall in the fifth, which rank 1 never calls.

@@ -1,6 +1,6 @@
 """The error bound of a half-precision sum under dtlab's accumulation rule.
 
-The rule (collective/link.py): every addition is computed in float32 and
+The rule (collective/transport/link.py): every addition is computed in float32 and
 rounded to the buffer's dtype, so a partial sum is rounded once per hop; a
 sum over N ranks goes through at most k = N - 1 roundings on any path (any
 summation tree of N values is at most N - 1 deep), and averaging rounds once

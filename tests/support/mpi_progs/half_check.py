@@ -27,15 +27,15 @@ from mpi4py import MPI
 from rank_checks import RankChecks
 
 from dtlab.collective import Communicator
-from dtlab.collective.link import mpi_sum
-from dtlab.collective.ring import segment_bounds
+from dtlab.collective.algorithms.ring import segment_bounds
+from dtlab.collective.transport.link import mpi_sum
 
 HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 # (name, Communicator.ours, chunk_bytes, algo)
-PATHS = (("ring", "ring", 1 << 20, "ring"), ("ring-chunked", "ring", 512, "ring"),
-         ("halving", "halving", 1 << 20, "ring"), ("doubling", "doubling", 1 << 20, "ring"),
-         ("shm-one-shot", "shm-one-shot", 1 << 20, "ring"),
-         ("shm-two-shot", "shm-two-shot", 1 << 20, "ring"),
+PATHS = (("ring", "ring", 1 << 20, "ours"), ("ring-chunked", "ring", 512, "ours"),
+         ("halving", "halving", 1 << 20, "ours"), ("doubling", "doubling", 1 << 20, "ours"),
+         ("shm-one-shot", "shm-one-shot", 1 << 20, "ours"),
+         ("shm-two-shot", "shm-two-shot", 1 << 20, "ours"),
          ("naive", None, 1 << 20, "naive"), ("mpi", None, 1 << 20, "mpi"))
 
 comm = Communicator(timeout=60, check="always")
@@ -79,9 +79,9 @@ def same_on_all_ranks(a: np.ndarray) -> bool:
 
 def check_allreduce() -> set[str]:
     reached = set()
-    for name, ours, chunk, algo in PATHS + (("by size", None, 1 << 20, "ring"),):
+    for name, ours, chunk, algo in PATHS + (("by size", None, 1 << 20, "ours"),):
         comm.ours, comm.chunk_bytes = ours, chunk
-        lengths = LENGTHS + (BY_SIZE[-1],) * (algo == "mpi") if ours or algo != "ring" \
+        lengths = LENGTHS + (BY_SIZE[-1],) * (algo == "mpi") if ours or algo != "ours" \
             else BY_SIZE
         for dtype in HALF:
             for length in lengths:
@@ -122,7 +122,7 @@ def check_bit_pattern_sum_fails() -> None:
     bit patterns as integers; the result, read back as floats, must break the bound."""
     comm.ours = "ring"
     for dtype in HALF:
-        for algo in ("ring", "mpi"):
+        for algo in ("ours", "mpi"):
             bits = comm.allreduce(rank_input(R, 20011, dtype).view(np.uint16), algo=algo)
             r = ratio(bits.view(dtype), dtype, 20011, average=False)
             check(r > 1.0, f"a bit-pattern sum ({algo}, {dtype.name}) passed the float bound "

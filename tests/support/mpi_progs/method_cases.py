@@ -6,7 +6,7 @@ CASES.json is a list of {"name": ..., "argv": [...]} run by `dtlab.collective.tr
 train() on these ranks (plain data parallelism, --local-steps, --compress), and of
 {"name": ..., "argv": [...], "twin": W}: local SGD run by world rank 0 alone as W
 replicas one after another (their own sessions: models.data.ShardedLoader rank r of W,
-own optimizer), written out from the definition, without collective/local_sgd.py:
+own optimizer), written out from the definition, without collective/reducers/local_sgd.py:
 
     every step: each replica r takes its inner step on its own batch
     a round's end (every H steps and the last): Delta = ((theta - theta_0) + (theta -
@@ -20,7 +20,7 @@ schedule names take their mean outer gradient (in rank order, then / W); the out
 and the merge come tau steps later (at once at the last step, where the merge copies).
 
 {"name": ..., "argv": [...], "onebit_twin": W}: 1-bit Adam (--onebit-adam K) the same
-way, from collective/onebit_adam.py's docstring: K warm-up steps of the optimizer on the
+way, from collective/reducers/onebit_adam.py's docstring: K warm-up steps of the optimizer on the
 replicas' mean gradient (summed in rank order, / W), then each replica's momentum
 b1 m + (1 - b1) g_r plus its error, sent as (|p|_1 / n) sign(p), their mean the shared m,
 the step lr_t m / (sqrt(v) + eps_t) with v frozen at step K.

@@ -1,4 +1,4 @@
-"""The quantized ring all-reduce (collective/quantized_ring.py) against the direct sum.
+"""The quantized ring all-reduce (collective/algorithms/quantized_ring.py) against the direct sum.
 
     mpiexec -n N python -m mpi4py tests/support/mpi_progs/quantized_check.py
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from dtlab.collective.algorithms.quantized_ring import quantized_allreduce
+from dtlab.collective.algorithms.ring import segment_bounds
 from dtlab.collective.comm import world
-from dtlab.collective.quantized_ring import quantized_allreduce
-from dtlab.collective.ring import segment_bounds
 from dtlab.models import quantize
 
 comm = world()

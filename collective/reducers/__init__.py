@@ -1,0 +1,3 @@
+"""The data-parallel exchanges the trainer drives (models/run/trainer.py's GradReducer):
+plain bucketed averaging, local SGD / DiLoCo and Streaming DiLoCo, compression, 1-bit
+Adam, the quantized ring, and the method flags that choose among them."""

@@ -52,11 +52,11 @@ def test_ranks_that_disagree_get_an_error_naming_both():
     r = mpirun(3, PROG, "mismatch", timeout=90)
     assert r.rc == 0, r
     out = r.stdout
-    assert ("rank 0 (world rank 0) has allreduce(1000 x float32, ring), "
-            "rank 2 (world rank 2) has allreduce(999 x float32, ring)") in out, r
-    assert "rank 1 (world rank 1) has allreduce(1000 x float64, ring)" in out, r
-    assert ("rank 0 (world rank 0) has allreduce(64 x float16, ring), rank 1 (world rank "
-            "1) has allreduce(64 x bfloat16, ring)") in out, r
+    assert ("rank 0 (world rank 0) has allreduce(1000 x float32, ours), "
+            "rank 2 (world rank 2) has allreduce(999 x float32, ours)") in out, r
+    assert "rank 1 (world rank 1) has allreduce(1000 x float64, ours)" in out, r
+    assert ("rank 0 (world rank 0) has allreduce(64 x float16, ours), rank 1 (world rank "
+            "1) has allreduce(64 x bfloat16, ours)") in out, r
     assert "has broadcast(1000 x float64, root 0), rank 1" in out, r
     assert "rank 1 (world rank 1) has allreduce(1000 x float64, mpi)" in out, r
     assert "rank 2 (world rank 2) has reduce_scatter(11 x float64)" in out, r

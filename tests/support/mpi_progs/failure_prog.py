@@ -65,7 +65,7 @@ def mismatches(comm: Communicator) -> None:
         "half dtype": lambda: comm.allreduce(
             np.ones(64, ml_dtypes.bfloat16 if r == 1 else np.float16)),
         "operation": lambda: (comm.broadcast if r == 0 else comm.allreduce)(np.ones(1000)),
-        "algorithm": lambda: comm.allreduce(np.ones(1000), algo="mpi" if r == 1 else "ring"),
+        "algorithm": lambda: comm.allreduce(np.ones(1000), algo="mpi" if r == 1 else "ours"),
         "reduce_scatter": lambda: comm.reduce_scatter(np.ones(10 + (r == last))),
     }
     for name, fn in scenarios.items():

@@ -8,7 +8,7 @@
  * against a float32 array), and compiled with -ffp-contract=off so that no
  * multiply-add is fused: the results are bit-identical to the NumPy lines in
  * models/optim.py (tests/test_optim_fused.py). The GIL is released, so
- * several threads can step disjoint blocks at once (pserver.server.blocked).
+ * several threads can step disjoint blocks at once (pserver.server.cache_blocked).
  *
  *   sgd:       p <- p - g lr
  *   momentum:  v <- v mu + g;  t <- v mu + g if nesterov else v;  p <- p - t lr

@@ -20,7 +20,7 @@ and clipped by --clip as the worker does. The mean is the store's own
 (pserver.server.consistency.Round, in the order the round received the
 pushes) and the step the store's own optimizer object, built as the daemon
 builds it (pserver.server.daemon.build_store: the blocks of
-pserver.server.blocked), with the logged lr, which must also be the one the
+pserver.server.cache_blocked), with the logged lr, which must also be the one the
 schedule and --staleness-lr give. Versions still to be read are kept; the
 others are dropped.
 

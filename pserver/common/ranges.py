@@ -5,7 +5,7 @@ that kept no token row in a step has an exactly-zero gradient (its matmuls saw
 no rows, so nothing was accumulated into it). A worker therefore pushes only
 the ranges of its flat gradient that are not such an expert's parameters
 (pserver.worker.expert_push), each shard gets the ranges that meet its slice, and the
-server updates exactly those (pserver.server.blocked.BlockedOptimizer.step_ranges),
+server updates exactly those (pserver.server.cache_blocked.BlockedOptimizer.step_ranges),
 as a sparse/lazy optimizer does for embedding rows (TensorFlow's
 LazyAdamOptimizer; PyTorch's SparseAdam: "only the moments that show up in
 the gradient get updated, and only those portions of the gradient get

@@ -3,7 +3,7 @@
 A co-located worker still pays for TCP and gRPC framing on every byte it
 pushes or pulls; through shared memory the bytes are copied once on each
 end (with the Adler-32 in the same pass) while gRPC keeps carrying the
-control messages (pserver.server.servicer's Session; protos/dtlab_ps.proto's
+control messages (pserver.server.shm_session, on a Session; protos/dtlab_ps.proto's
 ShmRequest ... ShmPulled). The agreement:
 
     worker  ShmRequest(boot id of its host)

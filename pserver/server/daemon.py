@@ -61,7 +61,7 @@ from dtlab.pserver.common.errors import FailedPrecondition
 from dtlab.pserver.server import checkpoint, reflection
 from dtlab.pserver.server.allocator import huge_empty
 from dtlab.pserver.server.applylog import ApplyLog, path_of
-from dtlab.pserver.server.blocked import BlockedOptimizer
+from dtlab.pserver.server.cache_blocked import BlockedOptimizer
 from dtlab.pserver.server.consistency import Consistency
 from dtlab.pserver.server.expert_staleness import ExpertStaleness
 from dtlab.pserver.server.inflight import InFlight

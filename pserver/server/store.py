@@ -75,7 +75,7 @@ from dtlab.pserver.common.errors import (
     Unavailable,
 )
 from dtlab.pserver.common.ranges import Ranges, gather
-from dtlab.pserver.server.blocked import BlockedOptimizer
+from dtlab.pserver.server.cache_blocked import BlockedOptimizer
 from dtlab.pserver.server.consistency import Clocks, Consistency, Round, WorkerState
 from dtlab.pserver.server.expert_staleness import ExpertStaleness
 from dtlab.pserver.server.leases import Leases

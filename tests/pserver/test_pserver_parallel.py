@@ -10,7 +10,7 @@ import pytest
 
 from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.pserver.server.allocator import HUGE_PAGE, huge_empty
-from dtlab.pserver.server.parallel import Parallel
+from dtlab.pserver.server.thread_pool import Parallel
 
 
 @pytest.mark.parametrize("threads, n", [(1, 5), (2, 5), (3, 2), (4, 0), (3, 10)])

@@ -106,6 +106,19 @@ def test_shared_memory_is_refused_by_a_no_shm_server_and_for_another_host():
         assert not segments(os.getpid())
 
 
+def test_a_chunk_or_trailer_outside_a_push_ends_the_session_by_name():
+    with serve() as daemons, grpc.insecure_channel(addresses(daemons)) as ch:
+        for stray in (pb.SessionRequest(chunk=pb.Chunk(start=0, data=bytes(4))),
+                      pb.SessionRequest(trailer=pb.Trailer(chunks=1))):
+            replies = pb_grpc.ParameterServerStub(ch).Session(iter([stray]), timeout=20)
+            with pytest.raises(grpc.RpcError) as e:
+                next(replies)
+            assert e.value.code() == C.INVALID_ARGUMENT
+            assert f"session: a {stray.WhichOneof('kind')} outside a push" in e.value.details()
+        assert daemons[0].store.version == 0
+        assert daemons[0].store.stats().rejected["order"] == 2
+
+
 def shm_session(address: str):
     """A generated-stub session that agreed on shared memory: (channel, request queue,
     replies, the segment's data as float32)."""

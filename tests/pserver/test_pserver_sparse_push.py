@@ -29,7 +29,7 @@ from dtlab.pserver.common import ranges
 from dtlab.pserver.common.config import ClientConfig
 from dtlab.pserver.common.errors import InvalidArgument
 from dtlab.pserver.server import checkpoint, metrics
-from dtlab.pserver.server.blocked import BlockedOptimizer
+from dtlab.pserver.server.cache_blocked import BlockedOptimizer
 from dtlab.pserver.server.consistency import Consistency
 from dtlab.pserver.server.store import ShardLayout, ShardStore
 from dtlab.pserver.worker.client import PSClient

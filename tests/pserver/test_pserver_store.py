@@ -20,7 +20,7 @@ from dtlab.pserver.common.errors import (
     Unavailable,
 )
 from dtlab.pserver.server import checkpoint
-from dtlab.pserver.server.blocked import BlockedOptimizer
+from dtlab.pserver.server.cache_blocked import BlockedOptimizer
 from dtlab.pserver.server.consistency import Consistency
 from dtlab.pserver.server.store import ShardLayout, ShardStore
 from dtlab.pserver.worker.loop import WorkerConfig

@@ -33,7 +33,7 @@ from dtlab.models.optim import OptimConfig, make_optimizer
 from dtlab.pserver.common import ranges as ranges_lib
 from dtlab.pserver.common.buffers import adler32_combine, copy_and_checksum
 from dtlab.pserver.common.codec import ADLER_START
-from dtlab.pserver.server.parallel import Parallel
+from dtlab.pserver.server.thread_pool import Parallel
 
 BLOCK = 1 << 18  # elements per block (1 MiB of float32)
 

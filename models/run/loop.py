@@ -13,11 +13,11 @@
                 method.stopped(stop.name, i, saved)
                 break
 
-The single-process and sync trainer (`models/run/trainer.py`: dtlab-train, dtlab-sync),
-the parameter-server worker (`pserver/worker/loop.py`: dtlab-worker) and the simulated
-workers (`models/run/simulated.py`) each say what a step, an evaluation, a report, a
-checkpoint and a stop are; the loop around them, the finite-loss check and the summary
-are here.
+The trainer (`models/run/trainer.py`: dtlab-train, dtlab-sync, and as its subclass
+`pserver/worker/loop.py`'s Worker, dtlab-worker: one step for every topology, what
+differs is its exchange, models/run/exchange.py) and the simulated workers
+(`models/run/simulated.py`) each say what a step, an evaluation, a report, a checkpoint
+and a stop are; the loop around them, the finite-loss check and the summary are here.
 """
 
 from __future__ import annotations

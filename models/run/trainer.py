@@ -1,14 +1,18 @@
-"""The single-process and sync data-parallel trainer: its step, checkpoints and resume
-(the loop around the steps is models/run/loop.py's).
+"""The trainer of every topology: its step, checkpoints and resume (the loop around the
+steps is models/run/loop.py's).
 
-One step:  micro-batches -> Replica.compute_grads -> (reduce across ranks)
+One step:  the exchange's begin (a pull, or nothing) -> micro-batches ->
+           Replica.compute_grads (the exchange told as gradient ranges become final)
+           -> the exchange's wait (the gradient reduced across ranks, or nothing)
            -> Replica.finish_grads (mixed precision: unscale, skip the step on an
               overflow) -> clip global norm -> optimizer step at the scheduled lr
+              (where the exchange says the optimizer runs here)
+           -> the exchange's finish (a push bringing the next pull, or nothing)
 
-A `reducer` (collective/ supplies one for data parallelism) sees gradient
-ranges become final during backward (`ready(offset)`), finishes averaging in
-`wait()` and averages scalars for logging; without one the loop is plain
-single-process training. Rank 0 (`is_main`) writes metrics and checkpoints.
+The `exchange` (models/run/exchange.py) is all that differs between methods and
+topologies: none for single-process training (`Single`), a data-parallel one from
+collective/reducers/ for dtlab-sync, the push/pull of pserver/worker/exchange.py for
+dtlab-worker. Rank 0 (`is_main`) writes metrics and checkpoints.
 """
 
 from __future__ import annotations
@@ -18,38 +22,18 @@ import os
 import re
 import sys
 import time
-from typing import Protocol
 
 import numpy as np
 
 from dtlab.models.run import checkpoint, loop, moe_report
 from dtlab.models.run.checkpoint import CheckpointError
+from dtlab.models.run.exchange import Exchange, Single
 from dtlab.models.run.loop import Summary
 from dtlab.models.run.metrics import MetricsLog
 from dtlab.models.run.progress import Progress
 from dtlab.models.run.session import GROUPS, Session
 from dtlab.models.run.straggler import Straggler
 from dtlab.models.run.trace import Trace
-
-
-class GradReducer(Protocol):
-    """The whole contract of a data-parallel gradient exchange with the trainer and
-    dtlab-sync (collective/: DataParallelReducer, ZeroReducer, LocalReducer,
-    CompressReducer)."""
-
-    overlap: bool  # whether ready() starts reducing while backward still runs
-
-    def ready(self, offset: int) -> None: ...  # gradients at [offset, end) are final
-
-    def wait(self) -> dict: ...  # the reduced gradient in place; the step's comm record
-
-    def average(self, value: float) -> float: ...  # a logged scalar over the ranks
-
-    def settled(self, record: dict) -> list[dict]: ...  # the records final after a step
-
-    def plan(self) -> list[dict]: ...  # what each bucket runs, for the header
-
-    def close(self) -> None: ...  # threads and communicators freed
 
 
 class Trainer:
@@ -59,14 +43,16 @@ class Trainer:
     "pp<r>of<n>-ep<r>of<n>-tp<r>of<n>" (the dimensions of size 1 left out); so do the dp
     ranks of a model sharded over dp ("dp<r>of<n>", ZeRO: collective/zero/checkpoint.py)."""
 
-    def __init__(self, session: Session, log: MetricsLog, reducer: GradReducer | None = None,
+    def __init__(self, session: Session, log: MetricsLog, exchange: Exchange | None = None,
                  is_main: bool = True, saves: bool | None = None, agree=None, rank: int = 0,
-                 role: str = "train", stages=None):
-        self.s, self.log, self.reducer, self.is_main = session, log, reducer, is_main
+                 role: str = "train", stages=None, trace: Trace | None = None):
+        self.s, self.log, self.is_main = session, log, is_main
+        self.exchange = exchange or Single()
         # a pipeline's allgather of a small object over its stages, so that the MoE
         # statistics cover every stage's layers (None: this process holds them all)
         self.stages = stages or (lambda x: [x])
-        self.trace = Trace(session.setup.run.trace, pid=rank, process=f"{role} rank {rank}")
+        self.trace = trace or Trace(session.setup.run.trace, pid=rank,
+                                    process=f"{role} rank {rank}")
         run = session.setup.run
         self.straggler = Straggler(run.straggler, run.delay_ms, run.seed, rank)
         self.last_compute_s = 0.0
@@ -84,37 +70,42 @@ class Trainer:
         self.start_step = self._resume() if run.resume else 0
 
     def step(self, step: int) -> dict:
-        s, reducer = self.s, self.reducer
-        extra = {}
+        """One step of any method: the exchange (models/run/exchange.py) says what moves
+        between this rank and the others, and whether the optimizer runs here."""
+        s, exchange, extra = self.s, self.exchange, {}
         if self.straggler.active:
             start = time.perf_counter()
             extra["straggle_s"] = self.straggler.wait(step, self.last_compute_s)
             self.trace.span("straggle", start, time.perf_counter(), "wait")
         t0 = time.perf_counter()
-        micro_batches = s.loader.next()
-        loss = s.replica.compute_grads(micro_batches, reducer.ready if reducer else None)
+        begun = exchange.begin(step)
         t1 = time.perf_counter()
-        self.last_compute_s = t1 - t0
-        comm = reducer.wait() if reducer else {}
-        if reducer:
-            loss = reducer.average(loss)
-        loop.check_finite(loss, f"step {step}")
+        loss = s.replica.compute_grads(s.loader.next(), exchange.ready)
         t2 = time.perf_counter()
+        self.last_compute_s = t2 - t1
+        waited = exchange.wait()
+        loss = exchange.average(loss)
+        loop.check_finite(loss, f"step {step}")
+        t3 = time.perf_counter()
         lr = s.schedule(step)
         apply, scaling = s.replica.finish_grads()  # every rank sees the same reduced gradient
         grad_norm = None
         if apply:
             grad_norm = s.model.clip_grad_norm(s.params, s.setup.optim.clip)
-            s.optimizer.step(s.params.data, s.params.grad, lr)
-        t3 = time.perf_counter()
-        self.trace.span("compute", t0, t1, step=step + 1)
-        if reducer:
-            self.trace.span("allreduce wait", t1, t2, "wait")
-        self.trace.span("optimizer", t2, t3)
+            if exchange.optimizer_here:
+                s.optimizer.step(s.params.data, s.params.grad, lr)
+        t4 = time.perf_counter()
+        finished = exchange.finish(step, apply)
+        t5 = time.perf_counter()
+        self.trace.span("compute", t1, t2, step=step + 1)
+        if waited:  # the exchange reduces after backward
+            self.trace.span("allreduce wait", t2, t3, "wait")
+        self.trace.span("optimizer", t3, t4)
         for name, start, end in s.replica.spans:
             self.trace.span(name, start, end, "pipeline")
         return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                "step_s": t3 - t0, "compute_s": (t1 - t0) + (t3 - t2), **comm, **scaling,
+                "step_s": t5 - t0, "compute_s": (t2 - t1) + (t4 - t3), **begun, **waited,
+                **finished, **scaling,
                 **s.replica.timing, **extra,
                 **moe_report.merge(self.stages(moe_report.step_record(s.model.moe)))}
 
@@ -136,15 +127,18 @@ class Trainer:
         return loop.eval_due(step + 1, run.eval_every, run.steps)
 
     def evaluate(self) -> float:
+        """The held-out loss of the parameters the exchange makes current (a worker's: the
+        servers' after this step's push)."""
         t = time.perf_counter()
+        self.exchange.refresh()
         loss = self.s.replica.evaluate(self.s.heldout)
         self.trace.span("eval", t, time.perf_counter())
         return loss
 
     def report(self, step: int, record: dict) -> list[dict]:
-        """Writes the records the reducer says are final (local SGD: a round's at its
+        """Writes the records the exchange says are final (local SGD: a round's at its
         end, their losses then averaged) and returns them."""
-        settled = self.reducer.settled(record) if self.reducer else [record]
+        settled = self.exchange.settled(record)
         for done in settled if self.is_main else ():
             self.log.write(done)
             speed = f"lr {done['lr']:.2e}  {done['step_s'] * 1e3:6.1f} ms/step"

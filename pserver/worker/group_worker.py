@@ -65,7 +65,9 @@ from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver.common.config import ClientConfig
 from dtlab.pserver.common.partition_specs import specs_json
 from dtlab.pserver.worker.client import PSClient
-from dtlab.pserver.worker.loop import Worker, WorkerConfig, connect, leave, skip_to
+from dtlab.pserver.worker.exchange import PushPull
+from dtlab.pserver.worker.flags import WorkerConfig
+from dtlab.pserver.worker.loop import Worker, connect, leave, skip_to
 
 log = logging.getLogger(__name__)
 
@@ -121,19 +123,17 @@ class GroupWorker(Worker):
     """One rank's steps (Worker's): pull its partition, compute with the group, clip by
     the group's global norm, push its partition with the next pull riding on it. The
     last step pulls too, so every rank ends holding the servers' values; only the
-    group's rank 0 reports; the group's ranks stop after the same step."""
+    group's rank 0 reports; the group's ranks stop after the same step. Its trace: pid =
+    its rank in the launch, {worker} = its group."""
 
-    pull_at_end = True
-
-    def __init__(self, session: Session, client: PSClient, group: Group, metrics: MetricsLog):
-        super().__init__(session, client, group.wid, metrics)
-        self.group, self.main = group, group.partition == 0
-
-    def trace(self) -> Trace:
-        """This rank's trace: pid = its rank in the launch, {worker} = its group."""
-        g = self.group
-        return Trace(self.s.setup.run.trace, pid=g.grid.rank, worker=g.wid,
-                     process=f"async worker {g.wid} partition {g.partition}")
+    def __init__(self, session: Session, client: PSClient, group: Group, metrics: MetricsLog,
+                 first_step: int):
+        self.group = group
+        trace = Trace(session.setup.run.trace, pid=group.grid.rank, worker=group.wid,
+                      process=f"async worker {group.wid} partition {group.partition}")
+        super().__init__(session, metrics, PushPull(session, client, trace, pull_at_end=True),
+                         client, group.wid, trace, first_step, is_main=group.partition == 0,
+                         agree=self.agree)
 
     def agree(self, counts: np.ndarray) -> np.ndarray:
         """`counts` summed over the group's ranks (not the other groups': no step of one
@@ -191,7 +191,7 @@ def _train(session: Session, client: PSClient, group: Group, first: int,
     path = run.metrics.replace("{worker}", str(group.wid)) if group.partition == 0 else ""
     metrics = MetricsLog(path, header, append=first > 0)
     try:
-        return GroupWorker(session, client, group, metrics).run(first)
+        return GroupWorker(session, client, group, metrics, first).run()
     finally:
         metrics.close()
 

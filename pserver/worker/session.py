@@ -1,4 +1,5 @@
-"""The worker's end of a Session stream: one long-lived call per shard, one operation at a time.
+"""The worker's end of a Session stream (`ServerStream`): one long-lived call per shard, one
+operation at a time.
 
 A pull or push on its own call pays for the call: an HTTP/2 stream, and in
 grpcio a thread for a streamed request and several thread hand-offs. A
@@ -73,7 +74,7 @@ class Watchdog:
 
     def __init__(self, period: float):
         self.period = period
-        self.sessions: set[Session] = set()
+        self.sessions: set[ServerStream] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ps-watchdog", daemon=True)
         self._thread.start()
@@ -91,7 +92,12 @@ class Watchdog:
         self._thread.join()
 
 
-class Session:
+class ServerStream:
+    """The worker's end of one shard's Session stream (the RPC of protos/dtlab_ps.proto):
+    requests fed through a queue, replies read in order, one operation at a time under a
+    deadline, and the shared-memory segment agreed on it. Not models/run/session.py's
+    Session (a run's model, data and optimizer)."""
+
     def __init__(self, method, metadata, codec, watchdog: Watchdog, address: str):
         self.codec, self.address, self._watchdog = codec, address, watchdog
         self._requests: queue.SimpleQueue[Iterable[bytes] | None] = queue.SimpleQueue()

@@ -23,7 +23,14 @@ from dtlab.pserver.common.compressed import Part
 from dtlab.pserver.common.config import ClientConfig
 from dtlab.pserver.common.errors import DataLoss, InvalidArgument
 from dtlab.pserver.common.ranges import Ranges
-from dtlab.pserver.worker.session import PULL, SHM_PULL, SHM_PUSH, Session, StatusError, Watchdog
+from dtlab.pserver.worker.session import (
+    PULL,
+    SHM_PULL,
+    SHM_PUSH,
+    ServerStream,
+    StatusError,
+    Watchdog,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +71,7 @@ class ShardClient:
             raise ValueError(f"transport {transport!r}: one of {', '.join(TRANSPORTS)}")
         self.address, self.cfg = address, cfg
         self.transport, self.codec = transport, codec
-        self._session: Session | None = None
+        self._session: ServerStream | None = None
         self._watchdog = watchdog
         self.shm_refused = shm_refused
         self.wire_dtype = wire_dtype
@@ -274,14 +281,15 @@ class ShardClient:
         whole.into(buffers.ChunkedArray(out.size, out.dtype, into=out))
         return header.meta.version, True
 
-    def _pull_session(self, s: Session, req: pb.PullRequest, out: np.ndarray):
+    def _pull_session(self, s: ServerStream, req: pb.PullRequest, out: np.ndarray):
         if s.segment is None:
             s.send((wire.wrap(PULL, req),))
             return self._receive(s.receive(), pb.SessionReply, out)
         s.send((wire.wrap(SHM_PULL, req),))
         return self._shm_values(s.expect("shm_pulled"), s, out)
 
-    def _shm_values(self, pulled: pb.ShmPulled, s: Session, out: np.ndarray) -> tuple[int, bool]:
+    def _shm_values(self, pulled: pb.ShmPulled, s: ServerStream,
+                    out: np.ndarray) -> tuple[int, bool]:
         """A shm_pulled's values from the session's segment into `out`."""
         header = pulled.header
         self._check_meta(self._termed(header).meta, out)
@@ -328,12 +336,12 @@ class ShardClient:
     def _chunk_bytes(self) -> int:
         return min(self.cfg.chunk_bytes, self.info.max_message_bytes - 1024)
 
-    def _push_session(self, s: Session, header: pb.PushHeader, grad: np.ndarray,
+    def _push_session(self, s: ServerStream, header: pb.PushHeader, grad: np.ndarray,
                       chunk: int) -> pb.PushReply:
         s.send(self._push_messages(s, header, grad, chunk))
         return self._termed(s.expect("pushed"))
 
-    def _push_messages(self, s: Session, header: pb.PushHeader, grad: np.ndarray, chunk: int,
+    def _push_messages(self, s: ServerStream, header: pb.PushHeader, grad: np.ndarray, chunk: int,
                        then_pull: pb.PullRequest | None = None) -> Iterable[bytes]:
         """A push's messages on session `s`; `then_pull`: and the pull right after it, in
         the push's one message (a push_whole, a shm_push) where the server answers
@@ -400,13 +408,13 @@ class ShardClient:
         """Whether a session is open (the first call of the session transport opens it)."""
         return self.transport == "session" and self._session is not None
 
-    def _push_pull_session(self, s: Session, header: pb.PushHeader, grad: np.ndarray,
+    def _push_pull_session(self, s: ServerStream, header: pb.PushHeader, grad: np.ndarray,
                            chunk: int, req: pb.PullRequest,
                            out: np.ndarray) -> tuple[pb.PushReply, int, bool]:
         s.send(self._push_messages(s, header, grad, chunk, then_pull=req))
         return self._push_pulled(s, out)
 
-    def _push_pulled(self, s: Session, out: np.ndarray) -> tuple[pb.PushReply, int, bool]:
+    def _push_pulled(self, s: ServerStream, out: np.ndarray) -> tuple[pb.PushReply, int, bool]:
         """The answer to a push carrying a pull: the push's reply, the values into `out`."""
         kind, answer = self.codec.read(pb.SessionReply, s.next_reply())
         if kind == "push_pulled":
@@ -429,7 +437,7 @@ class ShardClient:
         """operation(session) on the open session (opened, and shared memory agreed, if
         need be), under the call deadline (or `timeout`); any failure closes the session."""
         if self._session is None:
-            self._session = Session(self._open, self._metadata, self.codec, self._watchdog,
+            self._session = ServerStream(self._open, self._metadata, self.codec, self._watchdog,
                                     self.address)
         s = self._session
         try:
@@ -441,7 +449,7 @@ class ShardClient:
             self.end_session()
             raise
 
-    def _share_memory(self, s: Session) -> None:
+    def _share_memory(self, s: ServerStream) -> None:
         nbytes = self.info.meta.shape[0] * wire.dtype_of(self.info.meta.dtype).itemsize
         self.shm_refused = s.share_memory(
             nbytes, None if self.partition is None else self.partition.id)

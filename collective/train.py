@@ -72,28 +72,36 @@ import time
 
 from mpi4py import MPI
 
-from dtlab.collective.algorithms.choose import OURS
 from dtlab.collective.comm import Communicator
+from dtlab.collective.flags import SyncConfig
 from dtlab.collective.grid import GridError, ProcessGrid
-from dtlab.collective.reducers.buckets import DEFAULT_BUCKET_BYTES, WIRE_DTYPES
 from dtlab.collective.reducers.data_parallel import DataParallelReducer, plan_words
 from dtlab.collective.reducers.methods import (
-    add_method_flags,
+    METHOD_CONFIGS,
+    Methods,
     agreement,
     method_configs,
     method_parts,
 )
 from dtlab.collective.transport import flight
 from dtlab.collective.transport.failure import FORWARD_S
-from dtlab.collective.zero.sharding import STAGES
+from dtlab.collective.zero.quantized import ZeroQuantConfig, zero_quant_config
 from dtlab.collective.zero.trainer import ZeroTrainer, shard_session, zero_bytes
-from dtlab.models.config import ConfigError
+from dtlab.models.config import ConfigError, add_flags
 from dtlab.models.data.dataset import in_words
 from dtlab.models.moe_ep import ExpertParallel
 from dtlab.models.partition import check_pipeline
+from dtlab.models.pipedream import (
+    PipeDreamConfig,
+    VersionedReplica,
+    from_setup,
+    header_fields,
+    windowed,
+)
 from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.checkpoint import CheckpointError
 from dtlab.models.run.cli import command_name, run_cli
+from dtlab.models.run.grid_flags import GridConfig
 from dtlab.models.run.metrics import MetricsLog, run_header
 from dtlab.models.run.session import (
     PipelineSpec,
@@ -106,76 +114,19 @@ from dtlab.models.run.session import (
 )
 from dtlab.models.run.threads import share_cores
 from dtlab.models.run.trainer import Summary, Trainer
-from dtlab.models.schedule import SCHEDULES
 
 INTERRUPTED = 130
-# --allreduce: "ring" forces our ring at every size, "auto" lets
-# collective/algorithms/choose.py pick
-ALLREDUCE = ("ring", "auto", *(a for a in OURS if a != "ring"), "naive", "mpi")
+# dtlab-sync's config classes, each (class, --help title); the rules between their flags
+# are declared on them (collective/flags.py, each method's config) and on `Methods`
+SYNC_CONFIGS = ((GridConfig, "process grid (dp x pp x ep x tp = the ranks of mpiexec -n)"),
+                (SyncConfig, "sync data parallelism"), *METHOD_CONFIGS)
 
 
 def add_sync_flags(parser: argparse.ArgumentParser) -> None:
-    grid = parser.add_argument_group(
-        "process grid (dp x pp x ep x tp = the ranks of mpiexec -n)")
-    grid.add_argument("--dp", type=int, default=None,
-                      help="data-parallel replicas (default: the ranks --pp and --tp leave)")
-    grid.add_argument("--tp", type=int, default=1,
-                      help="tensor-parallel ranks per replica (Megatron-LM split; must divide "
-                           "--n-heads, --d-ff and --vocab, or --d-hidden and --n-classes)")
-    grid.add_argument("--pp", type=int, default=1,
-                      help="pipeline stages per replica (at most the model's layers: embedding, "
-                           "blocks, final norm, head); a step's micro-batches are --grad-accum")
-    grid.add_argument("--ep", type=int, default=1,
-                      help="expert-parallel ranks: the MoE layers' experts split over them "
-                           "(must divide --moe-experts); they read their own data")
-    grid.add_argument("--moe-alltoall", choices=("ours", "mpi"), default="ours",
-                      help="the expert-parallel all-to-all(v): ours (every pairwise "
-                           "exchange posted at once) or MPI's Alltoallv")
-    grid.add_argument("--moe-chunks", type=int, default=1,
-                      help="split each MoE layer's routed tokens into this many chunks, one "
-                           "chunk's all-to-all overlapping another's expert compute")
-    grid.add_argument("--pp-schedule", choices=sorted(SCHEDULES), default="1f1b",
-                      help="pipeline schedule: GPipe, 1F1B (PipeDream-Flush), interleaved 1F1B, "
-                           "zero-bubble ZB-H1, or ZB-V / DualPipeV (2 chunks a rank in a V)")
-    grid.add_argument("--virtual-stages", type=int, default=None,
-                      help="model chunks per pipeline rank for --pp-schedule interleaved "
-                           "(default 2): the model is cut into pp x this many stages")
-    grid.add_argument("--stages", default="",
-                      help="modules per stage, e.g. 3,2 (default: balanced by the cost model's "
-                           "FLOPs)")
-    group = parser.add_argument_group("sync data parallelism")
-    group.add_argument("--allreduce", choices=ALLREDUCE, default="ring",
-                       help="gradient all-reduce: ring (ours, the ring at every size), auto "
-                            "(ours, chosen by size and node: "
-                            "collective/algorithms/choose.py), a named one of ours (doubling, "
-                            "halving, shm-one-shot, shm-two-shot), naive (reduce + broadcast) "
-                            "or mpi (MPI's own Allreduce); the metrics header's allreduce_buckets "
-                            "says what each bucket ran")
-    group.add_argument("--wire", choices=sorted(WIRE_DTYPES), default="fp32",
-                       help="dtype the gradient all-reduce moves (--zero: each unit's "
-                            "reduce-scatter): fp16 and bf16 halve the bytes (each bucket cast, "
-                            "averaged as floats, cast back)")
-    group.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 1e6,
-                       help="gradient bucket size in MB (1e6 bytes)")
-    group.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
-                       help="start a bucket's all-reduce as soon as backward has produced it")
-    group.add_argument("--zero", type=int, choices=(0, *STAGES), default=0,
-                       help="ZeRO sharded data parallelism (collective/zero/sharding.py): 1 "
-                            "shards the optimizer state over the dp ranks, 2 also the gradients, "
-                            "3 also the parameters (0: every rank holds everything)")
-    group.add_argument("--zero-reshard-after-forward", action=argparse.BooleanOptionalAction,
-                       default=None,
-                       help="--zero 3: free each unit's gathered parameters after its forward "
-                            "and gather them again for backward (default; off keeps them, "
-                            "one all-gather per micro-batch fewer, more memory)")
-    group.add_argument("--collective-timeout", type=float, default=None,
-                       help="seconds before a stalled collective aborts the job "
-                            "(default: DTLAB_COLLECTIVE_TIMEOUT or 600; 0 disables)")
-    group.add_argument("--explain-hang", metavar="DIR", default=None,
-                       help="train nothing: read the flight-recorder dumps a stalled or "
-                            "aborted job wrote into DIR (DTLAB_FLIGHT_DIR) and name the first "
-                            "collective its ranks disagree on (collective/transport/flight.py)")
-    add_method_flags(parser)
+    add_flags(parser, ZeroQuantConfig, "ZeRO++'s quantized gathers and reduce-scatters "
+                                       "(collective/zero/quantized.py)")
+    add_flags(parser, PipeDreamConfig, "asynchronous pipeline (models/pipedream.py)",
+              only=("pipedream", "pipedream_window"))
 
 
 def check_replicas_agree(comm: Communicator, params, when: str) -> None:
@@ -204,47 +155,15 @@ def memory_split(session: Session, grid: ProcessGrid) -> dict:
 
 def parse_args(argv: list[str]) -> Setup:
     setup = parse(argv, prog=command_name("dtlab.collective.train"),
-                  description=__doc__.split("\n\n")[0], add_extra=add_sync_flags)
+                  description=__doc__.split("\n\n")[0], add_extra=add_sync_flags,
+                  configs=SYNC_CONFIGS, rules=Methods.RULES)
     opts = setup.extra
-    if opts.bucket_mb <= 0:
-        raise ConfigError(f"--bucket-mb must be positive (got {opts.bucket_mb})")
-    if opts.stages and opts.pp == 1:
-        raise ConfigError(f"--stages {opts.stages} has no effect without --pp")
     check_pipeline(opts.pp, setup.run.grad_accum, opts.pp_schedule, opts.virtual_stages)
-    check_ep_flags(setup)
-    check_zero_flags(setup)
+    check_experts(setup)
+    opts.zero_quant = zero_quant_config(setup)  # both flags named where they clash
     opts.methods = method_configs(setup)
+    opts.pipedream_config = from_setup(setup)  # models/pipedream.py
     return setup
-
-
-def check_zero_flags(setup: Setup) -> None:
-    """ConfigError naming the flag that --zero cannot honour, or that has no effect."""
-    opts, z = setup.extra, setup.extra.zero
-    if opts.zero_reshard_after_forward is not None and z != 3:
-        flag = "--" + "no-" * (not opts.zero_reshard_after_forward) + \
-            "zero-reshard-after-forward"
-        raise ConfigError(f"{flag} has no effect without --zero 3")
-    if not z:
-        return
-    if opts.ep > 1:
-        raise ConfigError(f"--zero {z} with --ep {opts.ep}: ZeRO shards over the dp ranks of "
-                          "each (pp, tp) shard, not over expert-parallel groups (their "
-                          "experts' and dense gradients reduce over different communicators)")
-    if z == 3 and opts.pp > 1:
-        raise ConfigError(f"--zero 3 with --pp {opts.pp}: stage 3 gathers a unit's parameters "
-                          "around each forward and backward, which a pipeline schedule "
-                          "interleaves over micro-batches (ZB-H1 defers weight gradients "
-                          "past them); --zero 1 or 2 shard a pipeline stage")
-    if getattr(setup.model, "moe_bias_rate", 0):
-        raise ConfigError(f"--zero {z} with --moe-bias-rate {setup.model.moe_bias_rate}: the "
-                          "router's selection-bias steps change parameters outside the "
-                          "optimizer, on every rank's whole copy, which ZeRO holds in slices")
-    for dest in ("allreduce", "bucket_mb"):
-        if setup.given(dest):
-            flag, value = f"--{dest.replace('_', '-')}", getattr(opts, dest)
-            raise ConfigError(f"{flag} {value} has no effect with --zero {z}: each unit's "
-                              "gradient is reduce-scattered by our ring (in the compute dtype, "
-                              "or --wire's)")
 
 
 def optimizer_kind(setup: Setup) -> str:
@@ -253,28 +172,13 @@ def optimizer_kind(setup: Setup) -> str:
     return "sgd-momentum" if optim.optimizer == "sgd" and optim.momentum > 0 else optim.optimizer
 
 
-def check_ep_flags(setup: Setup) -> None:
-    """ConfigError naming the flags when --ep, --moe-alltoall or --moe-chunks cannot act."""
-    opts = setup.extra
-    if opts.ep < 1:
-        raise ConfigError(f"--ep must be a positive integer (got {opts.ep})")
-    if opts.moe_chunks < 1:
-        raise ConfigError(f"--moe-chunks must be at least 1 (got {opts.moe_chunks})")
-    if opts.ep == 1:
-        for flag, value, default in (("--moe-alltoall", opts.moe_alltoall, "ours"),
-                                     ("--moe-chunks", opts.moe_chunks, 1)):
-            if value != default:
-                raise ConfigError(f"{flag} {value} has no effect without --ep")
-        return
-    experts = getattr(setup.model, "moe_experts", 0)
-    if not experts:
-        raise ConfigError(f"--ep {opts.ep} needs a model with experts (--model transformer "
-                          "--moe-experts N)")
-    if experts % opts.ep:
-        raise ConfigError(f"--moe-experts {experts} is not divisible by --ep {opts.ep}")
-    if setup.model.moe_groups != 1:
-        raise ConfigError(f"--moe-groups {setup.model.moe_groups} with --ep {opts.ep}: each "
-                          "rank's tokens are one group")
+def check_experts(setup: Setup) -> None:
+    """ConfigError when --ep does not divide the experts (GridConfig's rules name the
+    flags --ep cannot go with)."""
+    ep = setup.extra.ep
+    if ep > 1 and setup.model.moe_experts % ep:
+        raise ConfigError(f"--moe-experts {setup.model.moe_experts} is not divisible by "
+                          f"--ep {ep}")
 
 
 def make_grid(opts: argparse.Namespace) -> ProcessGrid:
@@ -328,21 +232,26 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
                             world=grid.dp_size * grid.ep_size,
                             tp=grid.tp_comm if grid.tp_size > 1 else None, pipeline=pipeline,
                             ep=ep)
+    pipedream = opts.pipedream_config
+    if pipedream.pipedream != "off" and not pipedream.windowed:  # on past weight versions
+        session.replica = VersionedReplica.for_stage(session.replica, opts.pipedream_config,
+                                                     grid.pp_rank)
     flops_per_step = replica_cost(setup).flops_step * grid.dp_size * grid.ep_size
     zero = None
     if opts.zero:
         session, reducer, zero = shard_session(session, comm, opts.zero,
                                                opts.zero_reshard_after_forward is not False,
-                                               opts.overlap, opts.wire)
+                                               opts.overlap, opts.wire, opts.zero_quant)
         memory = zero_bytes(zero, session.optimizer, optimizer_kind(setup),
                             zero.params.size)  # this (pp, tp) shard's, sharded over dp
         fields = {"zero_units": reducer.plan(), "zero_bytes": memory, "wire": opts.wire,
-                  "zero_reshard_after_forward": zero.reshard if opts.zero == 3 else None}
+                  "zero_reshard_after_forward": zero.reshard if opts.zero == 3 else None,
+                  **opts.zero_quant.fields()}
         words = (f"ZeRO stage {opts.zero} over dp {grid.dp_size}"
                  + (" (as stage 1: a pipeline stage's gradient is whole until the step's "
                     "last backward)" if zero.runs_as != zero.stage else "")
                  + f", {opts.wire} on the wire, {zero_words(memory)}; "
-                 f"{len(reducer.plan())} units")
+                 f"{len(reducer.plan())} units{opts.zero_quant.describe()}")
         replicas = zero  # its checksum is the whole parameters' (collective)
     elif opts.methods.enabled:  # --local-steps, --compress, --onebit-adam (methods.py)
         def plain() -> DataParallelReducer:
@@ -368,13 +277,17 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
                  f"wire), {len(reducer.buckets.buckets)} bucket(s) running "
                  f"{plan_words(fields['allreduce_buckets'])}")
         replicas = session.params
+    if pipedream.windowed:  # 2BW's steps K at a time as one list, no flush (pipedream.py)
+        session.replica, reducer = windowed(session, pipedream, reducer)
     processes = grid.world.mpi.allgather(f"{os.getpid()}@{socket.gethostname()}")
     header = run_header(session, "sync", flops_per_step=flops_per_step, zero=opts.zero,
                         **fields, overlap=reducer.overlap, threads=threads.as_dict(),
                         dp=grid.dp_size,
                         **({"moe_alltoall": opts.moe_alltoall, "moe_chunks": opts.moe_chunks}
                            if grid.ep_size > 1 else {}),
-                        processes=processes)
+                        processes=processes,
+                        **header_fields(session.replica, opts.pipedream_config,
+                                        grid.pp_comm.mpi.allgather))
     log = MetricsLog(setup.run.metrics if rank == 0 else "", header, append=setup.run.resume)
     # loads a checkpoint on --resume; dp rank 0 of every (pp, ep, tp) rank saves its shard,
     # under --zero every dp rank its own

@@ -2,9 +2,11 @@
 
 Each config is a small dataclass with defaults (GPTConfig-style). Every field
 is also a flag spelled with dashes (`d_model` -> `--d-model`), parsed with
-the type of its default; booleans get `--flag` / `--no-flag`. `validate()`
-checks the values and raises ConfigError naming the flag, which entry points
-turn into `error: ...` and exit code 2 (no traceback; models/run/cli.py).
+the type of its default (or `described(None, ..., kind=int)`'s: a flag off
+unless given); booleans get `--flag` / `--no-flag`. `validate()` checks the
+values and raises ConfigError naming the flag, which entry points turn into
+`error: ...` and exit code 2 (no traceback; models/run/cli.py). The rules
+between flags are declared on the dataclasses: models/flag_rules.py.
 """
 
 from __future__ import annotations
@@ -22,14 +24,21 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def described(default, help: str) -> Any:
-    """A field whose flag's --help says `help`."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def described(default, help: str, kind: type | None = None, metavar: str | None = None) -> Any:
+    """A field whose flag's --help says `help`; `kind` types its flag where the default
+    is None (a flag that is off unless given), `metavar` names its value."""
+    metadata = {"help": help, "kind": kind or type(default), "metavar": metavar}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
-def choice(default: str, *choices: str, help: str = "") -> Any:
-    """A string field restricted to `choices`."""
+def choice(default, *choices, help: str = "") -> Any:
+    """A field restricted to `choices` (strings, or numbers as --zero's stages)."""
     return dataclasses.field(default=default, metadata={"choices": choices, "help": help})
+
+
+def kind_of(f: dataclasses.Field) -> type:
+    """The type of field `f`'s values: its default's, or `described`'s `kind`."""
+    return f.metadata.get("kind") or type(f.default)
 
 
 def positive(cfg, *names: str) -> None:
@@ -66,15 +75,17 @@ def add_flags(parser: argparse.ArgumentParser, cls, title: str | None = None,
     for f in dataclasses.fields(cls):
         if only is not None and f.name not in only:
             continue
-        default = f.default
-        help_text = f.metadata.get("help", "") + f" (default: {default})"
-        if isinstance(default, bool):
+        default, kind = f.default, kind_of(f)
+        help_text = f.metadata.get("help", "") + (f" (default: {default})"
+                                                   if default is not None else "")
+        if kind is bool:
             group.add_argument(flag(f.name), dest=f.name, default=None,
                                action=argparse.BooleanOptionalAction, help=help_text)
         else:
             group.add_argument(flag(f.name), dest=f.name, default=None,
-                               type=type(default) if default is not None else str,
-                               choices=f.metadata.get("choices") or None, help=help_text)
+                               type=kind if kind is not type(None) else str,
+                               choices=f.metadata.get("choices") or None,
+                               metavar=f.metadata.get("metavar"), help=help_text)
 
 
 def from_namespace(cls, ns: argparse.Namespace, base: dict | None = None,
@@ -104,13 +115,13 @@ def check_values(cls, values: dict) -> dict:
     if unknown:
         raise ConfigError(f"unknown {cls.__name__} key(s): {', '.join(unknown)}")
     for name, value in values.items():
-        default = fields[name].default
-        ok = isinstance(value, type(default)) and not (
-            isinstance(value, bool) and not isinstance(default, bool))
-        if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        default, kind = fields[name].default, kind_of(fields[name])
+        ok = (value is None and default is None) or isinstance(value, kind) and not (
+            isinstance(value, bool) and kind is not bool)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
             ok, values[name] = True, float(value)
         if not ok:
-            raise ConfigError(f"{flag(name)} must be {type(default).__name__}, got {value!r}")
+            raise ConfigError(f"{flag(name)} must be {kind.__name__}, got {value!r}")
         choices = fields[name].metadata.get("choices")
         if choices and value not in choices:
             raise ConfigError(f"{flag(name)} must be one of {', '.join(choices)}, got {value!r}")

@@ -133,7 +133,7 @@ class PipelineReplica(Replica):
         return self._ops[key]
 
     def compute_grads(self, micro_batches: Sequence, grad_ready=None,
-                      scale: float = 1.0) -> float:
+                      scale: float = 1.0, ops: list | None = None, before=None) -> float:
         """Zero the gradients, run this rank's list over the micro-batches; return
         the mean loss over them (computed by the last stage, broadcast to all).
 
@@ -141,19 +141,26 @@ class PipelineReplica(Replica):
         a mixed-precision loss scale, models/precision.py).
         `grad_ready` is not called: gradients are final only at the end of the
         schedule, and the data-parallel reducer then covers the whole buffer.
+        `ops` (validated by the caller) replaces the schedule's list and `before(passes,
+        op)` is called before each op (passes: the step's `_Step`, whose `P` it may
+        set): what runs several steps as one list needs (models/pipedream.py: the
+        updates and weight versions of PipeDream-2BW; their time counts as the
+        executor's overhead, neither compute nor idle).
         """
         st, P, pp = self.stage, self.params, self.stage.pp
         m = len(micro_batches)
         if m * st.n_stages > MAX_MESSAGES:
             raise ValueError(f"{m} micro-batches through {st.n_stages} stages: at most "
                              f"{MAX_MESSAGES} (micro-batch, stage) pairs per step")
-        ops = self.ops(m)
+        ops = self.ops(m) if ops is None else ops
         P.zero_grad()
         run = _Step(st, P, micro_batches, scale=scale, held_bytes=self._held_bytes)
         pp.barrier()
         t0 = time.perf_counter()
         self.spans = []
         for op in ops:
+            if before is not None:
+                before(run, op)
             start = time.perf_counter()
             getattr(run, op.kind)(op.micro, op.chunk)
             self.spans.append((f"{op.kind}{op.micro}" + (f".{op.chunk}" if op.chunk else ""),

@@ -25,7 +25,8 @@ a pass runs. Where chunk c of rank r sits in the model is the layout's:
   micro-batches in flight (activations held).
 - 1F1B, PipeDream-Flush (Narayanan et al. 2021): stage s runs p - s - 1
   forwards, then alternates one forward and one backward, then drains. At
-  most p - s in flight; the same bubble as GPipe.
+  most p - s in flight; the same bubble as GPipe. PipeDream-2BW runs it across
+  steps without the flush (models/pipedream.py `steady_state`).
 - Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2): v chunks per rank
   in the loop layout; micro-batches go through in groups of p, each group
   through chunk 0, then chunk 1, ... (backwards: the chunks in reverse); rank r

@@ -34,6 +34,7 @@ written for the whole round at its end.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,9 +43,19 @@ from dtlab.collective.comm import Communicator
 from dtlab.collective.reducers.exchange import Exchange
 from dtlab.collective.reducers.streaming import LocalOptimizer, StreamingConfig
 from dtlab.models.config import ConfigError, described
+from dtlab.models.flag_rules import Flag, MultipleOf, NoEffectWithout, rules
 from dtlab.models.outer import OuterConfig
+from dtlab.models.run.session import RunConfig
 
 
+@rules(
+    NoEffectWithout(Flag("outer_optimizer", OuterConfig), "local_steps"),
+    NoEffectWithout(tuple(Flag(f.name, StreamingConfig)
+                          for f in dataclasses.fields(StreamingConfig)), "local_steps"),
+    MultipleOf(Flag("eval_every", RunConfig), "local_steps",
+               why="the held-out loss is of the averaged parameters, which exist once per "
+                   "outer round"),
+)
 @dataclass
 class LocalConfig:
     local_steps: int = described(0, "local SGD / DiLoCo: inner steps per outer round; each "
@@ -60,14 +71,11 @@ class LocalConfig:
 
 def outer_config(local: LocalConfig, outer: OuterConfig) -> OuterConfig:
     """The outer optimizer a run with `local` uses: as given, or outer SGD lr 1 (model
-    averaging) when --local-steps comes without --outer-optimizer; a ConfigError naming
-    the outer flags without --local-steps."""
-    if not local.local_steps:
-        if outer.enabled:
-            raise ConfigError(f"--outer-optimizer {outer.outer_optimizer} has no effect "
-                              "without --local-steps")
+    averaging) when --local-steps comes without --outer-optimizer (LocalConfig's rules
+    refuse the outer flags without --local-steps)."""
+    if not local.local_steps or outer.enabled:
         return outer
-    return outer if outer.enabled else OuterConfig(outer_optimizer="sgd")
+    return OuterConfig(outer_optimizer="sgd")
 
 
 class LocalReducer(Exchange):

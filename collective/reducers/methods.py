@@ -9,27 +9,58 @@ the reducer (and optimizer) each gives the trainer.
 --local-steps H (collective/reducers/local_sgd.py: local SGD, DiLoCo) and --compress
 (collective/reducers/compress.py: top-k, random-k, sign, PowerSGD with error feedback)
 replace the bucketed gradient all-reduce on a plain data-parallel grid, one at a time;
-the flags they cannot honour are refused by name (ConfigError: exit 2, one line).
+the flags they cannot honour are refused by name (ConfigError: exit 2, one line): the
+rules declared on `Methods` below and on each method's config (models/flag_rules.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from dataclasses import dataclass
 
 from dtlab.collective.algorithms.quantized_ring import QuantizedConfig, QuantizedReducer
 from dtlab.collective.comm import Communicator
+from dtlab.collective.flags import SyncConfig
 from dtlab.collective.reducers.compress import CompressReducer, describe
 from dtlab.collective.reducers.local_sgd import LocalConfig, local_session, outer_config
 from dtlab.collective.reducers.onebit_adam import OneBitConfig, onebit_session
 from dtlab.collective.reducers.streaming import LocalOptimizer, StreamingConfig
+from dtlab.collective.reducers.zero_one_adam import ZeroOneConfig, zero_one_session
 from dtlab.models.compress import CompressConfig
-from dtlab.models.config import ConfigError, add_flags, from_namespace
+from dtlab.models.flag_rules import Conflicts, Flag, OneAtATime, given, rules
 from dtlab.models.outer import OuterConfig
 from dtlab.models.quantize import BLOCK
+from dtlab.models.run.grid_flags import GridConfig
+from dtlab.models.run.session import RunConfig
+from dtlab.models.transformer import TransformerConfig
+
+# The method configs, each (class, --help title): dtlab-sync's flags of the methods.
+METHOD_CONFIGS = (
+    (LocalConfig, "local SGD / DiLoCo (collective/reducers/local_sgd.py)"),
+    (OuterConfig, "the outer optimizer of --local-steps (models/outer.py)"),
+    (StreamingConfig, "Streaming DiLoCo, with --local-steps (collective/reducers/streaming.py)"),
+    (CompressConfig, "gradient compression (collective/reducers/compress.py)"),
+    (OneBitConfig, "1-bit Adam (collective/reducers/onebit_adam.py)"),
+    (QuantizedConfig, "the quantized ring all-reduce (collective/algorithms/quantized_ring.py)"),
+    (ZeroOneConfig, "0/1 Adam (collective/reducers/zero_one_adam.py)"),
+)
+METHODS = (Flag("local_steps", LocalConfig), Flag("compress", CompressConfig),
+           Flag("onebit_adam", OneBitConfig), Flag("quantize_grads", QuantizedConfig),
+           Flag("zero_one_adam", ZeroOneConfig))
+# What a method cannot run with: each exchanges what a whole float32 replica holds over
+# our ring, and each rank's state differs (no checkpoints).
+PLAIN_REPLICA = (Flag("zero", SyncConfig), *(Flag(n, GridConfig) for n in ("tp", "pp", "ep")),
+                 Flag("moe_experts", TransformerConfig), Flag("precision", RunConfig),
+                 *(Flag(n, SyncConfig) for n in ("wire", "allreduce", "bucket_mb")),
+                 Flag("checkpoint_dir", RunConfig))
 
 
+@rules(
+    OneAtATime(METHODS),
+    Conflicts(METHODS, PLAIN_REPLICA,
+              why="not supported (plain data parallelism of a whole float32 replica; the "
+                  "exchange runs our ring; no checkpoints, each rank's state differs)"),
+)
 @dataclass(frozen=True)
 class Methods:
     local: LocalConfig
@@ -38,6 +69,7 @@ class Methods:
     streaming: StreamingConfig  # Streaming DiLoCo's fragments, overlap, precision
     onebit: OneBitConfig
     quantized: QuantizedConfig
+    zero_one: ZeroOneConfig
 
     @property
     def enabled(self) -> bool:
@@ -45,58 +77,21 @@ class Methods:
 
     def given(self) -> list[str]:
         """'--local-steps 10', '--compress topk:0.01', '--onebit-adam 100': those asked for."""
-        return [f"--{flag} {value}" for flag, value in (
-            ("local-steps", self.local.local_steps), ("compress", self.compress.compress),
-            ("onebit-adam", self.onebit.onebit_adam),
-            ("quantize-grads", self.quantized.quantize_grads)) if value]
-
-    def name(self) -> str:
-        """The method's flag and value, for the refusals."""
-        return self.given()[0]
-
-
-def add_method_flags(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, LocalConfig, "local SGD / DiLoCo (collective/reducers/local_sgd.py)")
-    add_flags(parser, OuterConfig, "the outer optimizer of --local-steps (models/outer.py)")
-    add_flags(parser, StreamingConfig, "Streaming DiLoCo, with --local-steps "
-                                       "(collective/reducers/streaming.py)")
-    add_flags(parser, CompressConfig, "gradient compression (collective/reducers/compress.py)")
-    add_flags(parser, OneBitConfig, "1-bit Adam (collective/reducers/onebit_adam.py)")
-    add_flags(parser, QuantizedConfig, "the quantized ring all-reduce "
-                                       "(collective/algorithms/quantized_ring.py)")
+        parts = {type(part): part for part in vars(self).values()}
+        return given(METHODS, lambda f: getattr(parts[f.owner], f.name))
 
 
 def method_configs(setup) -> Methods:
-    """The methods the flags ask for; a ConfigError naming a flag they cannot go with."""
-    ns = setup.extra
-    local = from_namespace(LocalConfig, ns)
-    methods = Methods(local, outer_config(local, from_namespace(OuterConfig, ns)),
-                      from_namespace(CompressConfig, ns), from_namespace(StreamingConfig, ns),
-                      from_namespace(OneBitConfig, ns), from_namespace(QuantizedConfig, ns))
+    """The methods a parsed setup asks for (parse kept their RULES and each config's): local
+    SGD's outer optimizer (SGD lr 1 unless given), Streaming DiLoCo's fragments checked
+    against --local-steps."""
+    local = setup.config(LocalConfig)
+    methods = Methods(local, outer_config(local, setup.config(OuterConfig)),
+                      *(setup.config(cls) for cls in (CompressConfig, StreamingConfig,
+                                                      OneBitConfig, QuantizedConfig,
+                                                      ZeroOneConfig)))
     if methods.streaming.enabled:
         methods.streaming.check(local.local_steps)
-    if len(methods.given()) > 1:
-        raise ConfigError(f"{' with '.join(methods.given())}: one of them at a time")
-    if methods.onebit.onebit_adam and setup.optim.optimizer not in ("adam", "adamw"):
-        raise ConfigError(f"--onebit-adam {methods.onebit.onebit_adam} with --optimizer "
-                          f"{setup.optim.optimizer}: 1-bit Adam compresses Adam's momentum "
-                          "(give --optimizer adam or adamw)")
-    if not methods.enabled:
-        return methods
-    for dest in ("zero", "tp", "pp", "ep", "moe_experts", "precision", "wire", "allreduce",
-                 "bucket_mb", "checkpoint_dir"):
-        if dest in setup.defaults and setup.given(dest):
-            value = next(getattr(p, dest) for p in (setup.model, setup.run, setup.extra)
-                         if hasattr(p, dest))
-            raise ConfigError(f"{methods.name()} with --{dest.replace('_', '-')} {value}: not "
-                              "supported (plain data parallelism of a whole float32 replica; "
-                              "the exchange runs our ring; no checkpoints, each rank's state "
-                              "differs)")
-    H, run = local.local_steps, setup.run
-    if H and run.eval_every % H:
-        raise ConfigError(f"--eval-every {run.eval_every} must be a multiple of --local-steps "
-                          f"{H}: the held-out loss is of the averaged parameters, which exist "
-                          "once per outer round")
     return methods
 
 
@@ -119,12 +114,12 @@ def method_parts(session, comm: Communicator, methods: Methods, seed: int, plain
         else:
             words += "one ring all-reduce of the parameter change per round"
     elif methods.quantized.quantize_grads:
-        q = methods.quantized.quantize_grads
-        reducer = QuantizedReducer(comm, session.replica.compute_params.grad, int(q[3:]))
-        fields = {"quantize_grads": q}
+        q, ef = methods.quantized.quantize_grads, methods.quantized.quantize_error_feedback
+        reducer = QuantizedReducer(comm, session.replica.compute_params.grad, int(q[3:]), ef)
+        fields = {"quantize_grads": q, "quantize_error_feedback": ef}
         words = (f"gradients averaged through the quantized ring ({q}, a float32 scale per "
                  f"{BLOCK} values, re-quantized at every hop: {reducer.nbytes:,} bytes a "
-                 "message set)")
+                 f"message set), {'with' if ef else 'without'} error feedback")
         fields.update(allreduce="ring", allreduce_buckets=reducer.plan(), wire=q)
         return session, reducer, fields, words
     elif methods.onebit.onebit_adam:
@@ -136,6 +131,17 @@ def method_parts(session, comm: Communicator, methods: Methods, seed: int, plain
                  "all-gathered) with error feedback, the variance frozen")
         fields.update(allreduce="ring", allreduce_buckets=reducer.plan(), wire="fp32")
         return session, reducer, fields, words
+    elif methods.zero_one.zero_one_adam:
+        z = methods.zero_one
+        session, reducer = zero_one_session(session, comm, z, plain())
+        fields = {"zero_one_adam": dataclasses.asdict(z)}
+        words = (f"0/1 Adam: the variance updated with an all-reduced gradient on an interval "
+                 f"doubling every {z.zero_one_variance_doubling} updates up to step "
+                 f"{z.zero_one_adam}, then frozen; the momentum as signs "
+                 f"({session.optimizer.nbytes:,} bytes a rank, all-gathered) with error "
+                 f"feedback, after step {z.zero_one_adam} every 1 to "
+                 f"{z.zero_one_local_max} local steps (doubling every "
+                 f"{z.zero_one_local_doubling})")
     else:
         grad = session.replica.compute_params.grad
         reducer = CompressReducer(comm, grad, methods.compress, session.params, seed)

@@ -41,9 +41,15 @@ from dtlab.collective.zero.layout import RingTraffic
 from dtlab.models.backend import array_module
 from dtlab.models.compress import Sign, SignPayload
 from dtlab.models.config import ConfigError, described
-from dtlab.models.optim import Adam
+from dtlab.models.flag_rules import Conflicts, Flag, rules
+from dtlab.models.optim import Adam, OptimConfig
+
+# --optimizer other than Adam's: 1-bit and 0/1 Adam compress Adam's momentum
+NOT_ADAM = Flag("optimizer", OptimConfig, test=lambda name: name not in ("adam", "adamw"))
 
 
+@rules(Conflicts("onebit_adam", NOT_ADAM, why="1-bit Adam compresses Adam's momentum (give "
+                                              "--optimizer adam or adamw)"))
 @dataclass
 class OneBitConfig:
     onebit_adam: int = described(0, "1-bit Adam (Tang et al. 2021): Adam on the averaged "
@@ -56,6 +62,39 @@ class OneBitConfig:
             raise ConfigError(f"--onebit-adam must not be negative (got {self.onebit_adam})")
 
 
+class SignAllgather:
+    """Each rank's vector p_r sent as C(p_r + e_r), its signs and a scale (models/compress.py's
+    `Sign`, whose residual is e_r), every rank's payload all-gathered over our ring and
+    their decompressed mean taken on every rank in rank order: the same bits everywhere.
+    1-bit Adam's exchange of the momentum, and 0/1 Adam's (collective/reducers/zero_one_adam.py)."""
+
+    def __init__(self, ring: Communicator, n: int, dtype, xp):
+        self.ring = ring
+        self.sign = Sign(n, dtype, xp)  # its residual is e_r
+        self.nbytes = dtype.itemsize + -(-n // 8)  # a payload: the scale, then the bits
+        self.send = xp.empty(self.nbytes, np.uint8)  # (payload,)
+        self.every = xp.empty(self.nbytes * ring.size, np.uint8)  # (N payloads,)
+        self.sent = RingTraffic(ring).allgather(  # bytes this rank sends in one exchange
+            [r * self.nbytes for r in range(ring.size + 1)], 1)
+
+    def mean(self, local, out) -> None:
+        """out (n,) <- mean over the ranks of C(local + e_r); e_r <- what was not sent."""
+        self._average(self.sign.compress(local), out)
+
+    def _average(self, payload: SignPayload, out) -> None:
+        """Every rank's payload all-gathered; `out` <- their decompressed mean."""
+        scale = array_module(self.send).asarray(payload.scale).reshape(1).view(np.uint8)
+        self.send[: scale.size] = scale
+        self.send[scale.size:] = payload.bits
+        self.ring.allgather(self.send, self.every)
+        out.fill(0)
+        b = scale.size
+        for r in range(self.ring.size):  # in rank order: every rank sums the same way
+            chunk = self.every[r * self.nbytes : (r + 1) * self.nbytes]  # (payload,)
+            self.sign.accumulate(SignPayload(chunk[b:], chunk[:b].view(out.dtype)[0]), out)
+        array_module(out).true_divide(out, self.ring.size, out=out)
+
+
 class OneBitAdam:
     """session.optimizer under --onebit-adam W: `inner` (Adam or AdamW) for the first W
     steps, then the compressed momentum step of the module docstring on its m and v."""
@@ -66,13 +105,9 @@ class OneBitAdam:
         xp = array_module(inner.m)
         n, dtype = inner.m.size, inner.m.dtype
         self.inner, self.ring, self.warmup, self.timing = inner, ring, warmup, timing
-        self.sign = Sign(n, dtype, xp)  # its residual is e_r
+        self.signs = SignAllgather(ring, n, dtype, xp)
         self.local = xp.empty(n, dtype)  # (n,) m_r
-        self.nbytes = dtype.itemsize + -(-n // 8)  # a payload: the scale, then the bits
-        self.send = xp.empty(self.nbytes, np.uint8)  # (payload,)
-        self.every = xp.empty(self.nbytes * ring.size, np.uint8)  # (N payloads,)
-        self.sent = RingTraffic(ring).allgather(
-            [r * self.nbytes for r in range(ring.size + 1)], 1)
+        self.nbytes, self.sent = self.signs.nbytes, self.signs.sent
 
     @property
     def steps(self) -> int:
@@ -96,7 +131,7 @@ class OneBitAdam:
         b1, b2 = a.beta1, a.beta2
         xp.multiply(a.m, b1, out=self.local)
         self.local += xp.multiply(grad, 1 - b1, out=a._tmp)  # (n,) m_r
-        self._average(self.sign.compress(self.local), a.m)  # m = mean_r C(m_r + e_r)
+        self.signs.mean(self.local, a.m)  # m = mean_r C(m_r + e_r)
         lr_t = lr * math.sqrt(1 - b2**self.warmup) / (1 - b1**a.steps)
         eps_t = a.eps * math.sqrt(1 - b2**self.warmup)
         xp.sqrt(a.v, out=a._tmp)
@@ -107,21 +142,8 @@ class OneBitAdam:
         self.timing.update(onebit=1, comm_rounds=1, sent_bytes=self.sent,
                            onebit_s=time.perf_counter() - t)
 
-    def _average(self, payload: SignPayload, out) -> None:
-        """Every rank's payload all-gathered; `out` <- their decompressed mean."""
-        scale = array_module(self.send).asarray(payload.scale).reshape(1).view(np.uint8)
-        self.send[: scale.size] = scale
-        self.send[scale.size:] = payload.bits
-        self.ring.allgather(self.send, self.every)
-        out.fill(0)
-        b = scale.size
-        for r in range(self.ring.size):  # in rank order: every rank sums the same way
-            chunk = self.every[r * self.nbytes : (r + 1) * self.nbytes]  # (payload,)
-            self.sign.accumulate(SignPayload(chunk[b:], chunk[:b].view(out.dtype)[0]), out)
-        array_module(out).true_divide(out, self.ring.size, out=out)
-
     def state_dict(self) -> dict:
-        return {**self.inner.state_dict(), "onebit_error": self.sign.residual}
+        return {**self.inner.state_dict(), "onebit_error": self.signs.sign.residual}
 
 
 class OneBitReducer(Exchange):

@@ -59,8 +59,7 @@ class StreamingConfig:
 
     @property
     def enabled(self) -> bool:
-        return (self.fragments, self.overlap_steps, self.mix, self.outer_precision) != (
-            1, 0, 0.0, "fp32")
+        return self != StreamingConfig()
 
     def validate(self) -> None:
         if self.fragments < 1:
@@ -72,10 +71,9 @@ class StreamingConfig:
             raise ConfigError(f"--mix must be in [0, 1) (got {self.mix})")
 
     def check(self, local_steps: int) -> None:
-        """The schedule's rules against --local-steps H, each refusal naming both flags."""
+        """The schedule's rules against --local-steps H (given: LocalConfig's rules refuse
+        these flags without it), each refusal naming both flags."""
         H, F = local_steps, self.fragments
-        if not H:
-            raise ConfigError(f"{self.flags()} has no effect without --local-steps")
         if H % F:
             raise ConfigError(f"--fragments {F} must divide --local-steps {H}: one "
                               "fragment synchronises every H / F steps")
@@ -83,12 +81,6 @@ class StreamingConfig:
             raise ConfigError(f"--overlap-steps {self.overlap_steps} must be below "
                               f"--local-steps {H} / --fragments {F} = {H // F}: a "
                               "fragment's exchange ends before the next one starts")
-
-    def flags(self) -> str:
-        return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in (
-            ("fragments", self.fragments), ("overlap_steps", self.overlap_steps),
-            ("mix", self.mix), ("outer_precision", self.outer_precision))
-            if v != getattr(StreamingConfig, k))
 
 
 class LocalOptimizer:

@@ -21,6 +21,9 @@ unit's module and calls them), as FSDP's pre- and post-forward and -backward hoo
              unit as in stage 3, so only the shard persists (Rajbhandari et al. 2020,
              section 5.2)
 
+With --zero-quantize-weights / --zero-quantize-grads (ZeRO++, collective/zero/quantized.py)
+stage 3's gathers move int8 payloads and the reduce-scatters block-quantized ones.
+
 Every collective runs on the Stream's helper thread (collective/zero/stream.py) in the
 order asked for, the same on every rank. Buffers come from a `SlotPool`: a freed unit's
 memory is the next unit's, so the pool holds what is in use at once (two units'
@@ -140,13 +143,17 @@ class UnitHooks:
     source, cast to the compute dtype); grad[layout.packed[u]]: its reduced gradient
     (the shard, in the master's dtype); full: the whole parameters (stage 2). `count`
     is told the bytes each collective sends. `wire`: the dtype the reduce-scatters move
-    (--wire; None: the compute dtype), each unit's gradient cast into a buffer of it."""
+    (--wire; None: the compute dtype), each unit's gradient cast into a buffer of it.
+    `quant` (collective/zero/quantized.py, ZeRO++): its quantized gathers (weight_bits)
+    and reduce-scatters (grad_bits) run in place of the plain ones."""
 
     def __init__(self, P: UnitParams, layout, stream, traffic, *, stage: int, reshard: bool,
                  master, master_ranges, grad, full=None, count=lambda nbytes: None,
-                 wire=None):
+                 wire=None, quant=None):
         self.P, self.layout, self.stream, self.traffic = P, layout, stream, traffic
         self.stage, self.reshard, self.count = stage, reshard, count
+        self.qw = quant if quant is not None and quant.weight_bits else None
+        self.qg = quant if quant is not None and quant.grad_bits else None
         self.master, self.master_ranges, self.grad = master, master_ranges, grad
         self.grad_pool = SlotPool(layout.largest, P.dtype, P.xp)
         self.param_pool = SlotPool(layout.largest, P.dtype, P.xp) if stage == 3 else None
@@ -178,14 +185,18 @@ class UnitHooks:
         buf = slot[: self.layout.units[u].size]  # (unit,)
         lo, hi = self.layout.relative(u)
         at, end = self.master_ranges[u]
-        counts, master = self.layout.counts(u), self.master
+        counts, master, qw = self.layout.counts(u), self.master, self.qw
 
         def gather(comm) -> None:
+            if qw is not None:  # every segment dequantize(quantize(its master values))
+                qw.gather(comm, u, master[at:end], buf)
+                return
             buf[lo:hi] = master[at:end]  # this rank's segment, in the compute dtype
             comm.allgather(buf[lo:hi], out=buf, counts=counts)
 
         self.gathered[u] = (slot, buf, self.stream.submit(gather))
-        self.count(self.traffic.allgather(self.layout.bounds[u], buf.itemsize))
+        self.count(qw.gather_bytes(u) if qw is not None else
+                   self.traffic.allgather(self.layout.bounds[u], buf.itemsize))
 
     def _use(self, u: int) -> None:
         self.fetch(u)
@@ -233,13 +244,17 @@ class UnitHooks:
         self.written.add(u)
         at, end = self.layout.packed[u]
         grad, pool, wires, xp = self.grad, self.grad_pool, self.wire_pool, self.P.xp
+        qg = self.qg
 
         def reduce(comm) -> None:
             held = wires.take() if wires is not None else None
             wire = buf if held is None else held[: unit.size]  # (unit,)
             if held is not None:
                 wire[...] = buf  # rounded to the wire dtype
-            mine = comm.reduce_scatter(wire, average=True)  # (segment,) the ranks' mean
+            if qg is not None:  # re-quantized at every hop of the ring
+                mine = qg.reduce_scatter(comm, u, wire)  # (segment,) the ranks' mean
+            else:
+                mine = comm.reduce_scatter(wire, average=True)  # (segment,) the ranks' mean
             if first:
                 grad[at:end] = mine
             else:  # (a wire dtype's segment cast up first)
@@ -250,6 +265,7 @@ class UnitHooks:
 
         self.stream.submit(reduce)
         itemsize = buf.itemsize if wires is None else wires.dtype.itemsize
-        self.count(self.traffic.reduce_scatter(self.layout.bounds[u], itemsize))
+        self.count(qg.reduce_scatter_bytes(u) if qg is not None else
+                   self.traffic.reduce_scatter(self.layout.bounds[u], itemsize))
         if self.stage == 3:
             self.release(u)

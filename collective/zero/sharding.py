@@ -33,6 +33,9 @@ the whole model's: the dp slices' squares, then the tensor-split ones' over tp (
 replicated tensors, equal on every tp rank, counted once, as models/optim.py does), then
 over the stages. With --wire fp16|bf16 each unit's gradient is cast to that dtype for
 its reduce-scatter and the rank's mean segment cast back, as plain DP's buckets are.
+With --zero-quantize-weights int8 (stage 3) and --zero-quantize-grads int8|int4 (stages 2
+and 3) the gathers and reduce-scatters move block-quantized payloads instead, as ZeRO++
+does (collective/zero/quantized.py); the master shard stays in its own dtype.
 
 Each rank's update is the plain optimizer's, elementwise on its segments (one optimizer
 per unit segment), so the shards step exactly as the whole buffer would; what can differ
@@ -59,6 +62,7 @@ from dtlab.collective.comm import Communicator
 from dtlab.collective.reducers.buckets import WIRE_DTYPES
 from dtlab.collective.zero.layout import Layout, RingTraffic, split_in_shard, units_of
 from dtlab.collective.zero.params import UnitHooks, UnitParams, ZeroUnit
+from dtlab.collective.zero.quantized import QuantizedUnits, ZeroQuantConfig
 from dtlab.collective.zero.stream import Stream
 from dtlab.models import backend
 from dtlab.models.layers import Sequential
@@ -87,7 +91,7 @@ class Zero:
     """One rank's sharded state, built from a session's model and initial parameters."""
 
     def __init__(self, session, comm: Communicator, stage: int, reshard: bool = True,
-                 overlap: bool = True, wire: str = "fp32"):
+                 overlap: bool = True, wire: str = "fp32", quant: ZeroQuantConfig | None = None):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be one of {STAGES}, not {stage}")
         init, model, run = session.params, session.model, session.setup.run
@@ -109,6 +113,11 @@ class Zero:
         self.wire = wire_dtype(wire, compute, comm, xp)  # None: reduced in the compute dtype
         self.stream = Stream(comm, overlap, persistent_buffers=4 * len(layout.units) + 4)
         self.traffic = RingTraffic(comm)
+        self.quant = quant if quant is not None and quant.enabled else None
+        if self.quant is not None and (stage < 3 and quant.weight_bits or stage < 2):
+            raise ValueError(f"ZeRO stage {stage} (as run) quantizes no gathers or "
+                             "reduce-scatters: quantized weights need stage 3, quantized "
+                             "gradients stage 2 or 3 (collective/zero/quantized.py RULES)")
         self.precision = run.precision
         # the last step's figures (ZeroReplica.timing): bytes this rank sent, seconds of
         # the all-gathers after the optimizer step (stages 1, 2), bytes of the per-unit
@@ -152,7 +161,9 @@ class Zero:
             self.hooks = UnitHooks(P, layout, self.stream, self.traffic, stage=stage,
                                    reshard=reshard, master=self.master,
                                    master_ranges=self.params.data_ranges, grad=grad,
-                                   full=self.full, count=self.count, wire=self.wire)
+                                   full=self.full, count=self.count, wire=self.wire,
+                                   quant=None if self.quant is None else
+                                   QuantizedUnits(self.quant, layout, self.traffic, xp))
             model = hooked(model, layout, self.hooks)
         self.P, self.model = P, model
         self.scaler = make_scaler(run) if self.half is not None else None

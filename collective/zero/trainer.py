@@ -211,12 +211,13 @@ class ZeroReducer(Exchange):
 
 
 def shard_session(session, comm: Communicator, stage: int, reshard: bool = True,
-                  overlap: bool = True, wire: str = "fp32"):
+                  overlap: bool = True, wire: str = "fp32", quant=None):
     """(session, reducer, zero): `session` with its params, replica, optimizer and model
     replaced by ZeRO `stage`'s over `comm` (the dp ranks of this (pp, tp) shard); the old
     whole buffers freed. A pipeline stage runs the schedule its session's replica ran;
-    `wire` (--wire) is the dtype the gradient reduce-scatters move."""
-    zero = Zero(session, comm, stage, reshard, overlap, wire)
+    `wire` (--wire) is the dtype the gradient reduce-scatters move; `quant` (a
+    ZeroQuantConfig, collective/zero/quantized.py) quantizes the gathers and reduce-scatters."""
+    zero = Zero(session, comm, stage, reshard, overlap, wire, quant)
     optimizer = ZeroOptimizer(session.setup.optim, zero, session.params.decay_mask())
     runs = getattr(session.replica, "inner", session.replica)  # MixedReplica's own runner
     replica = (ZeroMixedReplica if zero.half is not None else ZeroReplica)(

@@ -30,7 +30,7 @@ from functools import partial
 
 import numpy as np
 
-from dtlab.models import backend
+from dtlab.models import backend, flag_rules
 from dtlab.models.comm import Comm
 from dtlab.models.config import (
     ConfigError,
@@ -43,6 +43,7 @@ from dtlab.models.config import (
 )
 from dtlab.models.cost import estimate
 from dtlab.models.data import DataConfig, ShardedLoader, make_dataset, make_heldout
+from dtlab.models.flag_rules import ABSENT, Flag, Rule, rules_of
 from dtlab.models.model import Model, Replica
 from dtlab.models.moe_ep import ExpertParallel
 from dtlab.models.optim import OptimConfig, Optimizer, Schedule, make_optimizer
@@ -50,6 +51,7 @@ from dtlab.models.params import FlatParams
 from dtlab.models.partition import pipeline_bounds
 from dtlab.models.pipeline import PipelineReplica, PipelineStage
 from dtlab.models.precision import MixedReplica, make_scaler
+from dtlab.models.run.grid_flags import GridConfig
 from dtlab.models.run.straggler import parse_straggler
 from dtlab.models.schedule import layout
 from dtlab.models.zoo import MODELS, build_model
@@ -128,6 +130,7 @@ class Setup:
     extra: argparse.Namespace
     config_file: str = ""
     defaults: dict = dataclasses.field(default_factory=dict)  # every flag's, by its dest
+    configs: tuple = ()  # the program's own configs (parse's `configs`), also in `extra`
 
     def given(self, dest: str) -> bool:
         """Whether flag `dest` (of a config or of `extra`) differs from its declared default."""
@@ -135,6 +138,21 @@ class Setup:
             if hasattr(part, dest):
                 return getattr(part, dest) != self.defaults[dest]
         raise KeyError(dest)
+
+    def config(self, cls: type):
+        """This run's config of class `cls`, or None (an MLP run has no TransformerConfig)."""
+        return next((part for part in (self.model, self.data, self.optim, self.run,
+                                       *self.configs) if isinstance(part, cls)), None)
+
+    def value(self, f: Flag):
+        """The run's value of flag `f`, or ABSENT where the run has no config of its class."""
+        cfg = self.config(f.owner)
+        return ABSENT if cfg is None else getattr(cfg, f.name)
+
+    def check(self, declared: tuple[Rule, ...]) -> None:
+        """A Refusal (ConfigError) naming the flags of the first rule the run breaks
+        (models/flag_rules.py)."""
+        flag_rules.check(declared, self.value)
 
     def as_dict(self) -> dict:
         parts = ("model", "data", "optim", "run")
@@ -201,7 +219,8 @@ def refuse_inert_flags(parser: argparse.ArgumentParser, rest: list[str],
 
 def parse(argv: list[str], prog: str, description: str = "",
           add_extra: Callable[[argparse.ArgumentParser], None] | None = None,
-          flags: dict[str, tuple[str, ...] | None] | None = None, why: str = "") -> Setup:
+          flags: dict[str, tuple[str, ...] | None] | None = None, why: str = "",
+          configs: tuple[tuple, ...] = (), rules: tuple[Rule, ...] = ()) -> Setup:
     """Parse `argv` into a Setup. Bad values raise ConfigError; unknown flags exit 2.
 
     Values come from the defaults, then `--config FILE` (read_config_file),
@@ -210,6 +229,11 @@ def parse(argv: list[str], prog: str, description: str = "",
     as flags (None: all of them); a group left out takes none, and its values
     come from the file or the defaults. Default: every field of every group.
     A flag that would have no effect in this program is refused with `why`.
+    `configs` are the program's own config classes, each (class, --help title) or
+    (class, title, fields it takes): their flags, their instances in `Setup.configs`
+    and their values in `extra`.
+    Then the RULES every config class declares, and `rules`, are kept
+    (models/flag_rules.py).
     """
     flags = {name: None for name in GROUPS} if flags is None else flags
     pre = argparse.ArgumentParser(add_help=False)
@@ -233,6 +257,8 @@ def parse(argv: list[str], prog: str, description: str = "",
     add_flags(parser, model_cls, f"{model_name} model")
     for name, only in flags.items():
         add_flags(parser, GROUPS[name], name, only=only)
+    for cls, title, *only in configs:
+        add_flags(parser, cls, title, only=only[0] if only else None)
     if add_extra is not None:
         add_extra(parser)
     for name, cls in {"model": model_cls, **GROUPS}.items():
@@ -246,12 +272,21 @@ def parse(argv: list[str], prog: str, description: str = "",
     model = from_namespace(model_cls, ns, file.get("model") if same_model else None)
     built = {name: from_namespace(cls, ns, file.get(name), only=flags.get(name, ()))
              for name, cls in GROUPS.items()}
+    own = []
+    for cls, _, *only in configs:  # `extra` holds the values of their flags, defaults too
+        taken = only[0] if only else None
+        own.append(from_namespace(cls, ns, only=taken))
+        vars(ns).update({f.name: getattr(own[-1], f.name) for f in dataclasses.fields(cls)
+                         if taken is None or f.name in taken})
     defaults = {a.dest: parser.get_default(a.dest) for a in parser._actions}
-    for cls in (model_cls, *GROUPS.values()):  # a config's, whatever its flag's default
+    classes = (model_cls, *GROUPS.values(), *(cls for cls, *_ in configs))
+    for cls in classes:  # a config's, whatever its flag's default
         defaults.update({f.name: f.default if f.default is not dataclasses.MISSING
                          else f.default_factory() for f in dataclasses.fields(cls)})
-    return Setup(model_name, model, built["data"], built["optim"], built["run"], ns,
-                 known.config, defaults)
+    setup = Setup(model_name, model, built["data"], built["optim"], built["run"], ns,
+                  known.config, defaults, tuple(own))
+    setup.check(rules_of(*classes) + tuple(rules))
+    return setup
 
 
 @dataclass
@@ -274,9 +309,9 @@ class PipelineSpec:
     """How a pipeline-parallel rank runs: its communicator, the schedule, the split."""
 
     pp: Comm
-    schedule: str = "1f1b"
-    stages: str = ""  # --stages "a,b,...": modules per stage; "" balances by FLOPs
-    virtual: int | None = None  # --virtual-stages: model chunks per rank (interleaved)
+    schedule: str = GridConfig.pp_schedule
+    stages: str = GridConfig.stages  # --stages "a,b,...": modules per stage; "" balances by FLOPs
+    virtual: int | None = GridConfig.virtual_stages  # --virtual-stages: model chunks per rank
 
 
 def build_session(setup: Setup, rank: int = 0, world: int = 1, tp: Comm | None = None,

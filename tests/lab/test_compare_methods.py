@@ -95,7 +95,7 @@ def test_every_method_is_one_registry_entry():
     """Each name is matched by exactly one entry, whose exchange exists in the package;
     --list-methods prints every entry."""
     names = ("sync-ring", "sync-zero2", "sync-diloco50", "sync-stream30x3-t1-int4",
-             "sync-onebitadam100", "sync-qring4",
+             "sync-onebitadam100", "sync-qring4", "sync-pipedream-2bw",
              "sync-powersgd4-noef", "async-local8", "async-bsp-backup2", "async-asp-randk5-noef",
              "async-ssp3-div", "sim-asp-div")
     for name in names:

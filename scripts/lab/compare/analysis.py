@@ -27,11 +27,12 @@ free of the mini-batch noise and of the topology's sampling.
 What a run moves (`traffic`), from its own records, every byte on the wire counted once
 over all processes: sync, N x what rank 0 sent (`sent_bytes`: the bytes of a rank's data
 that reach the others, by each bucket's algorithm, collective/reducers/data_parallel.py
-sent_bytes; runs over MPI's own or the naive all-reduce record none); async, every worker's tensor bytes pushed and
-pulled. Communication rounds: sync, the collectives a step ran (`comm_rounds`: local SGD
-1 a round, PowerSGD 2 a step; a plain step's bucketed all-reduce counts as 1, its
-buckets overlapping one backward); async, the steps that pushed (a local SGD worker's
-round ends; every step otherwise). Per step: their means over the steps.
+sent_bytes; runs over MPI's own or the naive all-reduce record none); async, every
+worker's tensor bytes pushed and pulled. Communication rounds: sync, the collectives a
+step ran (`comm_rounds`: local SGD 1 a round, PowerSGD 2 a step; a plain step's
+bucketed all-reduce counts as 1, its buckets overlapping one backward); async, the steps
+that pushed (a local SGD worker's round ends; every step otherwise). Per step: their means
+over the steps.
 """
 
 from __future__ import annotations
@@ -114,7 +115,9 @@ def measure(topology: str, records: list[list[dict]], global_batch: int, workers
         "updates_per_s": updates / time_s,
         "split_ms": split_ms(topology, records),
         "allreduce_ms": (mean_ms(records, "comm_s") if topology == "sync" else None),
-        "staleness": staleness(records) if topology != "sync" else None,
+        # sync: a PipeDream pipeline's records carry each stage's (models/pipedream.py)
+        "staleness": (staleness(records) if topology != "sync" or "staleness" in records[0][0]
+                      else None),
         "traffic": None if c.bytes is None else {
             "bytes": float(c.bytes[-1]), "rounds": float(c.rounds[-1]),
             "bytes_per_step": float(c.bytes[-1]) / steps,
@@ -230,7 +233,8 @@ def what_ran(topology: str, headers: list[dict], records: list[list[dict]]) -> d
         z = header.get("zero_bytes")
         ran["memory"] = {"per_rank_bytes": z["total_bytes"] if z else
                          sum(header.get(k, 0) for k in ("param_bytes", "grad_bytes",
-                                                        "optimizer_bytes"))}
+                                                        "optimizer_bytes",
+                                                        "weight_version_bytes"))}
     elif topology == "simulated":
         ran["simulated"] = {k: header.get(k) for k in ("simulate_workers", "staleness",
                                                        "staleness_lr", "schedule_steps")}

@@ -99,6 +99,16 @@ def _zero(name: str, m: re.Match) -> RunSpec:
                    zero=int(m["zero"]))
 
 
+def _zero_quantized(name: str, m: re.Match) -> RunSpec:
+    """sync-zero3-qwz8[-qgzB], sync-zeroS-qgzB: ZeRO++'s int8 weights / B-bit gradients."""
+    grads = m["both"] or m["qg"]
+    flags = (("--zero-quantize-weights", "int8") if m["zero"] is None else ()) + \
+        (("--zero-quantize-grads", f"int{grads}") if grads else ())
+    zero = int(m["zero"] or 3)
+    return RunSpec(name, "sync", f"sync, ZeRO stage {zero}, {' '.join(flags)} (ZeRO++)",
+                   allreduce="ring", zero=zero, sync_flags=flags)
+
+
 def _local(topology: str) -> Build:
     where = "sync" if topology == "sync" else "async (ASP servers)"
 
@@ -135,6 +145,14 @@ def _quantized(name: str, m: re.Match) -> RunSpec:
     return RunSpec(name, "sync", f"sync, gradients through the quantized ring ({q}, "
                                  "re-quantized at every hop)", allreduce="ring",
                    sync_flags=("--quantize-grads", q))
+
+
+def _pipedream(name: str, m: re.Match) -> RunSpec:
+    words = {"flush": "PipeDream-Flush (1F1B, flushed every step)",
+             "2bw": "PipeDream-2BW (no flush, gradients one weight version stale)",
+             "stash": "PipeDream weight stashing (stage s of p, p - 1 - s versions stale)"}
+    return RunSpec(name, "sync", f"sync pipeline (--pp), {words[m['mode']]}",
+                   allreduce="ring", sync_flags=("--pipedream", m["mode"]))
 
 
 def _compressed(topology: str) -> Build:
@@ -183,6 +201,11 @@ METHODS: tuple[Method, ...] = (
            "ZeRO stage S = 1, 2, 3 (Rajbhandari et al. 2020): optimizer state, gradients, "
            "parameters sharded over the ranks",
            "dtlab.collective.zero.trainer.ZeroReducer", _zero),
+    Method("sync-zero3-qwz8[-qgzB] | sync-zeroS-qgzB",
+           r"sync-zero(?:3-qwz8(?:-qgz(?P<both>[84]))?|(?P<zero>[23])-qgz(?P<qg>[84]))",
+           "ZeRO++ (Wang et al. 2023): stage 3's weights all-gathered as int8, stage S = 2, 3's "
+           "gradients reduce-scattered in B = 8 or 4 bits re-quantized at every ring hop",
+           "dtlab.collective.zero.quantized.QuantizedUnits", _zero_quantized),
     Method("sync-localH | sync-dilocoH", r"sync-(?P<kind>local|diloco)(?P<H>[1-9]\d*)",
            "H local steps, then the outer gradient all-reduced (Stich 2019; DiLoCo: outer "
            "Nesterov, Douillard et al. 2023)",
@@ -200,6 +223,21 @@ METHODS: tuple[Method, ...] = (
            "1-bit Adam (Tang et al. 2021): W warm-up steps of Adam, then the momentum all-"
            "gathered as signs with error feedback, the variance frozen",
            "dtlab.collective.reducers.onebit_adam.OneBitReducer", _onebit),
+    Method("sync-zerooneadamW", r"sync-zerooneadam(?P<W>[1-9]\d*)",
+           "0/1 Adam (Lu et al. 2022): the variance updated on a doubling interval up to step "
+           "W, then frozen; the momentum all-gathered as signs with error feedback, after W "
+           "on a doubling interval of local steps (--zero-one-* flags: their defaults)",
+           "dtlab.collective.reducers.zero_one_adam.ZeroOneReducer",
+           lambda name, m: RunSpec(name, "sync", f"sync 0/1 Adam, the variance frozen after "
+                                   f"step {m['W']}, the momentum's signs with error feedback, "
+                                   "local steps after it", allreduce="ring",
+                                   sync_flags=("--zero-one-adam", m["W"]))),
+    Method("sync-pipedream-flush | sync-pipedream-2bw | sync-pipedream-stash",
+           r"sync-pipedream-(?P<mode>flush|2bw|stash)",
+           "a pipeline of --pp stages (Narayanan et al. 2021): 1F1B flushed every step, or "
+           "2BW's updates one weight version stale, or PipeDream's weight stashing "
+           "(--grad-accum 1); staleness and the kept versions' bytes recorded",
+           "dtlab.models.pipedream.VersionedReplica", _pipedream),
     Method("sync-topkP | sync-randkP | sync-sign | sync-powersgdR [-noef]",
            rf"sync-(?P<compress>{SPARSE}|sign|powersgd(?P<rank>[1-9]\d*))(?P<noef>-noef)?",
            "compressed gradients with error feedback (Karimireddy et al. 2019; PowerSGD, "
@@ -208,10 +246,10 @@ METHODS: tuple[Method, ...] = (
     Method("async-localH | async-dilocoH", r"async-(?P<kind>local|diloco)(?P<H>[1-9]\d*)",
            "async local SGD: each worker pushes its outer gradient every H steps to ASP "
            "servers (DiLoCo: Delayed Nesterov, Liu et al. 2024)",
-           "dtlab.pserver.worker.loop.LocalWorker", _local("async")),
+           "dtlab.pserver.worker.exchange.OuterPushPull", _local("async")),
     Method("async-bsp-backupB", r"async-bsp-backup(?P<backups>[1-9]\d*)",
            "BSP closing each round at the first N of N + B gradients (Chen et al. 2016)",
-           "dtlab.pserver.worker.loop.Worker", _backup),
+           "dtlab.pserver.worker.exchange.PushPull", _backup),
     Method("async-bsp-topkP | async-asp-randkP | async-bsp-sign ... [-noef]",
            rf"async-(?P<cons>bsp|asp)-(?P<compress>{SPARSE}|sign)(?P<noef>-noef)?",
            "compressed pushes with error feedback, applied by the servers as ranged pushes",
@@ -220,7 +258,7 @@ METHODS: tuple[Method, ...] = (
            r"async-(?P<consistency>bsp|asp|ssp(?P<bound>\d+))(?P<div>-div)?",
            "parameter servers under BSP, SSP with bound S, or ASP; -div: lr / staleness "
            "(Zhang et al. 2016)",
-           "dtlab.pserver.worker.loop.Worker", _consistency),
+           "dtlab.pserver.worker.exchange.PushPull", _consistency),
     Method("sim-asp [-div]", r"sim-asp(?P<div>-div)?",
            "N ASP workers simulated in one process (each gradient N - 1 versions stale)",
            "dtlab.models.run.simulated.SimulatedWorkers", _simulated),

@@ -171,11 +171,18 @@ def _onebit_adam(summary: dict, out: Path) -> tuple[bool, str]:
     dense = [s["final_eval_loss"] for s in _final(summary, "sync-ring")]
     noise = max(max(dense) - min(dense), 0.02 * _mean(dense))
     base, onebit = _mean(dense), _held_loss(summary, ONEBIT)
+    zero_one = _held_loss(summary, ZERO_ONE)
     less = _traffic(summary, "sync-ring", "bytes") / _traffic(summary, ONEBIT, "bytes")
-    return abs(onebit - base) <= noise and less >= 3, (
+    bytes_01, rounds_01 = (_traffic(summary, ZERO_ONE, f) / _traffic(summary, ONEBIT, f)
+                           for f in ("bytes", "rounds"))
+    held = abs(onebit - base) <= noise and less >= 3
+    held = held and abs(zero_one - base) <= noise and bytes_01 < 1 and rounds_01 < 1
+    return held, (
         f"final held-out loss: Adam {base:.4f}, 1-bit Adam {onebit:.4f} ({onebit - base:+.4f}; "
         f"noise {noise:.4f}: the Adam seeds' range or 2% of its loss), with {less:.1f}x fewer "
-        "bytes on the wire (3x needed)")
+        f"bytes on the wire (3x needed); 0/1 Adam {zero_one:.4f} ({zero_one - base:+.4f}) "
+        f"with {100 * (1 - bytes_01):.0f}% fewer bytes and {100 * (1 - rounds_01):.0f}% fewer "
+        "rounds than 1-bit Adam (fewer of both needed)")
 
 
 def _heterogeneous(summary: dict, out: Path) -> tuple[bool, str]:
@@ -199,6 +206,7 @@ def _heterogeneous(summary: dict, out: Path) -> tuple[bool, str]:
 
 STREAM = ("sync-diloco30", "sync-stream30x3-t1-int4")
 ONEBIT = "sync-onebitadam100"
+ZERO_ONE = "sync-zerooneadam100"
 PRESETS = {
     "bsp-equals-sync": Reproduction(
         ("--runs", "sync-ring,async-bsp", "--clip", "0", "--tune", "none", "--seeds", "1"),
@@ -257,11 +265,13 @@ PRESETS.update({
         "at least 10x fewer bytes (the paper: about two orders of magnitude less peak "
         "bandwidth, with more fragments and larger models)", _streaming_diloco),
     "onebit-adam": Reproduction(
-        ("--runs", f"sync-ring,{ONEBIT}"),
+        ("--runs", f"sync-ring,{ONEBIT},{ZERO_ONE}"),
         "Tang et al. 2021 (1-bit Adam): after 100 warm-up steps of Adam, the momentum sent as "
         "signs with error feedback ends within the noise of Adam's final held-out loss after "
         "the same steps, with at least 3x fewer bytes on the wire (the paper: up to 5x less "
-        "communication)", _onebit_adam),
+        "communication); Lu et al. 2022 (0/1 Adam, the variance frozen after step 100, local "
+        "steps after it) within the same noise with fewer bytes and rounds than 1-bit Adam "
+        "(the paper: up to 87% less data and 54% fewer rounds)", _onebit_adam),
     "heterogeneous": Reproduction(
         ("--runs", "sync-ring,async-bsp,async-bsp-backup1,async-ssp2,async-asp,"
                    "async-diloco10", "--ranks", "4", "--straggler", "2:2,3:4"),

@@ -24,12 +24,9 @@ What the hand codec buys is measured end to end by `dtlab.lab.bench.pserver
 --mode rounds` (column "x base" of the session rows: the same tensors moved
 by a worker and a server that both use the generated classes instead). The
 generated classes copy each chunk twice more on the sender (bytes(), then
-serialization) and once more on the receiver (parsing). Measured
-2026-12-01 (median of 5 launches; hardware and table in README, "Pull + push
-rounds"), the hand codec moved 64 MB pushes 1.9x and pulls 1.4x as fast and
-made 1 MB pull + push rounds 2.3x as fast; it is kept because that is well
-past the 10% its complexity has to earn. At 64 KB it is 1.09x (per-message
-costs dominate there).
+serialization) and once more on the receiver (parsing). It is kept because
+its measured gain is well past the 10% its complexity has to earn (figures:
+scripts/RESULTS.md).
 
 The trailer's Adler-32 (RFC 1950) covers all data bytes in order and is
 computed incrementally as chunks are made or arrive, by the sender of every

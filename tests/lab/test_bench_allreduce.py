@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+from support.bench_runs import check_shape, run
 from support.mpirun import ROOT, mpirun
 
 pytestmark = pytest.mark.usefixtures("mpiexec")
@@ -22,9 +23,8 @@ SIZES = [4096, 8192, 16384]
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_tiny_benchmark_table_and_json(n, tmp_path):
-    out = tmp_path / "bench.json"
-    r = mpirun(n, "-m", "dtlab.lab.bench.allreduce", "--tiny", "--json", out, timeout=120)
+def test_tiny_benchmark_table_and_json(n, tmp_path, tiny_bench):
+    r = tiny_bench("allreduce") if n == 2 else run("allreduce", tmp_path, ranks=n)
     assert r.rc == 0, r
     lines = r.stdout.splitlines()
     assert any(line.startswith("# legend: ") and "via" in line for line in lines), r.stdout
@@ -36,7 +36,8 @@ def test_tiny_benchmark_table_and_json(n, tmp_path):
     assert [int(row[0]) for row in rows] == SIZES, r.stdout
     assert "# total #wrong: 0" in r.stdout, r.stdout
 
-    data = json.loads(out.read_text())
+    data = r.data
+    check_shape(data, "allreduce")
     assert data["meta"]["n"] == n
     got = {(row["algo"], row["bytes"]) for row in data["rows"]}
     assert got == {(a, b) for a in ("ring", "naive", "mpi") for b in SIZES}
@@ -62,14 +63,18 @@ def test_launches_print_medians_and_keep_every_launch(tmp_path):
     assert all(row[-1] == "0" for row in rows), r.stdout  # #wrong
 
     data = json.loads(out.read_text())
-    for n in ("2", "3"):
-        launches = data["launches"][n]
-        assert len(launches) == 3 and all(run["meta"]["n"] == int(n) for run in launches)
-        for i, med in enumerate(data["medians"][n]):
-            each = [run["rows"][i]["time_us"] for run in launches]
+    check_shape(data, "allreduce")
+    assert [len(data["meta"]["launch_meta"][n]) for n in ("2", "3")] == [3, 3]
+    for n in (2, 3):
+        launches = [[r for r in data["rows"] if r["table"] == "launch" and r["n"] == n
+                     and r["launch"] == k] for k in range(3)]
+        medians = [r for r in data["rows"] if r["table"] == "median" and r["n"] == n]
+        assert all(len(rows) == len(medians) == 2 * len(SIZES) for rows in launches)
+        for i, med in enumerate(medians):
+            each = [rows[i]["time_us"] for rows in launches]
             assert med["time_us"] == statistics.median(each) and med["time_us_launches"] == each
-            assert {run["rows"][i]["algo"] for run in launches} == {med["algo"]}
-    assert {m["algo"] for m in data["medians"]["2"]} == {"ring", "mpi"}
+            assert {rows[i]["algo"] for rows in launches} == {med["algo"]}
+        assert {m["algo"] for m in medians} == {"ring", "mpi"}
 
 
 def test_launches_refuse_to_run_under_mpiexec():

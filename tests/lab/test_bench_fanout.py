@@ -14,12 +14,11 @@ def bench(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=180)
 
 
-def test_tiny_fanout_benchmark(tmp_path):
-    out = tmp_path / "fanout.json"
-    r = bench("--tiny", "--json", str(out))
-    assert r.returncode == 0, r.stderr
+def test_tiny_fanout_benchmark(tiny_bench):
+    r = tiny_bench("fanout")
+    assert r.rc == 0, r
     assert "Out of bounds values : 0 OK" in r.stdout and "x hot" in r.stdout
-    rows = json.loads(out.read_text())["rows"]
+    rows = r.data["rows"]
     assert [(row["path"], row["shards"], row["gap_ms"]) for row in rows] == [
         (path, s, gap) for path in ("shm", "fused") for s, gap in ((1, 0.0), (1, 1.0), (2, 1.0))]
     for row in rows:

@@ -9,21 +9,19 @@ it records. The benchmark's --help as dtlab-bench shows it.
 
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import sys
 
 import pytest
-from support.mpirun import ROOT, mpirun
+from support.mpirun import ROOT
 
 pytestmark = pytest.mark.usefixtures("mpiexec")
 SIZES = [4096, 8192, 16384]
 
 
-def test_tiny_benchmark_table_and_json(tmp_path):
-    out = tmp_path / "flight.json"
-    r = mpirun(2, "-m", "dtlab.lab.bench.flight", "--tiny", "--json", out, timeout=120)
+def test_tiny_benchmark_table_and_json(tiny_bench):
+    r = tiny_bench("flight")
     assert r.rc == 0, r
     lines = r.stdout.splitlines()
     assert any(line.startswith("# legend: ") and "overhead = on - off" in line
@@ -36,7 +34,7 @@ def test_tiny_benchmark_table_and_json(tmp_path):
     assert [int(row[0]) for row in rows] == SIZES, r.stdout
     assert "# total #wrong: 0" in r.stdout, r.stdout
 
-    data = json.loads(out.read_text())
+    data = r.data
     assert data["meta"]["n"] == 2 and data["meta"]["reps"] == 3
     assert [row["bytes"] for row in data["rows"]] == SIZES
     for row, printed in zip(data["rows"], rows, strict=True):

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from support.bench_runs import check_shape
+
 ROOT = Path(__file__).resolve().parents[2]
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 # the benchmark's main in a process where `import torch` fails, as where it is not installed
@@ -49,14 +51,17 @@ def check_rows(lines: list[str], rows: list[dict]) -> None:
         assert len(row["matmul_shape"]) == 3
 
 
-def test_tiny_run_prints_table_and_writes_json(tmp_path):
-    out = tmp_path / "bench.json"
-    r = run_bench("--tiny", "--json", str(out))
-    assert r.returncode == 0, r.stdout + r.stderr
+def steps(data: dict) -> list[dict]:
+    return [r for r in data["rows"] if r["table"] == "step"]
+
+
+def test_tiny_run_prints_table_and_writes_json(tiny_bench):
+    r = tiny_bench("model")
+    assert r.rc == 0, r
     lines = r.stdout.splitlines()
-    data = json.loads(out.read_text())
-    check_rows(lines, data["rows"])
-    header = data["header"]
+    data = r.data
+    check_rows(lines, steps(data))
+    header = data["meta"]
     assert header["device"] == "cpu"
     assert header["blas"]["libraries"], "threadpoolctl names the BLAS NumPy runs"
     assert "NumPy's BLAS: " in lines[0]
@@ -64,20 +69,24 @@ def test_tiny_run_prints_table_and_writes_json(tmp_path):
         assert header["torch"] is None and "PyTorch not installed" in r.stdout
         return
     assert header["torch"] and "# PyTorch " in r.stdout
-    for row in data["rows"]:
+    def layers_of(row: dict) -> list[dict]:
+        return [x for x in data["rows"] if x["table"] == "layer"
+                and (x["model"], x["size"]) == (row["model"], row["size"])]
+
+    for row in steps(data):
         # the twin computes the same loss from the same parameters
         assert abs(row["torch_first_loss"] - row["first_loss"]) <= 1e-4 * row["first_loss"]
         assert row["torch_over_dtlab"] == row["torch_step_s_median"] / row["step_s_median"]
-        layers = [x["layer"] for x in row["layers"]]
+        layers = [x["layer"] for x in layers_of(row)]
         assert layers[0].startswith("Linear 8->" if row["model"] == "mlp" else "Embedding")
         assert layers[-2] == "cross-entropy" and layers[-1].startswith("AdamW")
-        for x in row["layers"]:
+        for x in layers_of(row):
             assert x["count"] >= 1 and x["dtlab_s"] > 0 and x["torch_s"] > 0
         # one line per layer and one for their sum, after the main table
         after = lines[next(i for i, line in enumerate(lines) if line.startswith("# per layer")):]
         size_lines = [line for line in after if line.split()[:2] == [row["model"], row["size"]]]
-        assert len(size_lines) == len(row["layers"]) + 1
-    transformer = {x["layer"] for x in data["rows"][3]["layers"]}
+        assert len(size_lines) == len(layers) + 1
+    transformer = {x["layer"] for x in layers_of(steps(data)[3])}
     assert {"attention core", "LayerNorm", "GELU", "Linear 16->48"} <= transformer
 
 
@@ -88,9 +97,11 @@ def test_without_pytorch_it_says_so_and_keeps_its_baseline(tmp_path):
     assert "# PyTorch not installed: no comparison with PyTorch, the matmul baseline only" \
         in r.stdout
     data = json.loads(out.read_text())
-    check_rows(r.stdout.splitlines(), data["rows"])
-    assert data["header"]["torch"] is None
-    assert not any("torch_step_s_median" in row for row in data["rows"])
+    check_shape(data, "model")
+    check_rows(r.stdout.splitlines(), steps(data))
+    assert data["meta"]["torch"] is None
+    assert not any("torch_step_s_median" in row or row["table"] != "step"
+                   for row in data["rows"])
     assert "# per layer" not in r.stdout
 
 

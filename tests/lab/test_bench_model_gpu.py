@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dtlab.lab.bench import model_gpu, model_torch
+from dtlab.lab.bench import harness, model_gpu, model_torch
 from dtlab.models import backend
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +35,7 @@ def test_each_setting_steps_under_the_strict_namespace(monkeypatch):
         for setting in ("fp32-tf32", "fp16", "bf16"):
             rows = model_gpu.one(setting, tiny=True, reps=1, warmup=1)
             assert [r["model"] for r in rows] == ["mlp", "transformer"]
+            harness.check_rows(rows)  # the rows its --json writes: flat
             for r in rows:
                 assert r["device"] == "CuPy-discipline check"
                 assert math.isfinite(r["torch_ms"]) and r["torch_ms"] > 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,17 +18,16 @@ def run_bench(*args):
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
 
 
-def test_tiny_run_prints_table_and_writes_json(tmp_path):
+def test_tiny_run_prints_table_and_writes_json(tiny_bench):
     pytest.importorskip("dtlab.models._fused")
-    out = tmp_path / "bench.json"
-    r = run_bench("--tiny", "--json", str(out))
-    assert r.returncode == 0, r.stdout + r.stderr
+    r = tiny_bench("optim")
+    assert r.rc == 0, r
     lines = r.stdout.splitlines()
     header = next(line for line in lines if "step(ms)" in line)
     for col in ("optimizer", "thr", "path", "traffic GB/s", "p+=g GB/s", "ratio", "#wrong"):
         assert col in header
     assert lines[-1] == "# 12 rows, 0 wrong: OK"
-    rows = json.loads(out.read_text())["rows"]
+    rows = r.data["rows"]
     table = [line for line in lines if line and not line.startswith("#")]
     assert len(table) == len(rows) == 12
     assert {(r["optimizer"], r["threads"], r["path"]) for r in rows} == {

@@ -1,16 +1,11 @@
 """dtlab.lab.bench.parallel runs at a tiny size, so it cannot rot; its formula columns
 agree with what the ranks measured (bytes exactly, memory within 5%)."""
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from dtlab.models.run.threads import USER_VARS
 from dtlab.models.schedule import bubble_formula
 
 pytestmark = pytest.mark.usefixtures("mpiexec")
@@ -22,17 +17,13 @@ KEYS = ("tp", "pp", "microbatches", "schedule", "step_ms", "comm_bytes", "comm_b
         "activation_bytes_per_rank", "activation_bytes_estimate", "activation_ratio")
 
 
-def test_tiny_parallel_benchmark(tmp_path):
-    out = tmp_path / "parallel.json"
-    r = subprocess.run([sys.executable, "-m", "dtlab.lab.bench.parallel", "--tiny", "--json",
-                        str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={k: v for k, v in os.environ.items() if k not in USER_VARS})
-    assert r.returncode == 0, r.stdout + r.stderr
+def test_tiny_parallel_benchmark(tiny_bench):
+    r = tiny_bench("parallel")
+    assert r.rc == 0, r
     assert "# legend: vs 1x1" in r.stdout and "# floors (memory within 5%" in r.stdout
     assert "(bubbles not judged at --tiny)): met" in r.stdout
-    data = json.loads(out.read_text())
-    assert data["header"]["cores"] >= 1 and data["header"]["versions"]["numpy"]
+    data = r.data
+    assert data["meta"]["cores"] >= 1 and data["meta"]["versions"]["numpy"]
     rows = data["rows"]
     cases = {(row["tp"], row["pp"], row["schedule"], row["microbatches"]) for row in rows}
     assert cases == {(1, 1, "-", 2), (1, 1, "-", 4), (2, 1, "-", 2), (2, 1, "-", 4)} | {

@@ -2,27 +2,20 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_tiny_run_prints_the_precision_table_and_writes_json(tmp_path):
-    out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "dtlab.lab.bench.precision", "--tiny",
-                        "--json", str(out)], capture_output=True, text=True, cwd=ROOT,
-                       env={**os.environ, "DTLAB_DEVICE": "cpu"}, timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
+def test_tiny_run_prints_the_precision_table_and_writes_json(tiny_bench):
+    r = tiny_bench("precision")
+    assert r.rc == 0, r
     lines = r.stdout.splitlines()
     header = next(line for line in lines if "step(ms)" in line)
     for col in ("x fp32", "act MB", "grad MB", "opt MB", "loss", "d fp32", "gap", "#wrong"):
         assert col in header
     assert lines[-1].endswith("0 OK")
-    rows = json.loads(out.read_text())["rows"]
+    rows = r.data["rows"]
     assert [(r["model"], r["precision"]) for r in rows] == [
         (m, p) for m in ("mlp", "transformer") for p in ("fp32", "fp16", "bf16")]
     for fp32, *halves in (rows[:3], rows[3:]):

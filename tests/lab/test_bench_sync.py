@@ -1,32 +1,22 @@
 """dtlab.lab.bench.sync runs at a tiny size, so it cannot rot."""
 
-import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from dtlab.models.run.threads import USER_VARS
 
 pytestmark = pytest.mark.usefixtures("mpiexec")
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_tiny_sync_benchmark(tmp_path):
-    out = tmp_path / "sync.json"
-    r = subprocess.run([sys.executable, "-m", "dtlab.lab.bench.sync", "--tiny", "--ranks", "1,2",
-                        "--allreduce", "ring,naive", "--wire", "fp32,bf16", "--steps", "6",
-                        "--json", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=180,
-                       env={k: v for k, v in os.environ.items() if k not in USER_VARS})
-    assert r.returncode == 0, r.stderr
+def test_tiny_sync_benchmark(tiny_bench):
+    r = tiny_bench("sync")  # ranks 1, 2; ring and naive; fp32 and bf16 wires; 6 steps
+    assert r.rc == 0, r
     assert "samples/s" in r.stdout and "wait %" in r.stdout
-    assert "# threads: BLAS threads per rank" in r.stdout  # the legend
-    rows = json.loads(out.read_text())["rows"]
+    assert "# legend: threads: BLAS threads per rank" in r.stdout
+    rows = r.data["rows"]
     assert [(row["algo"], row["wire"], row["n"]) for row in rows] == [
         (algo, wire, n) for algo in ("ring", "naive") for wire in ("fp32", "bf16") for n in (1, 2)]
     by = {(row["algo"], row["wire"], row["n"]): row for row in rows}

@@ -1,22 +1,22 @@
 """dtlab.lab.bench.together runs at a tiny size under mpiexec, so it cannot rot, and its
 figures hold together: a step's makespan covers every process's step in it."""
 
-import json
 
 import pytest
+from support.bench_runs import check_shape, run
 from support.mpirun import mpirun
 
 pytestmark = pytest.mark.usefixtures("mpiexec")
 
 
 @pytest.mark.parametrize("role", ["rank", "worker"])
-def test_tiny_together_benchmark(tmp_path, role):
-    out = tmp_path / "together.json"
-    r = mpirun(2, "-m", "dtlab.lab.bench.together", "--tiny", "--role", role, "--json", str(out),
-               timeout=120)
+def test_tiny_together_benchmark(tmp_path, role, tiny_bench):
+    r = tiny_bench("together") if role == "rank" else run("together", tmp_path, "--role", role)
     assert r.rc == 0, r
-    assert "# alone:" in r.stdout and "makespan" in r.stdout  # the legend and the header
-    (row,) = json.loads(out.read_text())["rows"]
+    assert "# legend: alone:" in r.stdout and "makespan" in r.stdout  # legend and header
+    data = r.data
+    check_shape(data, "together")
+    (row,) = data["rows"]
     assert row["ranks"] == 2 and row["role"] == role and row["model"] == "mlp"
     steps = len(row["makespan_s_samples"])
     assert steps == 3 and len(row["alone_s_samples"]) == 3

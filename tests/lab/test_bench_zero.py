@@ -1,30 +1,20 @@
 """dtlab.lab.bench.zero runs at a tiny size, so it cannot rot; its measured bytes (memory
 per rank and bytes sent per step) agree with the paper's formulas."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from dtlab.models.run.threads import USER_VARS
 
 pytestmark = pytest.mark.usefixtures("mpiexec")
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_tiny_zero_benchmark(tmp_path):
-    out = tmp_path / "zero.json"
-    r = subprocess.run([sys.executable, "-m", "dtlab.lab.bench.zero", "--tiny", "--json",
-                        str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={k: v for k, v in os.environ.items() if k not in USER_VARS})
-    assert r.returncode == 0, r.stdout + r.stderr
+def test_tiny_zero_benchmark(tiny_bench):
+    r = tiny_bench("zero")
+    assert r.rc == 0, r
     assert "# legend: vs DP" in r.stdout and "within 1% of the formulas): met" in r.stdout
-    rows = json.loads(out.read_text())["rows"]
+    rows = r.data["rows"]
     assert [(row["n"], row["stage"]) for row in rows] == [(n, s) for n in (1, 2)
                                                           for s in (0, 1, 2, 3)]
     by = {(row["n"], row["stage"]): row for row in rows}

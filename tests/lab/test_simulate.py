@@ -147,7 +147,8 @@ def test_async_measured_together_adds_the_rounds_communication_cpu():
 def test_together_rows_pool_the_launches(tmp_path):
     def write(name: str, role: str, n: int, wall, makespan, cpu) -> Path:
         path = tmp_path / name
-        path.write_text(json.dumps({"rows": [{"role": role, "ranks": n, "wall_s_samples": wall,
+        path.write_text(json.dumps({"meta": {"bench": "together"},
+                                    "rows": [{"role": role, "ranks": n, "wall_s_samples": wall,
                                               "makespan_s_samples": makespan,
                                               "cpu_s_samples": cpu}]}))
         return path
@@ -237,7 +238,8 @@ def synthetic_bench(tmp: Path) -> list[str]:
                 t = max(1.0, n / (os.cpu_count() or 1)) * (a * alpha + (b + c) * size * beta)
                 rows.append({"algo": algo, "n": n, "bytes": size, "time_us": t * 1e6,
                              "via": via})
-    (tmp / "ar.json").write_text(json.dumps({"meta": {"n": 4}, "rows": rows}))
+    (tmp / "ar.json").write_text(json.dumps({"meta": {"bench": "allreduce", "n": 4},
+                                             "rows": rows}))
     ps = [{"mode": "rounds", "path": path, "bytes": b, "pull_ms": 1e3 * (3e-4 + b / 2e9),
            "push_ms": 1e3 * (4e-4 + b / 1e9)} for b in (1 << 16, 1 << 20, 1 << 24)
           for path in ("shm", "session")]
@@ -256,10 +258,12 @@ def synthetic_bench(tmp: Path) -> list[str]:
            for b in (1 << 16, 1 << 20) for s in (1, 2) for gap in (0.0, 5.0)]
     # rows measured beside co-runners are not fitted: these would spoil the fit if they were
     ps += [{**r, "round_ms": 10 * r["round_ms"], "co_runners": 1} for r in ps[-8:]]
-    (tmp / "ps.json").write_text(json.dumps({"config": {}, "env": {}, "rows": ps}))
-    model = [{"model": "transformer", "config": {"d": k}, "batch_size": 4, "flops_step": f,
-              "step_s_median": 2e-3 + f / 50e9} for k, f in enumerate((1e8, 1e9, 1e10))]
-    (tmp / "model.json").write_text(json.dumps({"header": {"threads": {"threads": 1}},
+    (tmp / "ps.json").write_text(json.dumps({"meta": {"bench": "pserver"}, "rows": ps}))
+    model = [{"table": "step", "model": "transformer", "config.d": k, "batch_size": 4,
+              "flops_step": f, "step_s_median": 2e-3 + f / 50e9}
+             for k, f in enumerate((1e8, 1e9, 1e10))]
+    (tmp / "model.json").write_text(json.dumps({"meta": {"bench": "model",
+                                                         "threads": {"threads": 1}},
                                                 "rows": model}))
     return [str(tmp / f) for f in ("ar.json", "ps.json", "model.json")]
 

@@ -649,25 +649,6 @@ def test_real_workers_finish_bsp_training_through_a_kill(tmp_path):
           "(parameters = single-process training's, atol 1e-5)", flush=True)
 
 
-def test_tiny_replication_benchmark(tmp_path):
-    """The benchmark runs at a tiny size, prints its table and writes its JSON."""
-    out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "dtlab.lab.bench.replication", "--tiny",
-                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=240, env=ONE_BLAS_THREAD)
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
-    assert lines[0].startswith("# legend: ") and lines[1].split()[:4] == ["#", "size", "W",
-                                                                          "replicas"]
-    rows = json.loads(out.read_text())["rows"]
-    assert len(lines) == 2 + len(rows) == 6
-    assert {(row["workers"], row["replicas"]) for row in rows} == {(1, 1), (1, 2), (2, 1),
-                                                                   (2, 2)}
-    for row in rows:
-        assert row["wrong"] == 0 and row["push_gbps"] > 0 and row["updates_per_s"] > 0
-        assert (row["x1"] == 1.0) == (row["replicas"] == 1)
-
-
 @pytest.mark.parametrize("shm", [False, True], ids=["grpc", "shm"])
 def test_ranged_pushes_reach_the_backup_which_holds_them_after_a_kill(tmp_path, shm):
     """MoE workers' ranged pushes (pserver.common.ranges) are journaled with their ranges: after

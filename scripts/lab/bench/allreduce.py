@@ -36,78 +36,28 @@ recursive doubling, "shm1" / "shm2" shared-memory one-shot / two-shot, "hd"
 halving-doubling, "ring" the ring. The exit status is 1 when any element was
 wrong.
 
-Measured notes (figures belong here, with date and hardware, not in code comments):
-  2026-11-29, AMD Zen 4, 2 cores, MPICH 4 (CMA within the node): a 4 MB Recv
-    took 1.7-2.5 ms instead of 0.3-0.4 ms when the destination lay 8-24 bytes
-    past the source modulo 4 KiB (every other offset, 0..4096 in steps of 8,
-    was fast); with heap scratch 16 bytes past the buffer the ring ran at
-    0.5-0.7x MPI's speed at 2-16 MB in about half the launches at 4 ranks,
-    which receive buffers at the sender's page offset removed
-    (collective/transport/pages.py). Poll-and-yield waits made the 4-rank all-reduce
-    5-10% faster (collective/transport/waits.py); persistent requests cost 0.6 us per
-    message instead of 2-3 us for Isend/Irecv; ring sub-chunks of 128 KB were
-    10-35% slower at 1 MB and 1-4 MB chunks within noise of one chunk per
-    segment at 16-64 MB (hence chunk_bytes = 4 MiB); xp.add(out=) was 1.7-2x
-    faster than MPI.SUM.Reduce_local; the agreement check's small Allgather
-    (collective/transport/agree.py) took 20-50 us at 2 ranks and 60-180 us at 4 ranks,
-    1-3 times a whole 4 KB all-reduce.
-  2026-12-01, Intel Xeon, 2 cores (shared with other jobs, load 3-5),
-    MPICH 5.0.2 (CMA from 8 KiB), the mid-size issue: per-step costs at 2
-    ranks: an Isend/Irecv/Waitall exchange of 64 KB took 10-16 us, of 1 MB
-    70-110 us, np.add of 512 KB 17 us when in cache but 120 us right after a
-    CMA receive; MPI_Allreduce of 1 MB 220-320 us. At 4 ranks (2 per core)
-    every Python-level wait costs a core hand-over: a bare Python loop over
-    halving-doubling's 4 steps was 1.3-1.5x MPI's own (same algorithm, in C)
-    at 64-256 KB, while shared memory (1-2 barriers of 12-16 us) matched or
-    beat MPI. Median over 5 launches, ours / MPI time, before -> after:
-      n=2  64 KB 1.95 -> 0.67, 256 KB 2.51 -> 0.73, 1 MB 1.08 -> 0.89
-      n=4  64 KB 1.80 -> 0.90, 256 KB 2.21 -> 1.02, 1 MB 1.05 -> 0.85
-    (dtlab-bench allreduce --launches 5 --ranks 2,4; the
-    choice by size in collective/algorithms/choose.py follows these sweeps, with
-    Communicator(ours=...) forcing each algorithm in turn).
+(figures: scripts/RESULTS.md)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 from dtlab.collective.algorithms.choose import OURS
+from dtlab.lab.bench import harness
+from dtlab.lab.bench.harness import VIA, count_wrong, iterations, parse_bytes, parse_list
 from dtlab.models.run.launcher import mpiexec_path
 
 ALGOS = ("ring", "naive", "mpi")
 COMM_ALGO = {"ring": "ours"}  # the row "ring" is Communicator.allreduce(algo="ours")
-VIA = {"doubling": "rd", "halving": "hd", "ring": "ring", "shm-one-shot": "shm1",
-       "shm-two-shot": "shm2"}
-MOVED_PER_SIZE = 64 << 20
 MID = (64 << 10, 1 << 20)  # the mid-size issue's range for the time floor
-
-
-def parse_bytes(text: str) -> int:
-    """'4K' -> 4096, '64M' -> 67108864, '123' -> 123."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().removesuffix("B")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
-
-
-def parse_list(text: str, what: str, choices=None) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in items if choices is not None and x not in choices]
-    if not items or bad:
-        raise argparse.ArgumentTypeError(f"{what} must be a comma-separated list of "
-                                         f"{choices or 'values'}, not {text!r}")
-    return items
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -130,13 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ours", choices=OURS, default=None,
                    help="force one of our algorithms for every size (default: by size, "
                         "collective/algorithms/choose.py)")
-    p.add_argument("--tiny", action="store_true", help="4-16 KB, 5 iterations, 1 round")
-    p.add_argument("--json", help="write the rows (and run metadata) here")
-    p.add_argument("--launches", type=int, default=0,
-                   help="run without mpiexec: launch it this many times per --ranks and "
-                        "print the median over launches")
-    p.add_argument("--ranks", default="2,4", type=lambda t: parse_list(t, "--ranks"),
-                   help="world sizes for --launches")
+    harness.common_flags(p, "4-16 KB, 5 iterations, 1 round")
+    harness.launch_flags(p, "run without mpiexec: launch it this many times per --ranks and "
+                            "print the median over launches", ranks="2,4")
     args = p.parse_args(argv)
     if args.tiny:
         args.min_bytes, args.max_bytes, args.rounds, args.warmup = 4 << 10, 16 << 10, 1, 1
@@ -153,38 +99,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---- one launch (under mpiexec) ---------------------------------------------
 
 
-def iterations(nbytes: int, tiny: bool) -> int:
-    return 5 if tiny else max(3, min(1000, MOVED_PER_SIZE // nbytes))
-
-
 def run_algo(comm, algo: str, buf: np.ndarray, iters: int) -> float:
     """Mean seconds per call over `iters` calls, slowest rank."""
     from mpi4py import MPI
 
-    mpi = comm.mpi
-    comm.barrier()
-    start = time.perf_counter()
     if algo == "mpi":
-        for _ in range(iters):
-            mpi.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-    else:
-        for _ in range(iters):
-            comm.allreduce(buf, algo=COMM_ALGO.get(algo, algo))
-    mean = (time.perf_counter() - start) / iters
-    return mpi.allreduce(mean, op=MPI.MAX)
-
-
-def count_wrong(comm, algo: str, buf: np.ndarray) -> int:
-    from mpi4py import MPI
-
-    n, idx = comm.size, np.arange(buf.size)
-    buf[:] = (comm.rank + 1) * (1 + idx % 3)
-    if algo == "mpi":
-        comm.mpi.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-    else:
-        comm.allreduce(buf, algo=COMM_ALGO.get(algo, algo))
-    expected = (n * (n + 1) // 2) * (1 + idx % 3)
-    return comm.mpi.allreduce(int(np.count_nonzero(buf != expected)), op=MPI.SUM)
+        return harness.slowest(comm, lambda: comm.mpi.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM),
+                               iters)
+    ours = COMM_ALGO.get(algo, algo)
+    return harness.slowest(comm, lambda: comm.allreduce(buf, algo=ours), iters)
 
 
 def measure(comm, args) -> list[dict]:
@@ -205,7 +128,7 @@ def measure(comm, args) -> list[dict]:
             for algo in algos[shift:] + algos[:shift]:  # rotated: no fixed predecessor
                 rounds[algo].append(run_algo(comm, algo, buf, iters))
         for algo in algos:
-            wrong = count_wrong(comm, algo, buf)
+            wrong = count_wrong(comm, COMM_ALGO.get(algo, algo), buf)
             best = min(rounds[algo])
             algbw = buf.nbytes / best / 1e9
             via = algo
@@ -275,8 +198,6 @@ def summary(rows: list[dict]) -> str:
 
 
 def one_launch(args) -> int:
-    from mpi4py import MPI
-
     from dtlab.collective.comm import world
 
     settings = {"ours": args.ours}
@@ -290,15 +211,9 @@ def one_launch(args) -> int:
         load = f"# load average (1 min) before / after: {load_before:.2f} / {load_after:.2f}\n"
         sys.stdout.write(table(rows, comm.size, args.algos) + summary(rows) + load)
         if args.json:
-            meta = {
-                "n": comm.size, "host": platform.node(), "python": platform.python_version(),
-                "numpy": np.__version__, "mpi": MPI.Get_library_version().splitlines()[0],
-                "chunk_bytes": comm.chunk_bytes, "ours": comm.ours,
-                "rounds": args.rounds, "argv": sys.argv[1:],
-                "load_before": load_before, "load_after": load_after,
-            }
-            with open(args.json, "w") as f:
-                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            harness.write(args.json, "allreduce", rows, mpi=True, n=comm.size,
+                          chunk_bytes=comm.chunk_bytes, ours=comm.ours, rounds=args.rounds,
+                          load_before=load_before, load_after=load_after)
     return 1 if any(r["wrong"] for r in rows) else 0
 
 
@@ -319,13 +234,14 @@ def launch_args(argv: list[str]) -> list[str]:
 
 
 def median_rows(launches: list[list[dict]]) -> list[dict]:
-    """Per (algo, bytes): the median over launches of time_us, and busbw at that time."""
+    """Per (algo, bytes): the median over launches of time_us, and busbw at that time
+    (rows of the table "median")."""
     out = []
     for rows in zip(*launches, strict=True):
         first = rows[0]
         t = statistics.median(r["time_us"] for r in rows)
         n = first["n"]
-        out.append({**first, "time_us": t, "algbw": first["bytes"] / t / 1e3,
+        out.append({**first, "table": "median", "time_us": t, "algbw": first["bytes"] / t / 1e3,
                     "busbw": first["bytes"] / t / 1e3 * 2 * (n - 1) / n,
                     "time_us_launches": [r["time_us"] for r in rows],
                     "wrong": sum(r["wrong"] for r in rows)})
@@ -391,19 +307,19 @@ def many_launches(args, argv: list[str]) -> int:
                     sys.stderr.write(f"launch {k + 1} at n={n} failed ({run.returncode}): "
                                      f"{' '.join(cmd)}\n{run.stdout[-2000:]}{run.stderr[-2000:]}")
                     return 1
-                with open(out) as f:
-                    data = json.load(f)
-                launches[n].append(data["rows"])
-                metas[n].append(data["meta"])
+                meta, rows = harness.read(out)
+                launches[n].append(rows)
+                metas[n].append(meta)
     medians = {n: median_rows(runs) for n, runs in launches.items()}
     for n, rows in medians.items():
         sys.stdout.write(median_table(rows, n, args.launches))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"launches": {n: [{"meta": m, "rows": r} for m, r in zip(metas[n], runs,
-                                                                                 strict=True)]
-                                    for n, runs in launches.items()},
-                       "medians": medians, "argv": argv}, f, indent=1)
+        each = [{**r, "table": "launch", "launch": k} for runs in launches.values()
+                for k, rows in enumerate(runs) for r in rows]
+        harness.write(args.json, "allreduce", each + [r for rows in medians.values()
+                                                      for r in rows], mpi=True,
+                      launches=args.launches, ranks=[int(n) for n in launches],
+                      launch_meta={n: m for n, m in metas.items()})
     return 1 if any(r["wrong"] for rows in medians.values() for r in rows) else 0
 
 

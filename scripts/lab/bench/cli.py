@@ -18,7 +18,8 @@ import sys
 
 # the benchmarks; moe_ep and together are also started by others under mpiexec
 NAMES = ("allreduce", "fanout", "flight", "model", "moe", "moe_ep", "optim", "parallel",
-         "precision", "pserver", "replication", "sync", "threads", "together", "zero")
+         "pipedream", "precision", "pserver", "replication", "sync", "threads",
+         "together", "zero")
 
 
 def summary(name: str) -> str:

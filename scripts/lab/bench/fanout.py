@@ -12,11 +12,10 @@ runs in one process under one interpreter lock, and S more server
 processes wake for it. And between two rounds the worker computes for
 milliseconds over megabytes of activations and gradients: every thread of
 the round falls asleep and the caches fill with the step's data, so a
-training round is a cold one, its wake-ups and cache misses in it (after a
-transformer step the shared-memory round over one shard took 1.04 ms here
-against 0.77 after a gap of small matrix products that left the caches
-alone). So each round here follows a gap of `--gap-ms` (default 5) of
-copying a working set of `--gap-mb` (default 16 MB, beyond the caches) in
+training round is a cold one, its wake-ups and cache misses in it
+(figures: scripts/RESULTS.md). So each round here follows a gap of
+`--gap-ms` (default 5) of copying a working set of `--gap-mb` (default 16
+MB, beyond the caches) in
 this process, and the baseline is the same round hot, back to back, on one
 shard:
 
@@ -44,9 +43,7 @@ was pushed (lr 1, gradients of 2^-12: exact in float32).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -59,8 +56,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dtlab.lab.bench.model import trainer_step
-from dtlab.lab.bench.pserver import GRAD, MODEL, Servers
+from dtlab.lab.bench import harness
+from dtlab.lab.bench.harness import trainer_step
+from dtlab.lab.bench.shards import GRAD, MODEL, Servers
 from dtlab.models.config import build
 from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.session import build_session, parse
@@ -179,15 +177,19 @@ def measure(path: str, nbytes: int, shards: int, gap_ms: float, gap_mb: float, c
             "server_cpu_ms": 1e3 * server_cpu / count, "rounds": count, "wrong": wrong}
 
 
-HEADER = (f"#{'size':>9} {'path':>6} {'S':>3} {'gap ms':>7} {'round ms':>9} {'p90 ms':>8} "
-          f"{'x hot':>7} {'cpu ms':>7} {'wrong':>5}")
-
-
-def line(r: dict, hot: float) -> str:
-    cpu = r["client_cpu_ms"] + r["server_cpu_ms"]
-    return (f" {r['bytes']:>9} {r['path']:>6} {r['shards']:>3} {r['gap_ms']:>7.1f} "
-            f"{r['round_ms']:>9.3f} {r['round_p90_ms']:>8.3f} {r['round_ms'] / hot:>7.2f} "
-            f"{cpu:>7.3f} {r['wrong']:>5}")
+TABLE = harness.Table(
+    "size: gradient bytes; round, p90: median and 90th percentile; x hot: round / the same "
+    "path and size hot on one shard; cpu: the worker's and the shards' CPU time a round; "
+    "wrong: final parameters not the exact sum pushed",
+    [harness.Column("size", 9, lambda r: r["bytes"]),
+     harness.Column("path", 6, lambda r: r["path"]),
+     harness.Column("S", 3, lambda r: r["shards"]),
+     harness.Column("gap ms", 7, lambda r: r["gap_ms"], ".1f"),
+     harness.Column("round ms", 9, lambda r: r["round_ms"], ".3f"),
+     harness.Column("p90 ms", 8, lambda r: r["round_p90_ms"], ".3f"),
+     harness.Column("x hot", 7, lambda r: r["x_hot"], ".2f"),
+     harness.Column("cpu ms", 7, lambda r: r["client_cpu_ms"] + r["server_cpu_ms"], ".3f"),
+     harness.Column("wrong", 5, lambda r: r["wrong"])])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,11 +207,10 @@ def main(argv: list[str] | None = None) -> int:
                         "as a step's activations and gradients)")
     p.add_argument("--rounds", type=int, default=100, help="timed rounds per row (default 100)")
     p.add_argument("--warmup", type=int, default=5, help="untimed rounds first (default 5)")
-    p.add_argument("--json", default="", metavar="PATH", help="write the rows here")
     p.add_argument("--co-runners", type=int, default=0,
                    help="processes computing dtlab's default transformer beside the rounds "
                         "all along, as other workers on the host (default 0; not fitted)")
-    p.add_argument("--tiny", action="store_true", help="64 KB, 3 rounds: a smoke run (tests)")
+    harness.common_flags(p, "64 KB, 3 rounds: a smoke run (tests)")
     o = p.parse_args(argv)
     try:
         sizes = [int(float(k) * 1024) for k in o.sizes_kb.split(",")]
@@ -227,30 +228,24 @@ def main(argv: list[str] | None = None) -> int:
           f"work over {o.gap_mb:g} MB (cold), against the hot one-shard round; median of "
           f"{o.rounds} rounds; {o.co_runners} co-runner(s); "
           f"load average {os.getloadavg()[0]:.2f}")
-    print("# size: gradient bytes; round, p90: median and 90th percentile; x hot: round / the "
-          "same path and size hot on one shard; cpu: the worker's and the shards' CPU time a "
-          "round; wrong: final parameters not the exact sum pushed")
-    print(HEADER)
+    print(TABLE.head())
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-fanout-") as tmp, co_runners(o.co_runners):
         for nbytes in sizes:
             for path in PATHS:
                 hot = measure(path, nbytes, 1, 0.0, 0.0, o.rounds, o.warmup, o.co_runners,
                               Path(tmp))
-                rows.append(hot)
-                print(line(hot, hot["round_ms"]), flush=True)
+                rows.append({**hot, "x_hot": 1.0})
+                print(TABLE.line(rows[-1]), flush=True)
                 for shards in shard_counts:
-                    rows.append(measure(path, nbytes, shards, o.gap_ms, o.gap_mb, o.rounds,
-                                        o.warmup, o.co_runners, Path(tmp)))
-                    print(line(rows[-1], hot["round_ms"]), flush=True)
-    wrong = sum(r["wrong"] for r in rows)
-    print(f"# Out of bounds values : {wrong} {'OK' if not wrong else 'FAILED'}")
+                    cold = measure(path, nbytes, shards, o.gap_ms, o.gap_mb, o.rounds,
+                                   o.warmup, o.co_runners, Path(tmp))
+                    rows.append({**cold, "x_hot": cold["round_ms"] / hot["round_ms"]})
+                    print(TABLE.line(rows[-1]), flush=True)
+    status = harness.closing(rows)
     if o.json:
-        Path(o.json).write_text(json.dumps({
-            "env": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                    "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
-            "config": vars(o), "rows": rows}, indent=1))
-    return 1 if wrong else 0
+        harness.write(o.json, "fanout", rows, **vars(o))
+    return status
 
 
 if __name__ == "__main__":

@@ -36,16 +36,15 @@ verification call (inputs x_r[i] = (r + 1) (1 + i mod 3), exact in float).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 import numpy as np
 
-from dtlab.lab.bench.allreduce import VIA, count_wrong, iterations, parse_bytes
+from dtlab.lab.bench import harness
+from dtlab.lab.bench.harness import VIA, count_wrong, iterations, parse_bytes
 
 BLOCK = 1000  # recorder pairs timed at a stretch
 
@@ -64,9 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "1000 (the median block's time; default: 20000)")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed all-reduces per size first (default: 3)")
-    p.add_argument("--tiny", action="store_true",
-                   help="4-16 KB, 5 calls, 3 repetitions of 2000 pairs")
-    p.add_argument("--json", help="write the rows (and run metadata) here")
+    harness.common_flags(p, "4-16 KB, 5 calls, 3 repetitions of 2000 pairs")
     args = p.parse_args(argv)
     if args.tiny:
         args.min_bytes, args.max_bytes, args.reps, args.pairs, args.warmup = (
@@ -81,14 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def allreduce_s(comm, buf: np.ndarray, iters: int) -> float:
     """Mean seconds per `comm.allreduce(buf)` over `iters` calls, slowest rank."""
-    from mpi4py import MPI
-
-    comm.barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        comm.allreduce(buf)
-    mean = (time.perf_counter() - start) / iters
-    return comm.mpi.allreduce(mean, op=MPI.MAX)
+    return harness.slowest(comm, lambda: comm.allreduce(buf), iters)
 
 
 def recorder_s(comm, recorder, buf: np.ndarray, algo: str, pairs: int) -> float:
@@ -135,7 +125,7 @@ def measure(comm, args) -> list[dict]:
             off.append(allreduce_s(off_comm, buf, iters))
             on.append(allreduce_s(comm, buf, iters))
             rec.append(recorder_s(comm, recorder, buf, via, args.pairs))
-        wrong = count_wrong(comm, "ring", buf)
+        wrong = count_wrong(comm, "ours", buf)
         t_off, t_on = statistics.median(off) * 1e6, statistics.median(on) * 1e6
         rows.append({
             "n": comm.size, "bytes": buf.nbytes, "count": count, "dtype": "float32",
@@ -176,7 +166,6 @@ def table(rows: list[dict], n: int, reps: int) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from mpi4py import MPI
 
     from dtlab.collective.comm import world
 
@@ -192,13 +181,10 @@ def main(argv=None) -> int:
                          + f"# load average (1 min) before / after: {load_before:.2f} / "
                            f"{load_after:.2f}\n")
         if args.json:
-            meta = {"n": comm.size, "host": platform.node(), "python": platform.python_version(),
-                    "numpy": np.__version__, "mpi": MPI.Get_library_version().splitlines()[0],
-                    "reps": args.reps, "pairs": args.pairs, "argv": sys.argv[1:],
-                    "off": "timed: a duplicate communicator with flight=False",
-                    "load_before": load_before, "load_after": load_after}
-            with open(args.json, "w") as f:
-                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            harness.write(args.json, "flight", rows, mpi=True, n=comm.size, reps=args.reps,
+                          pairs=args.pairs,
+                          off="timed: a duplicate communicator with flight=False",
+                          load_before=load_before, load_after=load_after)
     return 1 if any(r["wrong"] for r in rows) else 0
 
 

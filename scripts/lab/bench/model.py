@@ -24,7 +24,8 @@ by its PyTorch eager twin (scripts/lab/bench/model_torch.py: the same function
 and parameter values, torch's own kernels: SDPA, fused AdamW, ...), its step
 timed alternately with dtlab's in the same process on the same threads, each
 timed call after an untimed one of its own (a call right after the other library's
-meets its thread pool still spinning or asleep: up to 20x slower on 2 busy cores):
+meets its thread pool still spinning or asleep, and is slower by a large factor on a
+busy host; figures: scripts/RESULTS.md):
 
     torch/dtlab = median torch step / median dtlab step     (> 1: dtlab is faster)
 
@@ -46,26 +47,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import os
-import platform
 import statistics
 import sys
-import time
 
 import numpy as np
-from threadpoolctl import threadpool_info
 
-from dtlab.lab.bench import model_torch
+from dtlab.lab.bench import harness, model_torch
+from dtlab.lab.bench.harness import alternate_times, describe_blas, start
 from dtlab.models import backend
 from dtlab.models.cost import estimate
 from dtlab.models.memory import context_bytes
 from dtlab.models.mlp import MLPConfig
 from dtlab.models.model import Replica
 from dtlab.models.optim import OptimConfig, make_optimizer
-from dtlab.models.run.allocator import keep_freed_memory
-from dtlab.models.run.threads import share_cores
 from dtlab.models.transformer import TransformerConfig
 from dtlab.models.zoo import build_model
 
@@ -111,29 +106,6 @@ def best_time(fn, reps: int, warmup: int) -> tuple[float, float]:
     return min(times), statistics.median(times)
 
 
-def alternate_times(fns, reps: int, warmup: int, settle: bool = False) -> list[list[float]]:
-    """Seconds of each of `fns` over `reps` rounds after `warmup`, the functions taking
-    turns within a round, so that a slow spell of the machine falls on all of them. With
-    `settle` each timed call follows an untimed one of the same function: the threads of
-    the library that ran before (OpenBLAS's, PyTorch's OpenMP pool) have gone idle and
-    its own are awake, as in a process that runs only one of them."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    backend.synchronize()
-    times = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, out in zip(fns, times, strict=True):
-            if settle:
-                fn()
-                backend.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            backend.synchronize()
-            out.append(time.perf_counter() - t0)
-    return times
-
-
 def matmul_shape(name: str, cfg, batch: int) -> tuple[int, int, int]:
     if name == "transformer":
         return batch * cfg.seq_len, cfg.d_model, cfg.d_ff
@@ -160,8 +132,9 @@ def make_batch(name: str, cfg, batch: int, seed: int = 0):
 
 
 def bench_one(name: str, size: str, cfg, batch: int, reps: int, warmup: int,
-              torch_threads: int | None = None) -> dict:
-    """One size's row; with `torch_threads`, against its PyTorch twin on that many threads."""
+              torch_threads: int | None = None) -> tuple[dict, list[dict]]:
+    """One size's row of the table "step" and, with `torch_threads`, against its PyTorch
+    twin on that many threads, its rows of the table "layer"."""
     model = build_model(name, cfg)
     P = model.init_params(0)
     replica = Replica(model, P)
@@ -199,29 +172,32 @@ def bench_one(name: str, size: str, cfg, batch: int, reps: int, warmup: int,
     wrong = (int(measured != cost.activation_bytes) + int(not all(map(math.isfinite, losses)))
              + int(twin_off))
     row = {
-        "model": name, "size": size, "config": cost.config, "batch_size": batch,
+        "table": "step", "model": name, "size": size, **harness.flatten("config", cost.config),
+        "batch_size": batch,
         "params": cost.params_total, "tokens_per_step": cost.tokens_per_step,
         "flops_step": cost.flops_step, "step_s_best": best, "step_s_median": median,
         "gflops": gflops, "matmul_shape": [m, k, n], "matmul_gflops": mm,
         "ratio": gflops / mm, "act_bytes_measured": measured,
         "act_bytes_estimated": cost.activation_bytes, "loss": losses[-1], "wrong": wrong,
     }
-    if twin is not None:
-        torch_median = statistics.median(times[1])
-        row.update(torch_step_s_median=torch_median, torch_step_s_best=min(times[1]),
-                   torch_over_dtlab=torch_median / median, first_loss=first_loss,
-                   torch_first_loss=twin_loss,
-                   layers=layer_rows(twin, P, host_batch, opt, reps, warmup))
-    return row
+    if twin is None:
+        return row, []
+    torch_median = statistics.median(times[1])
+    row.update(torch_step_s_median=torch_median, torch_step_s_best=min(times[1]),
+               torch_over_dtlab=torch_median / median, first_loss=first_loss,
+               torch_first_loss=twin_loss)
+    return row, layer_rows(twin, P, host_batch, opt, reps, warmup, name, size)
 
 
-def layer_rows(twin, P, host_batch, opt, reps: int, warmup: int) -> list[dict]:
+def layer_rows(twin, P, host_batch, opt, reps: int, warmup: int, name: str,
+               size: str) -> list[dict]:
     """Each layer of the model against its PyTorch kernels, alternately timed (medians)."""
     rows = []
     for label, count, shape, dtlab_fn, torch_fn in twin.layers(P, *host_batch, opt):
         dtlab_s, torch_s = map(statistics.median,
                                alternate_times([dtlab_fn, torch_fn], reps, warmup, settle=True))
-        rows.append({"layer": label, "count": count, "input_shape": list(shape),
+        rows.append({"table": "layer", "model": name, "size": size, "layer": label,
+                     "count": count, "input_shape": list(shape),
                      "dtlab_s": dtlab_s, "torch_s": torch_s, "torch_over_dtlab": torch_s / dtlab_s})
     return rows
 
@@ -247,92 +223,31 @@ LAYER_HEADER = (f"{'model':>12}{'size':>12}  {'layer':<24}{'x':>4}{'input shape'
                 f"{'dtlab ms':>10}{'torch ms':>10}{'torch/dtlab':>12}")
 
 
-def layer_lines(r: dict) -> list[str]:
-    """The per-layer table of one row, with the layers' sum (times their counts) last."""
+def layer_lines(r: dict, layers: list[dict]) -> list[str]:
+    """The per-layer table of one step row, with the layers' sum (times their counts) last."""
     lines = []
-    for x in r["layers"]:
+    for x in layers:
         shape = "x".join(map(str, x["input_shape"]))
         lines.append(f"{r['model']:>12}{r['size']:>12}  {x['layer']:<24}{x['count']:>4}"
                      f"{shape:>16}{x['dtlab_s'] * 1e3:>10.3f}{x['torch_s'] * 1e3:>10.3f}"
                      f"{x['torch_over_dtlab']:>12.2f}")
-    dtlab = sum(x["count"] * x["dtlab_s"] for x in r["layers"])
-    torch = sum(x["count"] * x["torch_s"] for x in r["layers"])
+    dtlab = sum(x["count"] * x["dtlab_s"] for x in layers)
+    torch = sum(x["count"] * x["torch_s"] for x in layers)
     lines.append(f"{r['model']:>12}{r['size']:>12}  {'sum of layers x count':<24}{'':>4}{'':>16}"
                  f"{dtlab * 1e3:>10.3f}{torch * 1e3:>10.3f}{torch / dtlab:>12.2f}")
     return lines
 
 
-def blas_record() -> dict:
-    """The BLAS NumPy runs (threadpoolctl) and the OpenBLAS variables that would change
-    which kernels it picks: recorded, never set."""
-    libs = [{key: lib.get(key) for key in ("internal_api", "version", "architecture",
-                                          "num_threads", "threading_layer", "filepath")}
-            for lib in threadpool_info() if lib.get("user_api") == "blas"]
-    env = {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
-                                      "OPENBLAS_VERBOSE") if k in os.environ}
-    return {"libraries": libs, "environment": env}
-
-
-def describe_blas(blas: dict) -> str:
-    numpy_libs = [lib for lib in blas["libraries"] if "numpy" in (lib["filepath"] or "")]
-    words = ", ".join(f"{lib['internal_api']} {lib['version']} {lib['architecture']} kernels"
-                      for lib in numpy_libs or blas["libraries"][:1]) or "none found"
-    env = " ".join(f"{k}={v}" for k, v in blas["environment"].items())
-    return f"NumPy's BLAS: {words}" + (f" (set in the environment: {env})" if env else "")
-
-
-def cpu_name() -> str:
-    """The processor's model name (Linux /proc/cpuinfo), else platform's word for it."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def start(prog: str):
-    """What every trainer does first (freed memory kept, the cores shared) and the device's
-    name: (threads, device), or None after printing why there is no device."""
-    keep_freed_memory()
-    threads = share_cores()
-    try:
-        return threads, backend.device_name()
-    except backend.DeviceError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return None
-
-
-def trainer_step(session, role: str):
-    """One step of a trainer's own compute, as `role` times it in compute_s: the batch,
-    forward and backward, the gradient norm, and for a sync "rank" the optimizer (a
-    "worker"'s servers run it: pserver/worker/loop.py)."""
-    s = session
-
-    def step() -> None:
-        s.replica.compute_grads(s.loader.next())
-        apply, _ = s.replica.finish_grads()
-        if apply:
-            s.model.clip_grad_norm(s.params, s.setup.optim.clip)
-            if role == "rank":
-                s.optimizer.step(s.params.data, s.params.grad, s.schedule(0))
-    return step
-
-
-def machine_header(device: str, threads, **fields) -> dict:
-    """The JSON header of a single-process benchmark: where it ran, then `fields`."""
-    return {"device": device, "numpy": np.__version__, "python": platform.python_version(),
-            "machine": platform.machine(), "cpu": cpu_name(), "cpus": os.cpu_count(),
-            "blas": blas_record(),
-            "load_average": os.getloadavg(), "threads": threads.as_dict(), **fields}
+def machine_header(bench: str, device: str, threads, **fields) -> dict:
+    """The meta of a single-process model benchmark: the environment record, the device,
+    the threads, then `fields`."""
+    return {**harness.environment(bench), "device": device, "threads": threads.as_dict(),
+            **fields}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json", metavar="PATH", help="write the rows and the run's header here")
-    p.add_argument("--tiny", action="store_true", help="tiny sizes, one rep: a smoke run")
+    harness.common_flags(p, "tiny sizes, one rep: a smoke run")
     p.add_argument("--reps", type=int, default=None, help="timed steps per size (default 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2)")
     p.add_argument("--no-torch", action="store_true",
@@ -348,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     threads, device = started
     torch_version, why_not = torch_comparison(device, args.no_torch)
-    header = machine_header(device, threads, reps=reps, warmup=warmup,
+    header = machine_header("model", device, threads, reps=reps, warmup=warmup,
                             timing="median of reps (best kept too), steps alternating with "
                                    "PyTorch's where it runs", torch=torch_version)
     print(f"# dtlab model step benchmark on {header['device']} ({header['cpu']}): median of "
@@ -366,18 +281,20 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"# {why_not}: no comparison with PyTorch, the matmul baseline only")
     print("#" + HEADER[1:])
-    rows = []
+    steps, layers = [], []
     for name, size, cfg, batch in TINY if args.tiny else SIZES:
-        rows.append(bench_one(name, size, cfg, batch, reps, warmup,
-                              threads.threads if torch_version else None))
-        print(row_line(rows[-1]), flush=True)
+        step, its_layers = bench_one(name, size, cfg, batch, reps, warmup,
+                                     threads.threads if torch_version else None)
+        steps.append(step)
+        layers.append(its_layers)
+        print(row_line(step), flush=True)
     if torch_version:
         print(f"# per layer, forward and backward at the step's shapes (the loss and the "
               f"optimizer step alone), medians of {reps} taken in turn; x = times a step runs it")
         print("#" + LAYER_HEADER[1:])
-        for r in rows:
-            print("\n".join(layer_lines(r)), flush=True)
-    return finish(rows, header, args.json)
+        for r, its_layers in zip(steps, layers, strict=True):
+            print("\n".join(layer_lines(r, its_layers)), flush=True)
+    return finish(steps + [x for its_layers in layers for x in its_layers], header, args.json)
 
 
 def torch_comparison(device: str, off: bool) -> tuple[str | None, str]:
@@ -393,14 +310,13 @@ def torch_comparison(device: str, off: bool) -> tuple[str | None, str]:
     return torch.__version__, ""
 
 
-def finish(rows: list[dict], header: dict, path: str) -> int:
-    """The closing line (rows' #wrong summed), the JSON at `path` if given; exit status."""
-    wrong = sum(r["wrong"] for r in rows)
-    print(f"# Out of bounds values : {wrong} {'OK' if not wrong else 'FAILED'}")
+def finish(rows: list[dict], meta: dict, path: str) -> int:
+    """The closing line (rows' #wrong summed), the JSON {meta, rows} at `path` if given;
+    the exit status."""
+    status = harness.closing(rows)
     if path:
-        with open(path, "w") as f:
-            json.dump({"header": header, "rows": rows}, f, indent=1)
-    return 1 if wrong else 0
+        harness.save(path, meta, rows)
+    return status
 
 
 if __name__ == "__main__":

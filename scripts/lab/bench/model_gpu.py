@@ -35,8 +35,8 @@ import sys
 
 import numpy as np
 
-from dtlab.lab.bench import model_torch
-from dtlab.lab.bench.model import alternate_times
+from dtlab.lab.bench import harness, model_torch
+from dtlab.lab.bench.harness import alternate_times
 from dtlab.models import backend
 from dtlab.models.run.session import build_session, parse
 
@@ -147,8 +147,7 @@ def one(setting: str, tiny: bool, reps: int, warmup: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dtlab-bench model_gpu", description=__doc__.split("\n")[0])
-    p.add_argument("--json", metavar="PATH", help="write the rows here")
-    p.add_argument("--tiny", action="store_true", help="tiny sizes, 2 reps: a smoke run")
+    harness.common_flags(p, "tiny sizes, 2 reps: a smoke run")
     p.add_argument("--reps", type=int, default=None, help="timed steps (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--one", choices=SETTINGS, help=argparse.SUPPRESS)  # one process's setting
@@ -180,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         ratio = "" if r["dtlab_ms"] is None else f"{r['torch_over_dtlab']:.2f}"
         print(f"{r['model']:12}{r['setting']:>11}{dt:>10}{r['torch_ms']:>10.3f}{ratio:>12}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": rows[0]["device"], "rows": rows}, f, indent=1)
+        import torch
+
+        harness.write(args.json, "model_gpu", rows, device=rows[0]["device"],
+                      torch=torch.__version__)
     return 0
 
 

@@ -39,17 +39,17 @@ outputs that differ between the four variants.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-from dtlab.lab.bench.model import machine_header, start
+from dtlab.lab.bench import harness
+from dtlab.lab.bench.harness import alternate_times, start
+from dtlab.lab.bench.model import finish, machine_header
 from dtlab.models import backend
 from dtlab.models.moe import MoE, expert_ffn
 from dtlab.models.moe_stats import PHASES, MoEStats
@@ -57,6 +57,7 @@ from dtlab.models.params import FlatParams
 from dtlab.models.router import RouterOptions
 from dtlab.models.run.launcher import mpiexec_path
 
+QUANTILES = ("p50", "p95", "p99")  # of each phase's time (moe_stats.MoEStats.summary)
 FLOOR = 1.5  # MoE top-2 of 8 step / dense FFN step of equal active parameters
 EP_FLOOR = 0.9  # our all-to-all busbw / MPI Alltoallv busbw, at >= EP_FLOOR_BYTES per rank
 EP_FLOOR_BYTES = 1_000_000
@@ -65,23 +66,6 @@ SIZES = [("gelu", 128, 256, 8, 2, 4096), ("swiglu", 128, 256, 8, 2, 4096),
          ("gelu", 256, 512, 8, 2, 4096), ("swiglu", 256, 512, 8, 2, 4096)]
 TINY = [("gelu", 16, 32, 4, 2, 64), ("swiglu", 16, 32, 8, 2, 64)]
 METHODS = {"none": {}, "aux": {"aux_coef": 1.0}, "bias": {"bias_rate": 0.005}}
-
-
-def interleaved_times(fns, reps: int, warmup: int) -> list[list[float]]:
-    """Seconds of each of `fns` per rep, the functions taking turns within every rep, so
-    that a slowdown from other processes falls on all of them alike."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    backend.synchronize()
-    times = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, out in zip(fns, times, strict=True):
-            t0 = time.perf_counter()
-            fn()
-            backend.synchronize()
-            out.append(time.perf_counter() - t0)
-    return times
 
 
 def layer_step(layer, P, x, dy, outputs):
@@ -105,18 +89,19 @@ def bench_layer(kind, d, d_ff, N, k, n, reps, warmup) -> dict:
     outs_m, outs_d = [], []
     moe_step = layer_step(moe, Pm, x, dy, outs_m)
     dense_step = layer_step(dense, Pd, x, dy, outs_d)
-    interleaved_times([moe_step, dense_step], 0, warmup)
+    alternate_times([moe_step, dense_step], 0, warmup)
     moe.stats = stats = MoEStats()  # the timed steps only
-    moe_t, dense_t = interleaved_times([moe_step, dense_step], reps, 0)
+    moe_t, dense_t = alternate_times([moe_step, dense_step], reps, 0)
     moe_s, dense_s = statistics.median(moe_t), statistics.median(dense_t)
     summary = stats.summary()
     finite = all(bool(xp.isfinite(o).all()) for o in outs_m + outs_d)
     expert_params = sum(s.size for s in moe.specs() if s.name.startswith("moe.e0."))
-    return {"kind": kind, "d": d, "d_ff": d_ff, "experts": N, "top_k": k, "rows": n,
+    return {"table": "layer", "kind": kind, "d": d, "d_ff": d_ff, "experts": N, "top_k": k,
+            "rows": n,
             "active_expert_params": k * expert_params, "dense_params": Pd.size,
             "moe_step_s": moe_s, "dense_step_s": dense_s, "ratio": moe_s / dense_s,
             "floor": FLOOR if (N, k) == (8, 2) else None,
-            "phases_s": {p: summary[f"{p}_s"] for p in PHASES},
+            **{f"{p}_{q}_s": summary[f"{p}_s"][q] for p in PHASES for q in QUANTILES},
             "imbalance": summary["imbalance"], "wrong": int(not finite)}
 
 
@@ -143,7 +128,7 @@ def bench_balance(method: str, d: int, n: int, steps: int) -> dict:
         P["moe.router.W"][...] -= 0.5 * P.grads["moe.router.W"]
     tail = max(1, steps // 10)  # the bias method ends in a small cycle: average its steps
     last, last_dropped = statistics.mean(imbalance[-tail:]), statistics.mean(dropped[-tail:])
-    return {"method": method, "d": d, "rows": n, "steps": steps,
+    return {"table": "balance", "method": method, "d": d, "rows": n, "steps": steps,
             "imbalance_first": imbalance[0], "imbalance_last": last,
             "dropped_first": dropped[0], "dropped_last": last_dropped,
             "wrong": int(method != "none" and not last < imbalance[0])}
@@ -155,28 +140,28 @@ HEADER = (f"{'kind':>7}{'d':>5}{'d_ff':>6}{'N':>4}{'k':>3}{'rows':>7}{'MoE ms':>
 
 
 def row_line(r: dict) -> str:
-    def ms(t):
-        return f"{t['p50'] * 1e3:.2f}/{t['p95'] * 1e3:.2f}/{t['p99'] * 1e3:.2f}"
+    def ms(phase):
+        return "/".join(f"{r[f'{phase}_{q}_s'] * 1e3:.2f}" for q in QUANTILES)
     floor = "-" if r["floor"] is None else ("ok" if r["ratio"] <= r["floor"] else "over")
     return (f"{r['kind']:>7}{r['d']:>5}{r['d_ff']:>6}{r['experts']:>4}{r['top_k']:>3}"
             f"{r['rows']:>7}{r['moe_step_s'] * 1e3:>9.2f}{r['dense_step_s'] * 1e3:>10.2f}"
             f"{r['ratio']:>7.2f}{floor:>7}"
-            + "".join(f"{ms(r['phases_s'][p]):>26}" for p in PHASES) + f"{r['wrong']:>7}")
+            + "".join(f"{ms(p):>26}" for p in PHASES) + f"{r['wrong']:>7}")
 
 
 def run_ep(ranks: int, nbytes: list[int], layer: tuple[int, int, int], chunks: int, reps: int,
-           warmup: int) -> dict:
-    """dtlab.lab.bench.moe_ep on `ranks` ranks: its JSON."""
+           warmup: int) -> list[dict]:
+    """dtlab.lab.bench.moe_ep on `ranks` ranks: its rows."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ep.json"
         cmd = [mpiexec_path(), "-n", str(ranks), sys.executable,
-               "-m", "dtlab.lab.bench.moe_ep", str(out),
+               "-m", "dtlab.lab.bench.moe_ep", "--json", str(out),
                "--bytes", *map(str, nbytes), "--reps", str(reps), "--warmup", str(warmup),
                "--layer", *map(str, layer), "--chunks", str(chunks)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
-        return json.loads(out.read_text())
+        return harness.read(out)[1]
 
 
 EP_HEADER = (f"{'ranks':>6}{'bytes':>11}{'ours us':>10}{'busbw GB/s':>12}{'pairwise us':>13}"
@@ -218,10 +203,10 @@ def bench_ep(args, reps: int, warmup: int) -> tuple[list, list]:
     a2a, layers = [], []
     for n in ranks:
         got = run_ep(n, nbytes, layer, args.ep_chunks, reps, warmup)
-        for r in got["alltoall"]:
+        for r in harness.tables(got, "alltoall"):
             a2a.append(r)
             print(ep_line(r), flush=True)
-        layers += got["layer"]
+        layers += harness.tables(got, "ep_layer")
     print("\n# expert-parallel MoE layer step (zero grads, forward, backward) over n ranks: "
           "dropless top-2 of 2n experts, `rows` tokens per rank; ours / MPI's all-to-all, 1 "
           "chunk and k chunks (one chunk's all-to-all overlapping another's experts); speedup "
@@ -259,8 +244,7 @@ def single_process_rows(args, reps: int, warmup: int, steps: int) -> tuple[list,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json", metavar="PATH", help="write the rows and the run's header here")
-    p.add_argument("--tiny", action="store_true", help="tiny sizes, few reps: a smoke run")
+    harness.common_flags(p, "tiny sizes, few reps: a smoke run")
     p.add_argument("--reps", type=int, default=None, help="timed steps per size (default 10)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3)")
     p.add_argument("--balance-steps", type=int, default=None,
@@ -285,9 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     if started is None:
         return 2
     threads, device = started
-    header = machine_header(device, threads, reps=reps, warmup=warmup,
-                            timing="median of reps", floor=FLOOR)
-    header["ep_floor"], header["ep_floor_bytes"] = EP_FLOOR, EP_FLOOR_BYTES
+    header = machine_header("moe", device, threads, reps=reps, warmup=warmup,
+                            timing="median of reps", floor=FLOOR, ep_floor=EP_FLOOR,
+                            ep_floor_bytes=EP_FLOOR_BYTES, mpi=harness.mpi_library())
     print(f"# dtlab MoE layer benchmark on {device}: median of {reps} after {warmup} warm-up, "
           f"{threads.describe()}; ratio = MoE step / dense FFN step (hidden k d_ff: the "
           f"same active expert parameters); floor: ratio <= {FLOOR} for top-2 of 8")
@@ -301,17 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     if under and not args.tiny:
         print(f"# {len(under)} all-to-all row(s) under the floor in this launch (the floor "
               "holds on the median of several launches)")
-    wrong = sum(r["wrong"] for r in rows + balance + a2a + layers)
     over = [r for r in rows if r["floor"] is not None and r["ratio"] > r["floor"]]
     if over and not args.tiny:
         print(f"# {len(over)} row(s) over the floor in this launch (the floor holds on the "
               "median of several launches)")
-    print(f"# Out of bounds values : {wrong} {'OK' if not wrong else 'FAILED'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"header": header, "rows": rows, "balance": balance, "alltoall": a2a,
-                       "ep_layer": layers}, f, indent=1)
-    return 1 if wrong else 0
+    return finish(rows + balance + a2a + layers, header, args.json)
 
 
 if __name__ == "__main__":

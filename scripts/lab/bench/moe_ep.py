@@ -1,7 +1,8 @@
 """The expert-parallel part of dtlab.lab.bench.moe, run under mpiexec by it (one launch per
 rank count):
 
-    mpiexec -n 4 dtlab-bench moe_ep OUT.json --bytes 1000000 4000000 --reps 10
+    mpiexec -n 4 dtlab-bench moe_ep --json OUT.json --bytes 1000000 4000000 --reps 10
+    mpiexec -n 2 dtlab-bench moe_ep --tiny --json OUT.json   # seconds (tests)
 
 Two measurements, every rank taking part, each rep's time the slowest rank's (MPI_MAX):
 
@@ -16,36 +17,27 @@ Two measurements, every rank taking part, each rep's time the slowest rank's (MP
       with models/moe_ep.py) over the n ranks, dropless top-2 of 2n experts, with each
       exchange (ours, MPI's) and 1 or `--chunks` overlap chunks, the four taking turns.
 
-Rank 0 writes {"alltoall": [...], "layer": [...]} to OUT.json.
+Rank 0 writes the rows to --json: the table "alltoall" (one row per B) and "ep_layer".
+Wrong results are counted in the rows (bench moe reports them), not in the exit status.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 
 import numpy as np
-from mpi4py import MPI
 
 from dtlab.collective.comm import world
 from dtlab.collective.train import posted_alltoallv
+from dtlab.lab.bench import harness
 from dtlab.models.moe import MoE
 from dtlab.models.moe_ep import ExpertParallel
 from dtlab.models.params import FlatParams
 from dtlab.models.router import RouterOptions
 from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.threads import share_cores
-
-
-def slowest(comm, fn) -> float:
-    """Seconds of fn() on the slowest rank, the ranks started together."""
-    comm.barrier()
-    t0 = time.perf_counter()
-    fn()
-    return comm.mpi.allreduce(time.perf_counter() - t0, op=MPI.MAX)
 
 
 def bench_alltoall(comm, nbytes: int, reps: int, warmup: int) -> dict:
@@ -63,7 +55,7 @@ def bench_alltoall(comm, nbytes: int, reps: int, warmup: int) -> dict:
     times = {k: [] for k in runs}
     for i in range(warmup + reps):
         for k, fn in runs.items():
-            t = slowest(comm, fn)
+            t = harness.slowest(comm, fn)
             if i >= warmup:
                 times[k].append(t)
     # block s of the result is rank s's block for r: its elements s n per + r per + [0, per)
@@ -109,7 +101,7 @@ def bench_layer(comm, d: int, d_ff: int, rows: int, chunks: int, reps: int, warm
     times = {key: [] for key in setups}
     for i in range(warmup + reps):
         for key in setups:
-            t = slowest(comm, step(key))
+            t = harness.slowest(comm, step(key))
             if i >= warmup:
                 times[key].append(t)
     ref = outputs[("ours", 1)]
@@ -125,22 +117,27 @@ def bench_layer(comm, d: int, d_ff: int, rows: int, chunks: int, reps: int, warm
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("out")
-    p.add_argument("--bytes", type=int, nargs="+", required=True)
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    harness.common_flags(p, "64 KB, a 16-wide layer, 3 reps: a smoke run")
+    p.add_argument("--bytes", type=int, nargs="+", default=[1_000_000, 4_000_000, 16_000_000],
+                   help="all-to-all bytes per rank (default 1e6 4e6 16e6)")
+    p.add_argument("--reps", type=int, default=10, help="timed calls (default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
     p.add_argument("--layer", type=int, nargs=3, metavar=("D", "D_FF", "ROWS"),
-                   default=(128, 256, 2048))
-    p.add_argument("--chunks", type=int, default=4)
+                   default=(128, 256, 2048), help="the layer rows' width, expert width, rows")
+    p.add_argument("--chunks", type=int, default=4, help="overlap chunks of the layer rows")
     args = p.parse_args(argv)
+    if args.tiny:
+        args.bytes, args.layer, args.reps, args.warmup = [65536], (16, 32, 64), 3, 1
     keep_freed_memory()
     share_cores()
     comm = world(timeout=120)
-    rows = [bench_alltoall(comm, b, args.reps, args.warmup) for b in args.bytes]
+    rows = [{"table": "alltoall", **bench_alltoall(comm, b, args.reps, args.warmup)}
+            for b in args.bytes]
     layer = bench_layer(comm, *args.layer, args.chunks, args.reps, args.warmup)
-    if comm.rank == 0:
-        with open(args.out, "w") as f:
-            json.dump({"alltoall": rows, "layer": [layer]}, f)
+    rows.append({"table": "ep_layer", **layer})
+    if comm.rank == 0 and args.json:
+        harness.write(args.json, "moe_ep", rows, mpi=True, ranks=comm.size, reps=args.reps,
+                      warmup=args.warmup)
     return 0
 
 

@@ -6,7 +6,7 @@
 An update is memory-bound: SGD reads p and g and writes p (3 x the tensor's
 bytes), momentum also reads and writes v (5 x), Adam m and v (7 x). For each
 size, optimizer and thread count this times one step of the parameter
-server's optimizer (pserver.server.blocked.BlockedOptimizer over models.optim, the
+server's optimizer (pserver.server.cache_blocked.BlockedOptimizer over models.optim, the
 trainers' code) on float32, by both paths: `C` (models/_fused.c, one pass)
 and `numpy` (the array lines it replaces, models.optim._fused switched off),
 and next to it, in the same run, the simplest update there is, `p += g` in
@@ -24,8 +24,6 @@ values; a step whose result differs between them by a single bit counts in
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
@@ -34,6 +32,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 import dtlab.models.optim as optim
+from dtlab.lab.bench import harness
 from dtlab.models.config import (
     ConfigError,
     add_flags,
@@ -44,7 +43,7 @@ from dtlab.models.config import (
 )
 from dtlab.models.optim import OptimConfig
 from dtlab.models.run.cli import run_cli
-from dtlab.pserver.server.blocked import BlockedOptimizer
+from dtlab.pserver.server.cache_blocked import BlockedOptimizer
 
 MB = 1 << 20
 TRAFFIC = {"sgd": 3, "momentum": 5, "adam": 7}  # tensor-sized reads + writes per step
@@ -54,7 +53,7 @@ SETTINGS = {"sgd": {"optimizer": "sgd"}, "momentum": {"optimizer": "sgd", "momen
 
 @dataclass
 class BenchConfig:
-    json: str = described("", "write the rows here")
+    json: str = described("", "write the JSON {meta, rows} here")
     tiny: bool = described(False, "2 MB, 2 rounds: a smoke run (the test suite's)")
     sizes_mb: str = described("1,16,64", "flat buffer sizes in MB")
     optimizers: str = described("sgd,momentum,adam", "update rules to time")
@@ -115,14 +114,20 @@ def add_seconds(n: int, threads: int, rounds: int) -> float:
     return median_seconds(add, rounds)
 
 
-HEADER = (f"#{'size':>10} {'optimizer':>9} {'thr':>3} {'path':>5} {'step(ms)':>9} "
-          f"{'traffic GB/s':>12} {'p+=g GB/s':>9} {'ratio':>6} {'#wrong':>6}")
-
-
-def show(r: dict) -> str:
-    return (f" {r['bytes']:>10} {r['optimizer']:>9} {r['threads']:>3} {r['path']:>5} "
-            f"{1e3 * r['step_s']:>9.3f} {r['traffic_gbps']:>12.2f} {r['add_gbps']:>9.2f} "
-            f"{r['ratio']:>6.2f} {r['wrong']:>6}")
+TABLE = harness.Table(
+    "size = bytes of the flat buffer; thr = optimizer threads; path = C (models/_fused.c) or "
+    "numpy; traffic GB/s = bytes the update must read and write / step time; p+=g GB/s = the "
+    "same for one NumPy add on the same blocks and threads; ratio = traffic / p+=g; #wrong = "
+    "elements where C and numpy differ",
+    [harness.Column("size", 10, lambda r: r["bytes"]),
+     harness.Column("optimizer", 9, lambda r: r["optimizer"]),
+     harness.Column("thr", 3, lambda r: r["threads"]),
+     harness.Column("path", 5, lambda r: r["path"]),
+     harness.Column("step(ms)", 9, lambda r: 1e3 * r["step_s"], ".3f"),
+     harness.Column("traffic GB/s", 12, lambda r: r["traffic_gbps"], ".2f"),
+     harness.Column("p+=g GB/s", 9, lambda r: r["add_gbps"], ".2f"),
+     harness.Column("ratio", 6, lambda r: r["ratio"], ".2f"),
+     harness.Column("#wrong", 6, lambda r: r["wrong"])])
 
 
 def sweep(cfg: BenchConfig) -> list[dict]:
@@ -133,11 +138,7 @@ def sweep(cfg: BenchConfig) -> list[dict]:
         print("# models/_fused.c is not built: numpy rows only", flush=True)
     paths = ["C", "numpy"] if optim._fused is not None else ["numpy"]
     rows = []
-    print("# legend: size = bytes of the flat buffer; thr = optimizer threads; path = C "
-          "(models/_fused.c) or numpy; traffic GB/s = bytes the update must read and write / "
-          "step time; p+=g GB/s = the same for one NumPy add on the same blocks and threads; "
-          "ratio = traffic / p+=g; #wrong = elements where C and numpy differ", flush=True)
-    print(HEADER, flush=True)
+    print(TABLE.head(), flush=True)
     for nbytes in sizes:
         n = nbytes // 4
         for t in threads:
@@ -151,7 +152,7 @@ def sweep(cfg: BenchConfig) -> list[dict]:
                                  "step_s": seconds, "traffic_gbps": traffic,
                                  "add_gbps": add_gbps, "ratio": traffic / add_gbps,
                                  "wrong": int(not np.array_equal(after_one, reference))})
-                    print(show(rows[-1]), flush=True)
+                    print(TABLE.line(rows[-1]), flush=True)
     return rows
 
 
@@ -165,10 +166,7 @@ def main(argv: list[str]) -> int:
     wrong = sum(r["wrong"] for r in rows)
     print(f"# {len(rows)} rows, {wrong} wrong: {'OK' if not wrong else 'MISMATCH'}")
     if cfg.json:
-        env = {"python": platform.python_version(), "numpy": np.__version__,
-               "machine": platform.machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        with open(cfg.json, "w") as f:
-            json.dump({"config": asdict(cfg), "env": env, "rows": rows}, f, indent=1)
+        harness.write(cfg.json, "optim", rows, **asdict(cfg))
     return 1 if wrong else 0
 
 

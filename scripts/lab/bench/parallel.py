@@ -58,14 +58,13 @@ both through BLAS threads), the bubble of 4 stages, or communication cost at sca
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
+
+from dtlab.lab.bench import harness
 
 GRIDS = [(1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (2, 2)]  # (tp, pp)
 TIMED = ("step_ms", "bubble", "bubble_expected", "bubble_p2p", "overhead")
@@ -84,8 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="timed steps per case")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per case first")
     p.add_argument("--launches", type=int, default=1, help="launches per grid; medians")
-    p.add_argument("--tiny", action="store_true", help="a seconds-long run (the test suite)")
-    p.add_argument("--json", help="write the header and rows here")
+    harness.common_flags(p, "a seconds-long run (the test suite)")
     p.add_argument("--worker", nargs=3, metavar=("SIZE", "TPxPP", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tiny:
@@ -116,8 +114,7 @@ def launch(args, size: str, tp: int, pp: int, out: str) -> list[dict]:
     if r.returncode != 0:
         raise SystemExit(f"launch failed ({r.returncode}): {' '.join(cmd)}\n"
                          f"{r.stdout[-2000:]}{r.stderr[-3000:]}")
-    with open(out) as f:
-        return json.load(f)
+    return harness.read(out)[1]
 
 
 def medians(launches: list[list[dict]]) -> list[dict]:
@@ -195,15 +192,6 @@ def floors(rows: list[dict], cores: int, timing: bool = True) -> list[str]:
     return missed
 
 
-def header(args, cores: int) -> dict:
-    from dtlab.models.run.metrics import hardware, versions
-
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            **hardware(), "cores": cores, "versions": versions(),
-            "load_average": os.getloadavg(), "argv": sys.argv[1:], "launches": args.launches,
-            "steps": args.steps, "warmup": args.warmup, "python": platform.python_version()}
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -235,9 +223,11 @@ def main(argv=None) -> int:
           "splitting (the ranks share the cores a 1x1 step already uses) and no bubble or comm "
           f"cost of more than {cores} ranks (oversubscribed, *) can")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"header": header(args, cores), "floors_missed": missed, "rows": rows},
-                      f, indent=1)
+        from dtlab.models.run.metrics import versions
+
+        harness.write(args.json, "parallel", rows, mpi=True, versions=versions(),
+                      launches=args.launches, steps=args.steps, warmup=args.warmup,
+                      floors_missed=missed)
     wrong = [r for r in rows if r["comm_bytes"] != r["comm_bytes_formula"]
              or abs(r["memory_ratio"] - 1) > MEMORY_TOLERANCE]
     return 1 if wrong else 0  # a count unlike its formula; timing floors only report

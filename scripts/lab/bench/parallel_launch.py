@@ -8,13 +8,13 @@ over the timed steps. Rank 0 writes the rows (JSON) to `out`.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
 import numpy as np
 
 from dtlab.collective.grid import ProcessGrid
+from dtlab.lab.bench import harness
 from dtlab.lab.bench import parallel_formulas as formulas
 from dtlab.lab.bench.parallel_formulas import SIZES
 from dtlab.lab.simulate import pipeline as sim_pipeline
@@ -127,8 +127,7 @@ def run(size: str, tp: int, pp: int, ms: list[int], steps: int, warmup: int, out
             if grid.rank == 0:
                 rows.append(row(size, setup, b, tp, pp, schedule, m, bounds, every))
     if grid.rank == 0:
-        with open(out, "w") as f:
-            json.dump(rows, f)
+        harness.write(out, "parallel_launch", rows, mpi=True, size=size, tp=tp, pp=pp)
     grid.free()
 
 
@@ -257,7 +256,8 @@ def pipeline_figures(every: list[dict], schedule: str, pp: int, m: int, v: int,
             "bubble_formula": bubble_formula(schedule, pp, m, v=v),
             "bubble_expected": simulate(ops, stage_times=times, layout=shape).bubble,
             "bubble_p2p": paid.bubble,
-            "pass_ms": [{k: 1e3 * x for k, x in t.items()} for t in times],
+            # per virtual stage: one micro-batch's forward, backward, weight-gradient pass
+            **{f"pass_ms_{kind}": [1e3 * t.get(kind, 0.0) for t in times] for kind in "FBW"},
             "p2p_us": 1e6 * link,
             "send_us": 1e6 * sum(sends) / max(1, sum(messages)),
             "overhead_us_per_op": 1e6 * median_of_means("pipe_overhead") * makespan

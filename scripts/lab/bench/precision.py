@@ -35,7 +35,9 @@ import math
 import statistics
 import sys
 
-from dtlab.lab.bench.model import finish, machine_header, start
+from dtlab.lab.bench import harness
+from dtlab.lab.bench.harness import start
+from dtlab.lab.bench.model import finish, machine_header
 from dtlab.models import backend
 from dtlab.models.cost import OPTIMIZER_STATES, estimate
 from dtlab.models.memory import context_bytes
@@ -81,7 +83,7 @@ def bench_one(name: str, flags: list[str], precision: str, steps: int,
     opt_bytes = sum(v.nbytes for k, v in s.optimizer.state_dict().items() if k != "steps")
     mixed = work is not s.params
     row = {
-        "model": name, "precision": precision, "config": cost.config,
+        "model": name, "precision": precision, **harness.flatten("config", cost.config),
         "batch_size": setup.run.batch_size, "params": s.params.size, "steps": steps,
         "step_s_median": statistics.median(r["step_s"] for r in records[min(5, steps - 1):]),
         "act_bytes": context_bytes(ctx), "act_bytes_est": est.activations,
@@ -121,8 +123,7 @@ def row_line(r: dict, fp32_s: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json", metavar="PATH", help="write the rows and the run's header here")
-    p.add_argument("--tiny", action="store_true", help="tiny sizes, few steps: a smoke run")
+    harness.common_flags(p, "tiny sizes, few steps: a smoke run")
     p.add_argument("--steps", type=int, default=None,
                    help="training steps per run, the fixed budget (default 300; --tiny 20)")
     args = p.parse_args(argv)
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if started is None:
         return 2
     threads, device = started
-    header = machine_header(device, threads, steps=steps, timing="median step after 5")
+    header = machine_header("precision", device, threads, steps=steps, timing="median step after 5")
     print(f"# dtlab mixed-precision benchmark on {device}: {steps} steps per run, AdamW, "
           f"{threads.describe()}; fp32 trained in the same run is the baseline")
     print("# legend: x fp32 = step time / fp32's; act, grad, weight, master, opt MB measured, "

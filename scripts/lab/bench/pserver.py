@@ -60,18 +60,12 @@ over the launches (`--quiet`: that table alone).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
-import os
-import platform
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -79,6 +73,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from dtlab.lab.bench import harness
+from dtlab.lab.bench.shards import CEILING, GRAD, MODEL, Servers, plain, prebuilt
 from dtlab.models.config import (
     ConfigError,
     add_flags,
@@ -88,26 +84,18 @@ from dtlab.models.config import (
     from_namespace,
     positive_list,
 )
-from dtlab.models.optim import OptimConfig, Schedule
 from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.cli import run_cli
 from dtlab.pserver.common import codec as wire
-from dtlab.pserver.common.config import ClientConfig, ServerConfig
-from dtlab.pserver.server.allocator import huge_empty
-from dtlab.pserver.server.blocked import BlockedOptimizer
-from dtlab.pserver.server.consistency import Consistency
-from dtlab.pserver.server.daemon import Daemon
-from dtlab.pserver.server.store import ShardLayout, ShardStore
+from dtlab.pserver.common.config import ClientConfig
 from dtlab.pserver.worker.client import PSClient
 
-MODEL = "bench-flat"
-CEILING = "dtlab.bench.Ceiling"
 MB = 1 << 20
 
 
 @dataclass
 class BenchConfig:
-    json: str = described("", "write the rows and the run's header here")
+    json: str = described("", "write the JSON {meta, rows} here")
     tiny: bool = described(False, "tiny sizes and few rounds: a smoke run (the test suite's)")
     mode: str = choice("sweep", "sweep", "rounds",
                        help="sweep: push/pull against plain gRPC; rounds: pull+push by data path")
@@ -131,92 +119,6 @@ class BenchConfig:
         if unknown:
             raise ConfigError(f"--optimizers: unknown {', '.join(sorted(unknown))} "
                               "(sgd, adam, adamw)")
-
-
-# -- server process -------------------------------------------------------------------------
-
-
-def plain(values: np.ndarray) -> Iterator[bytes]:
-    """A plain stream of `values`: each ~1 MiB message made from the array when asked for."""
-    for lo, hi in wire.chunk_bounds(values.size, values.itemsize, wire.CHUNK_BYTES):
-        yield values[lo:hi].tobytes()
-
-
-def prebuilt(values: np.ndarray) -> list[bytes]:
-    """The plain stream's messages, made once: the transport streams them as they are."""
-    return list(plain(values))
-
-
-def ceiling_handler(length: int) -> grpc.GenericRpcHandler:
-    """A sink for client streams, and sources of plain and of prebuilt messages."""
-    values = np.zeros(length, np.float32)
-    messages = prebuilt(values)
-
-    def sink(requests, context):
-        for _ in requests:
-            pass
-        return b""
-
-    return grpc.method_handlers_generic_handler(CEILING, {
-        "Sink": grpc.stream_unary_rpc_method_handler(sink),
-        "Source": grpc.unary_stream_rpc_method_handler(lambda request, context: plain(values)),
-        "Prebuilt": grpc.unary_stream_rpc_method_handler(
-            lambda request, context: iter(messages)),
-    })
-
-
-def serve(elements: int, shard: int, num_shards: int, optimizer: str, ready: str,
-          codec: str = "hand", lr: float = 1e-6) -> None:
-    keep_freed_memory()  # as pserver's daemon does
-    layout = ShardLayout(MODEL, elements, shard, num_shards)
-    params = huge_empty(layout.length, np.float32)  # as pserver's daemon does
-    params[...] = 0
-    ocfg = build(OptimConfig, {"optimizer": optimizer, "lr": lr, "warmup": 0,
-                               "schedule": "constant", "clip": 0.0})
-    cfg = build(ServerConfig, {"shard": shard, "num_shards": num_shards, "ready_file": ready,
-                               "log_level": "warning"})
-    store = ShardStore(layout, params, BlockedOptimizer(ocfg, params, threads=cfg.apply_threads),
-                       Schedule(ocfg, 0), Consistency("asp"), log_every=0)
-    daemon = Daemon(cfg, store, {"server": asdict(cfg), "model": {}, "optim": asdict(ocfg)},
-                    handlers=(ceiling_handler(layout.length),), codec=wire.CODECS[codec])
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    daemon.start()
-    stop.wait()
-    daemon.shutdown()
-
-
-class Servers:
-    """S shard daemons in their own processes, for one (size, S, optimizer)."""
-
-    def __init__(self, elements: int, num_shards: int, optimizer: str, tmp: Path,
-                 codec: str = "hand", lr: float = 1e-6, name: str = ""):
-        self.procs, ready = [], []
-        for i in range(num_shards):
-            path = tmp / f"ready-{elements}-{num_shards}-{optimizer}-{codec}{name}-{i}.json"
-            path.unlink(missing_ok=True)
-            ready.append(path)
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "dtlab.lab.bench.pserver",
-                 "--serve", str(elements), str(i), str(num_shards),
-                 optimizer, str(path), codec, str(lr)]))
-        deadline = time.monotonic() + 60
-        while not all(p.exists() for p in ready):
-            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
-                self.stop()
-                raise RuntimeError("bench servers did not start")
-            time.sleep(0.05)
-        self.addresses = [f"127.0.0.1:{json.loads(p.read_text())['port']}" for p in ready]
-
-    def stop(self) -> None:
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
 
 # -- worker processes -----------------------------------------------------------------------
@@ -481,7 +383,6 @@ PATHS = {  # name: (server codec, PSClient keyword arguments, push_pull rounds)
 HALF = ("fp16", "bf16")  # the --wire paths, each with a shard of its own
 # the path each one's "x base" is over
 BASE = {"shm": "fused", "session": "generated", "fp16": "fused", "bf16": "fused"}
-GRAD = 2.0**-12  # lr 1: parameters after k pushes are exactly -k * GRAD
 # A half wire's paths each have a shard of their own and push 0.1 rounded to their dtype:
 # exact in float32 for every k * g here, and rarely a half value, so a pull rounds.
 HALF_GRAD = 0.1
@@ -589,17 +490,21 @@ def rounds_at(nbytes: int, cfg: BenchConfig, tmp: Path) -> list[dict]:
                     "push_ms": 1e3 * push if split else None, "rounds_per_s": 1 / rnd,
                     "x_calls": medians["calls"][2] / rnd,
                     "x_base": None if base is None else medians[base][2] / rnd,
-                    "hand_vs_generated": _codec(medians) if path == "session" else None,
+                    **_codec(medians, path == "session"),
                     "wire_bytes_per_round": moved[path], "error": checks[path][1],
                     "rounds": len(times[path]), "wrong": wrong})
         print(show_round(out[-1]), flush=True)
     return out
 
 
-def _codec(medians: dict) -> dict:
-    """Hand codec speed-up over the generated classes: time(generated) / time(hand)."""
-    return {op: medians["generated"][i] / medians["session"][i]
-            for i, op in enumerate(("pull", "push", "round"))}
+CODEC_KEYS = ("codec_pull", "codec_push", "codec_round")
+
+
+def _codec(medians: dict, session: bool) -> dict:
+    """The session row's hand codec speed-up over the generated classes, time(generated) /
+    time(hand), for pull, push and round (None on the other paths' rows)."""
+    return {key: medians["generated"][i] / medians["session"][i] if session else None
+            for i, key in enumerate(CODEC_KEYS)}
 
 
 ROUNDS_LEGEND = ("# size: tensor bytes; path: see --help; round/pull/push: median ms (fused "
@@ -617,8 +522,7 @@ ROUNDS_HEADER = (f"#{'size':>9} {'path':>9} {'round':>9} {'pull':>8} {'push':>8}
 
 def show_round(r: dict) -> str:
     base = "-" if r["x_base"] is None else f"{r['x_base']:.2f}"
-    codec = r["hand_vs_generated"]
-    pull, push = ("-", "-") if codec is None else (f"{codec['pull']:.2f}", f"{codec['push']:.2f}")
+    pull, push = ("-" if r[k] is None else f"{r[k]:.2f}" for k in CODEC_KEYS[:2])
     pull_ms, push_ms = ("-" if r[k] is None else f"{r[k]:.3f}" for k in ("pull_ms", "push_ms"))
     return (f" {r['bytes']:>9} {r['path']:>9} {r['round_ms']:>9.3f} {pull_ms:>8} "
             f"{push_ms:>8} {r['rounds_per_s']:>9.1f} {r['x_calls']:>7.2f} {base:>6} "
@@ -636,36 +540,23 @@ def launches(cfg: BenchConfig, argv: list[str]) -> list[dict]:
             subprocess.run([sys.executable, "-m", "dtlab.lab.bench.pserver", *argv,
                             "--launches", "1", "--no-quiet", "--json", str(out)], check=True,
                            stdout=subprocess.DEVNULL if cfg.quiet else None)
-            runs.append(json.loads(out.read_text())["rows"])
+            runs.append(harness.read(out)[1])
     print(f"# median of {cfg.launches} launches")
     print(ROUNDS_LEGEND)
     print(ROUNDS_HEADER, flush=True)
     rows = []
     for same in zip(*runs, strict=True):
         row = {**same[0], "launches": cfg.launches, "wrong": max(r["wrong"] for r in same)}
-        for key in ("round_ms", "pull_ms", "push_ms", "rounds_per_s", "x_calls", "x_base"):
+        for key in ("round_ms", "pull_ms", "push_ms", "rounds_per_s", "x_calls", "x_base",
+                    *CODEC_KEYS):
             if row[key] is not None:
                 row[key] = statistics.median(r[key] for r in same)
-        if row["hand_vs_generated"] is not None:
-            row["hand_vs_generated"] = {k: statistics.median(r["hand_vs_generated"][k]
-                                                             for r in same)
-                                        for k in row["hand_vs_generated"]}
         rows.append(row)
         print(show_round(row), flush=True)
     return rows
 
 
-def environment() -> dict:
-    return {"python": platform.python_version(), "grpcio": grpc.__version__,
-            "numpy": np.__version__, "cpus": os.cpu_count(), "machine": platform.machine(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-
-
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["--serve"]:
-        elements, shard, num_shards, optimizer, ready, codec, lr = argv[1:8]
-        serve(int(elements), int(shard), int(num_shards), optimizer, ready, codec, float(lr))
-        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_flags(parser, BenchConfig, "benchmark")
     cfg = from_namespace(BenchConfig, parser.parse_args(argv))
@@ -677,8 +568,7 @@ def main(argv: list[str]) -> int:
     else:
         rows = sweep(cfg) if cfg.mode == "sweep" else rounds_mode(cfg)
     if cfg.json:
-        Path(cfg.json).write_text(json.dumps({"config": asdict(cfg), "env": environment(),
-                                              "rows": rows}, indent=1))
+        harness.write(cfg.json, "pserver", rows, grpcio=grpc.__version__, **asdict(cfg))
     return 0
 
 

@@ -41,6 +41,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from dtlab.lab.bench import harness
 from dtlab.models.config import ConfigError, add_flags, build, described, from_namespace
 from dtlab.models.optim import OptimConfig, Schedule
 from dtlab.models.run.allocator import keep_freed_memory
@@ -49,7 +50,7 @@ from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver.common.codec import SERVICE
 from dtlab.pserver.common.config import ClientConfig, ServerConfig
 from dtlab.pserver.server.allocator import huge_empty
-from dtlab.pserver.server.blocked import BlockedOptimizer
+from dtlab.pserver.server.cache_blocked import BlockedOptimizer
 from dtlab.pserver.server.consistency import Consistency
 from dtlab.pserver.server.daemon import Daemon
 from dtlab.pserver.server.replication.journal import REPLICATION
@@ -59,16 +60,26 @@ from dtlab.pserver.worker.client import PSClient
 MODEL = "bench-flat"
 MB = 1 << 20
 GRAD = 2.0 ** -12  # every gradient element: sums of it stay exact in float32
-LEGEND = ("# legend: push GB/s = gradient bytes acknowledged per second (W workers, GB = 1e9 B); "
-          "updates/s = pushes acknowledged per second; x1 = updates/s over replicas 1's in the "
-          "same run; wrong = parameters not exact, or a replica's version != pushes made")
-HEADER = (f"# {'size':>8} {'W':>3} {'replicas':>8} {'push GB/s':>10} {'updates/s':>10} "
-          f"{'x1':>6} {'wrong':>5}")
+def size_text(nbytes: int) -> str:
+    return f"{nbytes / MB:g}MB" if nbytes >= MB else f"{nbytes // 1024}KB"
+
+
+TABLE = harness.Table(
+    "push GB/s = gradient bytes acknowledged per second (W workers, GB = 1e9 B); updates/s = "
+    "pushes acknowledged per second; x1 = updates/s over replicas 1's in the same run; wrong "
+    "= parameters not exact, or a replica's version != pushes made",
+    [harness.Column("size", 8, lambda r: size_text(r["bytes"])),
+     harness.Column("W", 3, lambda r: r["workers"]),
+     harness.Column("replicas", 8, lambda r: r["replicas"]),
+     harness.Column("push GB/s", 10, lambda r: r["push_gbps"], ".3f"),
+     harness.Column("updates/s", 10, lambda r: r["updates_per_s"], ".1f"),
+     harness.Column("x1", 6, lambda r: r["x1"], ".2f"),
+     harness.Column("wrong", 5, lambda r: r["wrong"])])
 
 
 @dataclass
 class BenchConfig:
-    json: str = described("", "write the rows and the run's header here")
+    json: str = described("", "write the JSON {meta, rows} here")
     tiny: bool = described(False, "tiny sizes and few pushes: a smoke run (the test suite's)")
     sizes_mb: str = described("1,16", "gradient sizes in MiB, comma-separated")
     workers: str = described("1,2", "worker counts, comma-separated")
@@ -266,12 +277,6 @@ def measure(cfg: BenchConfig, nbytes: int, width: int, tmp: Path) -> list[dict]:
             s.stop()
 
 
-def show(r: dict) -> str:
-    size = f"{r['bytes'] / MB:g}MB" if r["bytes"] >= MB else f"{r['bytes'] // 1024}KB"
-    return (f"  {size:>8} {r['workers']:>3} {r['replicas']:>8} {r['push_gbps']:>10.3f} "
-            f"{r['updates_per_s']:>10.1f} {r['x1']:>6.2f} {r['wrong']:>5}")
-
-
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--serve"]:
         elements, ready, replicas, *primary = argv[1:]
@@ -282,20 +287,16 @@ def main(argv: list[str]) -> int:
     cfg = from_namespace(BenchConfig, parser.parse_args(argv))
     if cfg.tiny:
         cfg.sizes_mb, cfg.workers, cfg.pushes, cfg.trials = "0.0625", "1,2", 5, 2
-    print(LEGEND)
-    print(HEADER, flush=True)
+    print(TABLE.head(), flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-replication-") as tmp:
         for size in cfg.sizes_mb.split(","):
             for width in cfg.workers.split(","):
                 for r in measure(cfg, int(float(size) * MB), int(width), Path(tmp)):
                     rows.append(r)
-                    print(show(r), flush=True)
+                    print(TABLE.line(r), flush=True)
     if cfg.json:
-        env = {"python": sys.version.split()[0], "grpcio": grpc.__version__,
-               "cpus": mp.cpu_count(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        Path(cfg.json).write_text(json.dumps({"config": asdict(cfg), "env": env, "rows": rows},
-                                             indent=1))
+        harness.write(cfg.json, "replication", rows, grpcio=grpc.__version__, **asdict(cfg))
     return 1 if any(r["wrong"] for r in rows) else 0
 
 

@@ -25,13 +25,13 @@ same cores. Extra arguments after `--` go to the trainer.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 
+from dtlab.lab.bench import harness
 from dtlab.models.run.launcher import mpiexec_path
 from dtlab.models.run.metrics import read_metrics
 
@@ -64,6 +64,24 @@ def run(n: int, algo: str, wire: str, steps: int, config: list[str], workdir: st
             "final_loss": records[-1]["loss"]}
 
 
+TABLE = harness.Table(
+    "threads: BLAS threads per rank; speedup: samples/s over the first n's; effic: speedup "
+    "/ n; comm %: all-reduce time / step; wait %: exposed wait / step; MB/step: bytes into "
+    "the all-reduce; dloss: tail loss minus the fp32 wire's",
+    [harness.Column("algo", 6, lambda r: r["algo"]),
+     harness.Column("wire", 5, lambda r: r["wire"]),
+     harness.Column("n", 3, lambda r: r["n"]),
+     harness.Column("threads", 7, lambda r: r["threads"]),
+     harness.Column("step(ms)", 9, lambda r: r["step_ms"], ".1f"),
+     harness.Column("samples/s", 10, lambda r: r["samples_per_s"], ".1f"),
+     harness.Column("speedup", 8, lambda r: r["speedup"], ".2f"),
+     harness.Column("effic", 6, lambda r: r["efficiency"], ".2f"),
+     harness.Column("comm %", 7, lambda r: 100 * r["comm_frac"], ".1f"),
+     harness.Column("wait %", 7, lambda r: 100 * r["wait_frac"], ".1f"),
+     harness.Column("MB/step", 8, lambda r: r["wire_mb"], ".3f"),
+     harness.Column("dloss", 8, lambda r: r["loss_vs_fp32"], "+.4f")])
+
+
 def main() -> int:
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -74,8 +92,7 @@ def main() -> int:
     p.add_argument("--wire", default="fp32", help="comma-separated gradient wire dtypes "
                                                   "(fp32, fp16, bf16)")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--json", help="write the rows here")
-    p.add_argument("--tiny", action="store_true", help="a seconds-long run (for the test suite)")
+    harness.common_flags(p, "a seconds-long run (for the test suite)")
     args = p.parse_args(own)
     ranks = [int(n) for n in args.ranks.split(",")]
     config = (TINY if args.tiny else CONFIG) + extra
@@ -89,24 +106,15 @@ def main() -> int:
     fp32 = {(r["algo"], r["n"]): r["tail_loss"] for r in rows if r["wire"] == "fp32"}
     print(f"# sync data parallel, {rows[0]['params']:,} parameters, "
           f"{os.cpu_count()} cores, per-rank batch fixed")
-    print("# threads: BLAS threads per rank; speedup: samples/s over the first n's; "
-          "effic: speedup / n; comm %: all-reduce time / step; wait %: exposed wait / step; "
-          "MB/step: bytes into the all-reduce; dloss: tail loss minus the fp32 wire's")
-    print(f"# {'algo':>6} {'wire':>5} {'n':>3} {'threads':>7} {'step(ms)':>9} {'samples/s':>10} "
-          f"{'speedup':>8} {'effic':>6} {'comm %':>7} {'wait %':>7} {'MB/step':>8} {'dloss':>8}")
+    print(TABLE.head())
     for r in rows:
         r["speedup"] = r["samples_per_s"] / base[(r["algo"], r["wire"])]
         r["efficiency"] = r["speedup"] * ranks[0] / r["n"]
         ref = fp32.get((r["algo"], r["n"]))
         r["loss_vs_fp32"] = None if ref is None else r["tail_loss"] - ref
-        dloss = "-" if ref is None else f"{r['loss_vs_fp32']:+.4f}"
-        print(f"  {r['algo']:>6} {r['wire']:>5} {r['n']:>3} {r['threads']:>7} "
-              f"{r['step_ms']:>9.1f} {r['samples_per_s']:>10.1f} "
-              f"{r['speedup']:>8.2f} {r['efficiency']:>6.2f} {100 * r['comm_frac']:>7.1f} "
-              f"{100 * r['wait_frac']:>7.1f} {r['wire_mb']:>8.3f} {dloss:>8}")
+        print(TABLE.line(r))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": config, "cores": os.cpu_count(), "rows": rows}, f, indent=1)
+        harness.write(args.json, "sync", rows, mpi=True, config=config)
     return 0
 
 

@@ -20,7 +20,6 @@ what NumPy does by default). The examples:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from dtlab.lab.bench import harness
 from dtlab.lab.compare.launch import wait_ready
 from dtlab.lab.programs import program
 from dtlab.models.run.launcher import mpiexec_path
@@ -83,11 +83,18 @@ def run_async(model: list[str], steps: list[str], env: dict[str, str], timeout: 
             s.wait(timeout=30)
 
 
+TABLE = harness.Table(
+    "wall: seconds from launch to exit; ratio: all-cores wall / shared wall",
+    [harness.Column("example", 8, lambda r: r["example"]),
+     harness.Column("shared(s)", 10, lambda r: r["shared_s"], ".2f"),
+     harness.Column("all-cores(s)", 13, lambda r: r["all_cores_s"], ".2f"),
+     harness.Column("ratio", 7, lambda r: r["ratio"], ".2f")])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=100, help="steps of every example (default 100)")
-    p.add_argument("--tiny", action="store_true", help="a tiny model, 3 steps: a smoke run")
-    p.add_argument("--json", metavar="PATH", help="write the rows here")
+    harness.common_flags(p, "a tiny model, 3 steps: a smoke run")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be at least 1")
@@ -96,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"# README examples, {steps[1]} steps; shared: dtlab's thread choice; "
           f"all-cores: OMP_NUM_THREADS={len(os.sched_getaffinity(0))} in every process")
-    print("# wall: seconds from launch to exit; ratio: all-cores wall / shared wall")
-    print(f"# {'example':>8} {'shared(s)':>10} {'all-cores(s)':>13} {'ratio':>7}")
+    print(TABLE.head())
     with tempfile.TemporaryDirectory() as tmp:
         examples = {
             "sync-2": lambda env: sync(2, model + steps, env, 600),
@@ -108,11 +114,9 @@ def main(argv: list[str] | None = None) -> int:
             shared, alone = run(environment(True)), run(environment(False))
             rows.append({"example": name, "steps": int(steps[1]), "shared_s": shared,
                          "all_cores_s": alone, "ratio": alone / shared})
-            print(f"  {name:>8} {shared:>10.2f} {alone:>13.2f} {alone / shared:>7.2f}",
-                  flush=True)
+            print(TABLE.line(rows[-1]), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cores": len(os.sched_getaffinity(0)), "rows": rows}, f, indent=1)
+        harness.write(args.json, "threads", rows, mpi=True)
     return 0
 
 

@@ -33,7 +33,6 @@ compute of its predictions from it (simulate/validate.py).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -42,7 +41,8 @@ import time
 from mpi4py import MPI
 
 from dtlab.collective.transport.waits import resolve_yield
-from dtlab.lab.bench.model import trainer_step
+from dtlab.lab.bench import harness
+from dtlab.lab.bench.harness import trainer_step
 from dtlab.models.run.allocator import keep_freed_memory
 from dtlab.models.run.session import build_session, parse, replica_cost
 from dtlab.models.run.threads import share_cores
@@ -89,24 +89,30 @@ def summarise(per_rank: list[list[tuple]], alone: list[tuple]) -> dict:
 
 
 def medians_ms(row: dict) -> dict:
-    return {k.removesuffix("_s_samples"): 1e3 * statistics.median(row[k])
-            for k in ("alone_s_samples", "makespan_s_samples", "wall_s_samples",
-                      "cpu_s_samples")}
+    """The row's figures in the table: medians over the steps (ms) and their ratios."""
+    m = {f"{k.removesuffix('_s_samples')}_ms": 1e3 * statistics.median(row[k])
+         for k in ("alone_s_samples", "makespan_s_samples", "wall_s_samples",
+                   "cpu_s_samples")}
+    return {**m, "x_alone": m["makespan_ms"] / m["alone_ms"],
+            "ranks_per_core": max(1.0, row["ranks"] / row["cores"]),
+            "spread_ms": m["makespan_ms"] - m["wall_ms"]}
 
 
-HEADER = (f"#{'N':>3} {'role':>7} {'threads':>7} {'alone':>8} {'makespan':>9} {'x alone':>8} "
-          f"{'N/cores':>8} {'own':>8} {'spread':>8} {'cpu':>8}")
-LEGEND = ("# alone: rank 0's step alone (the baseline); makespan: first start to last end of "
-          "a step of all N; own: one process's step (wall), spread = makespan - own; cpu: one "
-          "process's CPU time in its step; medians over the steps, in ms")
-
-
-def line(row: dict) -> str:
-    m = medians_ms(row)
-    ideal = max(1.0, row["ranks"] / row["cores"])
-    return (f" {row['ranks']:>3} {row['role']:>7} {row['threads']:>7} {m['alone']:>8.3f} "
-            f"{m['makespan']:>9.3f} {m['makespan'] / m['alone']:>8.2f} {ideal:>8.2f} "
-            f"{m['wall']:>8.3f} {m['makespan'] - m['wall']:>8.3f} {m['cpu']:>8.3f}")
+TABLE = harness.Table(
+    "alone: rank 0's step alone (the baseline); makespan: first start to last end of a step "
+    "of all N; x alone = makespan / alone; N/cores: what sharing the cores alone would "
+    "make it; own: one process's step (wall), spread = makespan - own; cpu: one process's "
+    "CPU time in its step; medians over the steps, in ms",
+    [harness.Column("N", 3, lambda r: r["ranks"]),
+     harness.Column("role", 7, lambda r: r["role"]),
+     harness.Column("threads", 7, lambda r: r["threads"]),
+     harness.Column("alone", 8, lambda r: r["alone_ms"], ".3f"),
+     harness.Column("makespan", 9, lambda r: r["makespan_ms"], ".3f"),
+     harness.Column("x alone", 8, lambda r: r["x_alone"], ".2f"),
+     harness.Column("N/cores", 8, lambda r: r["ranks_per_core"], ".2f"),
+     harness.Column("own", 8, lambda r: r["wall_ms"], ".3f"),
+     harness.Column("spread", 8, lambda r: r["spread_ms"], ".3f"),
+     harness.Column("cpu", 8, lambda r: r["cpu_ms"], ".3f")])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="whose compute and waits: a sync rank's or a worker's (default rank)")
     p.add_argument("--reps", type=int, default=40, help="timed steps (default 40)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
-    p.add_argument("--json", default="", metavar="PATH", help="rank 0 writes the row here")
-    p.add_argument("--tiny", action="store_true", help="a tiny MLP and 3 steps (tests)")
+    harness.common_flags(p, "a tiny MLP and 3 steps (tests)", "rank 0 writes the JSON here")
     o, rest = p.parse_known_args(argv)
     if o.reps < 1 or o.warmup < 0:
         p.error("--reps must be at least 1 and --warmup not negative")
@@ -138,21 +143,20 @@ def main(argv: list[str] | None = None) -> int:
     if comm.rank != 0:
         return 0
     cost = replica_cost(setup)
-    row = {"model": setup.model_name, "config": cost.config, "batch_size": cost.batch_size,
+    row = {"model": setup.model_name, **harness.flatten("config", cost.config),
+           "batch_size": cost.batch_size,
            "flops_step": cost.flops_step, "ranks": comm.size, "role": o.role,
            "cores": len(os.sched_getaffinity(0)), "threads": threads.threads,
            "yield_waits": o.role == "rank" and yield_waits, **summarise(together, alone)}
+    row.update(medians_ms(row))
     print(f"# dtlab: one step's compute of {setup.model_name} in {comm.size} process(es) at "
           f"once, {reps} steps after {warmup}; {threads.describe()}; load average "
           f"{os.getloadavg()[0]:.2f}")
-    print(LEGEND)
-    print(HEADER)
-    print(line(row), flush=True)
+    print(TABLE.head())
+    print(TABLE.line(row), flush=True)
     if o.json:
-        with open(o.json, "w") as f:
-            json.dump({"header": {"reps": reps, "warmup": warmup,
-                                  "load_average": os.getloadavg(), "threads": threads.as_dict()},
-                       "rows": [row]}, f, indent=1)
+        harness.write(o.json, "together", [row], mpi=True, reps=reps, warmup=warmup,
+                      threads=threads.as_dict())
     return 0
 
 

@@ -35,13 +35,13 @@ judged. On 2 cores, N = 4 shares each core between two ranks: its times are show
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 
+from dtlab.lab.bench import harness
 from dtlab.models.cost import PAPER_EXAMPLE, zero_memory
 
 CONFIG = ["--model", "transformer", "--vocab", "64", "--seq-len", "64", "--d-model", "256",
@@ -58,8 +58,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="1,2,4", help="comma-separated dp sizes")
     p.add_argument("--steps", type=int, default=30, help="steps per stage")
-    p.add_argument("--json", help="write the rows here")
-    p.add_argument("--tiny", action="store_true", help="a seconds-long run (the test suite)")
+    harness.common_flags(p, "a seconds-long run (the test suite)")
     p.add_argument("--worker", nargs=2, metavar=("DIR", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(own)
     if args.tiny:
@@ -90,8 +89,7 @@ def worker(args, config: list[str]) -> None:
         if MPI.COMM_WORLD.rank == 0:
             rows.append(row(metrics, stage, MPI.COMM_WORLD.size))
     if MPI.COMM_WORLD.rank == 0:
-        with open(out, "w") as f:
-            json.dump(rows, f)
+        harness.write(out, "zero_launch", rows, mpi=True)
 
 
 def row(metrics: str, stage: int, n: int) -> dict:
@@ -139,8 +137,7 @@ def launch(n: int, args, config: list[str], workdir: str) -> list[dict]:
     if r.returncode != 0:
         raise SystemExit(f"launch failed ({r.returncode}): {' '.join(cmd)}\n"
                          f"{r.stdout[-2000:]}{r.stderr[-3000:]}")
-    with open(out) as f:
-        return json.load(f)
+    return harness.read(out)[1]
 
 
 def within(r: dict) -> bool:
@@ -190,8 +187,7 @@ def main(argv: list[str]) -> int:
     print(f"# floors (memory and bytes sent within {TOLERANCE:.0%} of the formulas): "
           + ("met" if not bad else "MISSED by " + ", ".join(bad)))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": config, "cores": os.cpu_count(), "rows": rows}, f, indent=1)
+        harness.write(args.json, "zero", rows, mpi=True, config=config)
     return 1 if bad else 0
 
 

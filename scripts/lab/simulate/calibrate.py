@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dtlab.lab.bench.harness import nested, read, tables
 from dtlab.lab.simulate.formulas import terms
 from dtlab.models.config import ConfigError
 
@@ -62,10 +63,9 @@ def errors(rel: np.ndarray) -> dict:
             "max_rel_err": float(np.max(np.abs(rel)))}
 
 
-def allreduce_rows(data: dict) -> list[dict]:
-    if "medians" in data:
-        return [r for rows in data["medians"].values() for r in rows]
-    return list(data["rows"])
+def allreduce_rows(rows: list[dict]) -> list[dict]:
+    """One launch's rows, or the medians of --launches (the table "median")."""
+    return tables(rows, "median") or rows
 
 
 def fit_allreduce(rows: list[dict], cores: int) -> dict:
@@ -179,22 +179,22 @@ def fit_compute(rows: list[dict], threads: int) -> list[dict]:
 
 
 def exact_rows(rows: list[dict], threads: int) -> list[dict]:
-    return [{"model": r["model"], "config": r["config"], "batch_size": r["batch_size"],
+    return [{"model": r["model"], "config": nested(r, "config"), "batch_size": r["batch_size"],
              "threads": threads, "step_s": r["step_s_median"], "flops_step": r["flops_step"],
              "samples_s": r.get("step_s_samples", [])}
             for r in rows]
 
 
-def kind_of(data: dict) -> str:
-    if "alltoall" in data and "header" in data:
-        return "moe"
-    if "medians" in data or ("meta" in data and "rows" in data):
-        return "allreduce"
-    if "env" in data and "rows" in data:
-        return "pserver"
-    if "header" in data and "rows" in data:
-        return "model"
-    raise ValueError("not the JSON of bench_allreduce, bench_pserver, bench_moe or bench_model")
+KINDS = {"allreduce": "allreduce", "pserver": "pserver", "fanout": "pserver", "moe": "moe",
+         "model": "model"}  # the benchmarks read: the fit each one's rows go to
+
+
+def kind_of(meta: dict) -> str:
+    kind = KINDS.get(meta.get("bench"))
+    if kind is None:
+        raise ValueError(f"the JSON of bench {meta.get('bench')}, not of bench "
+                         f"{', '.join(KINDS)}")
+    return kind
 
 
 def calibrate(paths: list[str], cores: int) -> dict:
@@ -204,19 +204,19 @@ def calibrate(paths: list[str], cores: int) -> dict:
     ar, ps, a2a, model, sources = [], [], [], [], []
     for path in paths:
         try:
-            data = json.loads(Path(path).read_text())
-            kind = kind_of(data)
+            meta, rows = read(path)
+            kind = kind_of(meta)
         except (OSError, ValueError) as e:
             raise ConfigError(f"--bench {path}: {e}") from None
         sources.append({"path": str(path), "kind": kind})
         if kind == "allreduce":
-            ar += allreduce_rows(data)
+            ar += allreduce_rows(rows)
         elif kind == "pserver":
-            ps += data["rows"]
+            ps += rows
         elif kind == "moe":
-            a2a += data["alltoall"]
+            a2a += tables(rows, "alltoall")
         else:
-            model.append((data["header"]["threads"]["threads"], data["rows"]))
+            model.append((meta["threads"]["threads"], tables(rows, "step")))
     paths_fit, apply = fit_pserver(ps)
     compute, exact = [], []
     for threads, rows in model:

@@ -78,11 +78,15 @@ trainers' --dtype, --precision fp16|bf16 and --wire (simulate/precision.py).
 On GPU presets the naive and parameter-server columns print only when
 --shards is given. --sequence-parallel and --scatter-gather (Korthikanti et
 al. 2022; Narayanan et al. 2021) send 1/tp of an activation between stages;
---recompute repeats the blocks' tp all-reduces in backward.
+--recompute repeats the blocks' tp all-reduces in backward. Two flags predict
+other frameworks' runs: --flash-attention (fused attention, no score in memory)
+and --grad-reduce-after (the gradient all-reduce after the last backward, as
+Megatron-LM's local DDP ran it).
 
 --reproduce prints published results (simulate/published.py: Megatron-LM's
-throughput tables, nccl-tests bus bandwidths, a scaling efficiency) beside
-the predictions of their flags, with each ratio (simulate/reproduce.py).
+throughput tables, torchtitan's FSDP throughput, Horovod's scaling efficiency,
+nccl-tests bus bandwidths) beside the predictions of their flags, with each
+ratio (simulate/reproduce.py).
 
 --calibrate fits the constants to benchmark JSON (simulate/calibrate.py)
 and writes them to --calibration with their fit errors. --validate runs
@@ -213,6 +217,14 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="compute at this GPU's achieved rate for the model's size "
                         f"(simulate/hardware.py: {', '.join(hardware.GPU_NAMES)}) at the "
                         "--precision's (or --dtype's) compute dtype")
+    g.add_argument("--grad-reduce-after", action="store_true",
+                   help="the gradient all-reduce after the last micro-batch's backward, none "
+                        "of it hidden (Megatron-LM's local DDP of 2019-21; dtlab-sync hides it "
+                        "behind the last micro-batch's backward)")
+    g.add_argument("--flash-attention", action="store_true",
+                   help="--gpu's achieved rate with fused (flash) attention: no attention "
+                        "score in memory (simulate/hardware.py; a prediction of other "
+                        "frameworks' runs: dtlab's attention keeps its scores)")
     g.add_argument("--tflops", type=float, default=None,
                    help="a rank's sustained TFLOP/s (default: this host's calibrated rate)")
     g.add_argument("--wire", choices=("fp32", "fp16", "bf16"), default="fp32",
@@ -350,6 +362,9 @@ def parse_args(argv: list[str]):
         raise ConfigError(f"--nics-per-node must be at least 1 (got {o.nics_per_node})")
     if o.link != links.LOCAL:
         preset_network(o)  # a figure out of range is a ConfigError naming its flag
+    if o.flash_attention and not o.gpu:
+        raise ConfigError("--flash-attention acts on a GPU's achieved rate: it needs --gpu "
+                          "or --cluster")
     if (o.sequence_parallel or o.scatter_gather) and o.tp == 1:
         raise ConfigError("--sequence-parallel and --scatter-gather split over tp ranks: "
                           "they need --tp > 1")
@@ -549,7 +564,7 @@ def parallel_work(setup, o) -> parallel.Work:
     work = parallel.Work(setup.model_name, setup.model, b, m, o.pp_schedule,
                          8 if setup.run.dtype == "float64" else 4, tuple(bounds), flops,
                          validate.precision_of(setup), o.scatter_gather or o.sequence_parallel,
-                         o.virtual_stages)
+                         o.virtual_stages, not o.grad_reduce_after)
     parallel.check(work, parallel.Layout(1, o.pp, o.ep, o.tp))
     return work
 
@@ -561,7 +576,7 @@ def gpu_rate(setup, o, tp: int = 1) -> ComputeRate:
     g = getattr(o, "gpu_spec", None) or hardware.gpu(o.gpu)
     return hardware.achieved_rate(g, setup.model_name, setup.model,
                                   setup.run.batch_size, p.compute, p.activation,
-                                  p.activation, tp, o.sequence_parallel)
+                                  p.activation, tp, o.sequence_parallel, o.flash_attention)
 
 
 def rate_of(o, cal: dict | None, work: Workload, local: bool,
@@ -691,7 +706,8 @@ def dp_prediction(setup, o):
                                                         prec.gradient),
                          cost.params_total, setup.run.precision,
                          8 if setup.run.dtype == "float64" else 4,
-                         prec.gather / prec.gradient, setup.run.grad_accum) \
+                         prec.gather / prec.gradient, setup.run.grad_accum,
+                         zero.backward_share(setup.model)) \
         if o.zero_stages else None
     extra = None
     if o.method_list:

@@ -88,12 +88,13 @@ def network(name: str) -> Network:
 
 
 def rate(name: str, model_name: str, config, batch: int, precision: Precision, tp: int = 1,
-         sequence_parallel: bool = False) -> ComputeRate:
-    """The compute rate of `batch` samples of the model on the cluster's GPU."""
+         sequence_parallel: bool = False, flash: bool = False) -> ComputeRate:
+    """The compute rate of `batch` samples of the model on the cluster's GPU (flash:
+    with fused attention, hardware.achieved)."""
     g = hardware.gpu(cluster(name).gpu)
     return hardware.achieved_rate(g, model_name, config, batch, precision.compute,
                                   precision.activation, precision.activation, tp,
-                                  sequence_parallel)
+                                  sequence_parallel, flash)
 
 
 def server_link(name: str, optimizer: str = "adamw") -> ServerLink:

@@ -19,8 +19,9 @@ Gradient all-reduce (collective/train.py): a rank's dense parameters (its stage,
 t) are averaged over dp x ep, its experts' (over ep and t) over dp, after the
 schedule's flush when pp > 1 (a pipeline's gradients are final only then). With
 pp = 1 the dense buckets overlap the last micro-batch's backward as in step.sync_step
-(dtlab-sync starts the reducer in the last micro-batch only: 2/3 of compute / m); the
-experts' range (laid out last, reduced over another communicator) is counted exposed.
+(dtlab-sync starts the reducer in the last micro-batch only: 2/3 of compute / m), or
+none of them with --grad-reduce-after (Work.overlapped); the experts' range (laid out
+last, reduced over another communicator) is counted exposed.
 
 Bytes per element by tensor class (simulate/precision.py, from --dtype, --precision and
 --wire): tp's all-reduces and the pipeline's sends at `Precision.tp` / `.p2p`, the
@@ -128,6 +129,7 @@ class Work:
     precision: Precision | None = None  # bytes per tensor class (None: all `itemsize`)
     scatter_gather: bool = False  # each tp rank sends 1/t of an activation between stages
     virtual: int | None = None  # the interleaved schedule's model chunks per rank
+    overlapped: bool = True  # False: pp 1's all-reduce after the last backward
 
     @property
     def tp_bytes(self) -> int:
@@ -239,7 +241,7 @@ def parallel_step(work: Work, layout: Layout, fabric: Fabric, s_per_flop: float,
                                      fabric.one_host)[0] if experts else 0.0
         reduce_s.append((share * d_all, share * d_last, share * x_all))
     ranks_here = n if host.cores else min(n, G)
-    if layout.pp == 1 and host.overlap(ranks_here):
+    if layout.pp == 1 and work.overlapped and host.overlap(ranks_here):
         backward = BACKWARD_SHARE * piped.compute_s[0] / work.microbatches  # the last one
         d_all, d_last, x_all = reduce_s[0]
         exposed = d_last + max(0.0, d_all - d_last - backward) + x_all

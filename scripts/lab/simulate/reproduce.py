@@ -11,7 +11,9 @@ bus bandwidth, by the all-reduce formula on the named links (formulas.sync_allre
                  the recomputed forward, Megatron's count up to biases and norms) over
                  the predicted step x GPUs
     mfu          forward + backward FLOPs (flops_model) over step x GPUs x the GPU's peak
+    zero3        tokens a GPU's step over the predicted step of --zero 3's column
     efficiency   the predicted rate a GPU over the baseline row's predicted rate
+    scaling      one GPU's compute over its predicted step at N (the eff column)
     busbw        n / t x 2(N-1)/N for an all-reduce of n bytes over N GPUs taking t
 
 The fitted constants. Before the rows, each constant is fitted on its row (the secant
@@ -71,8 +73,21 @@ def step_of(argv: tuple[str, ...], gpu_override: hardware.GPU | None = None):
         step = rows[0]["step_s"]
     else:
         _, rows, *_ = cli.dp_prediction(setup, o)
-        step = rows[0]["ring"]["step_s"]
+        method = f"zero{max(o.zero_stages)}" if o.zero_stages else "ring"
+        step = rows[0][method]["step_s"]
     return step, setup, o.workers_list[0]
+
+
+def scaling_of(argv: tuple[str, ...]) -> tuple[float, str]:
+    """(efficiency, detail) of plain data parallelism at the row's N: one rank's compute
+    over its step (the command's eff column; a GPU alone computes without waiting)."""
+    from dtlab.lab.simulate import cli
+
+    setup = cli.parse_args(list(argv))
+    _, rows, *_ = cli.dp_prediction(setup, setup.extra)
+    r = rows[0]
+    return r["efficiency"], (f"compute {r['compute_s']:.4g} s, exposed all-reduce "
+                             f"{r['ring']['comm_s'] * 1e3:.4g} ms ({r['ring']['algo']})")
 
 
 def rate_of(row: Published, gpu_override: hardware.GPU | None = None) -> tuple[float, str]:
@@ -82,6 +97,9 @@ def rate_of(row: Published, gpu_override: hardware.GPU | None = None) -> tuple[f
     dp = gpus // (o.pp * o.tp)
     batch = setup.run.batch_size * setup.run.grad_accum * dp
     cost = estimate(setup.model_name, setup.model, batch)
+    if row.unit == "tokens/s/GPU":
+        tokens = setup.run.batch_size * setup.run.grad_accum * setup.model.seq_len
+        return tokens / step, f"step {step:.4g} s, {tokens:,} tokens a GPU"
     if row.unit == "MFU":
         g = gpu_override or hardware.gpu(o.gpu)
         peak = g.peak(precision_of(setup).compute)
@@ -96,6 +114,8 @@ def predict(row: Published, by_id: dict) -> tuple[float | None, str]:
         return None, row.missing
     if row.kind == "busbw":
         return busbw(row.busbw)
+    if row.kind == "scaling":
+        return scaling_of(row.argv)
     if row.kind == "efficiency":
         value, detail = rate_of(row)
         base, _ = rate_of(by_id[row.baseline])

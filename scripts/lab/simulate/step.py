@@ -79,12 +79,13 @@ class Workload:
     grad_bytes: float
     optimizer: str
     microbatches: int = 1  # --grad-accum: flops_step is all of them; only the last hides
+    overlapped: bool = True  # False: reduced after the last backward (--grad-reduce-after)
 
     @property
     def last_backward_share(self) -> float:
         """The step's compute fraction the all-reduce can hide behind: the last
-        micro-batch's backward."""
-        return BACKWARD_SHARE / self.microbatches
+        micro-batch's backward (none where the all-reduce starts after it)."""
+        return BACKWARD_SHARE / self.microbatches if self.overlapped else 0.0
 
 
 @dataclass(frozen=True)

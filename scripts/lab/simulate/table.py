@@ -78,7 +78,8 @@ def predictions(rows: list[dict], steps_to_target: int | None) -> str:
     if zero:
         out.append("# ZeRO (simulate/zero.py): dp mem = plain data parallelism's bytes per "
                    "rank (weights, gradients, optimizer state); zS comm = stage S's exposed "
-                   "reduce-scatter and all-gather(s) over a flat ring (stages 1, 2: 2(N-1)/N "
+                   "reduce-scatter and all-gather(s) over a ring, two levels above a node "
+                   "(stages 1, 2: 2(N-1)/N "
                    "Psi, stage 3: 3(N-1)/N Psi); zS step = compute + zS comm; zS mem = its "
                    "bytes per rank (models/cost.py zero_memory, the paper's per-parameter "
                    "bytes)")

@@ -20,7 +20,6 @@ rate) is predicted with that cluster's link (simulate/emulated.py).
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 from threadpoolctl import threadpool_limits
 
 from dtlab.lab.bench import model as bench_model
+from dtlab.lab.bench.harness import flatten, read, write
 from dtlab.lab.simulate.calibrate import exact_rows
 from dtlab.lab.simulate.calibrated import host_network, host_server
 from dtlab.lab.simulate.emulated import Cluster, ps_step_on, sync_step_on
@@ -61,7 +61,8 @@ def workload_of(setup) -> Workload:
     cost = replica_cost(setup)
     wire = precision_of(setup).gradient
     return Workload(setup.model_name, cost.config, cost.batch_size, cost.flops_step,
-                    cost.params_total * wire, cost.optimizer, setup.run.grad_accum)
+                    cost.params_total * wire, cost.optimizer, setup.run.grad_accum,
+                    not getattr(setup.extra, "grad_reduce_after", False))
 
 
 def precision_of(setup) -> Precision:
@@ -107,16 +108,15 @@ def bench_compute(config_path: str, threads: list[int], out: Path, reps: int = 4
                 step()
             parts = [step() for _ in range(reps)]  # (grads, update) seconds
         times = [g + u for g, u in parts]
-        row = {"model": setup.model_name, "size": "validate", "config": cost.config,
+        row = {"table": "step", "model": setup.model_name, "size": "validate",
+               **flatten("config", cost.config),
                "batch_size": batch, "params": cost.params_total, "flops_step": cost.flops_step,
                "step_s_best": min(times), "step_s_median": statistics.median(times),
                "step_s_samples": times,
                "grads_s_median": statistics.median(g for g, _ in parts),
                "update_s_median": statistics.median(u for _, u in parts)}
         path = out / f"model-t{t}.json"
-        path.write_text(json.dumps({"header": {"threads": {"threads": t}, "cpus": os.cpu_count(),
-                                               "reps": reps, "warmup": warmup}, "rows": [row]},
-                                   indent=1))
+        write(path, "model", [row], threads={"threads": t}, reps=reps, warmup=warmup)
         paths.append(path)
     return paths
 
@@ -168,7 +168,7 @@ def together_rows(paths: list[Path]) -> dict[tuple[str, int], Together]:
     several files (launches) pooled."""
     pooled: dict[tuple[str, int], dict[str, list[float]]] = {}
     for path in paths:
-        for row in json.loads(path.read_text())["rows"]:
+        for row in read(path)[1]:
             into = pooled.setdefault((row["role"], row["ranks"]), {})
             for key in ("wall", "makespan", "cpu"):
                 into.setdefault(key, []).extend(row[f"{key}_s_samples"])
@@ -181,8 +181,8 @@ def compute_rows(paths: list[Path]) -> list[dict]:
     steps at one thread count pooled into one row (their median, all samples)."""
     pooled: dict[int, dict] = {}
     for path in paths:
-        data = json.loads(path.read_text())
-        for row in exact_rows(data["rows"], data["header"]["threads"]["threads"]):
+        meta, rows = read(path)
+        for row in exact_rows(rows, meta["threads"]["threads"]):
             into = pooled.setdefault(row["threads"], {**row, "samples_s": []})
             into["samples_s"] += row["samples_s"]
     for row in pooled.values():

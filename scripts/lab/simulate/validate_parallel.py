@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from dtlab.lab import presets
+from dtlab.lab.bench.harness import read
 from dtlab.lab.bench.parallel_formulas import SIZES
 from dtlab.lab.simulate import calibrate, parallel, pipeline, table, validate
 from dtlab.lab.simulate.calibrated import host_alltoall, host_network, host_p2p
@@ -98,7 +99,7 @@ def compute_of(folder: Path) -> tuple[float, float, object]:
     setup) from the one-process benchmark of folder's config (its model-t*.json: the
     launch's, validate.bench_compute)."""
     setup = parse(["--config", str(folder / "config.json")], prog="dtlab-simulate")
-    rows = [json.loads(p.read_text())["rows"][0] for p in sorted(folder.glob("model-t*.json"))]
+    rows = [read(p)[1][0] for p in sorted(folder.glob("model-t*.json"))]
     if not rows:
         raise ConfigError(f"{folder}: no compute benchmark (model-t*.json)")
     r = rows[0]
@@ -138,7 +139,7 @@ def rows_of(launches: list[Path], cal: dict, host: Host, bucket_bytes: float) ->
     found: dict[tuple, list[dict]] = {}
     for launch in launches:
         load = load_of(launch)
-        for r in json.loads((launch / "parallel.json").read_text())["rows"]:
+        for r in read(launch / "parallel.json")[1]:
             if r["pp"] < 2:
                 continue
             pred = predict_pipeline(cal, launch, r, host, bucket_bytes)

@@ -6,8 +6,9 @@
 Communication (Rajbhandari et al. 2020, "ZeRO", section 7). collective/zero*.py cuts the
 parameters into units (each body module holding parameters: the embedding, a block, the
 head; models/parts.py's modules) and runs each unit's collectives on our flat ring over
-the N dp ranks: a reduce-scatter of a unit's n_u bytes and an all-gather of them cost
-(alpha, beta, gamma as in simulate/formulas.py)
+the N dp ranks (predicted across nodes in two levels, below): a reduce-scatter of a
+unit's n_u bytes and an all-gather of them cost (alpha, beta, gamma as in
+simulate/formulas.py)
 
     rs(n_u) = (N-1) alpha + (N-1)/N n_u (beta + gamma)
     ag(n_u) = (N-1) alpha + (N-1)/N n_u beta
@@ -18,12 +19,27 @@ parallelism sends, 2(N-1)/N Psi; stage 3 gathers the parameters twice (before fo
 and again before backward), 3(N-1)/N Psi, the paper's 1.5x. The reduce-scatters move the
 gradient's wire bytes and the gathers the parameters' compute bytes (simulate/precision.py:
 2 each under --precision fp16|bf16; with --wire bf16 over float32, 2 and 4). On one
-node the ring goes at the intra-node link, across nodes at the inter-node one (the
-slowest hop paces every step of a flat ring); on a calibrated host at its ring fit.
+node the ring goes at the intra-node link, on a calibrated host at its ring fit. Across
+M nodes of G ranks (collective_s) a collective goes in two levels, as the all-reduce
+does (formulas.sync_allreduce_s) and NCCL's rings do (each of its G channels crosses a
+node boundary once, so a node's NICs carry n / G a rank): a reduce-scatter is one over
+the G ranks of the node of n bytes and one over the M nodes of n / G bytes, each rank
+on its NIC (shared by G / K ranks where a node has K < G), an all-gather the reverse:
+
+    rs(n) = rs_G(n; intra) + (G / K) rs_M(n / G; inter)
+
+the same bytes a rank as the flat ring ((G-1)/G n + (M-1)/M n / G = (N-1)/N n), at
+the intra-node link for most of them. With one rank a node (G = 1) it is the flat ring
+on the inter-node link.
 
 Overlap, where the ranks have somewhere to communicate (step.py's rule: a GPU, or a core
-of its own), with backward 2/3 of the compute (BACKWARD_SHARE) and forward the rest;
-unit 0 is the first in forward, unit L-1 the last:
+of its own), with backward 2/3 of the compute (BACKWARD_SHARE; 3/4 with --recompute,
+whose recomputed forward runs in backward: backward_share) and forward the rest; unit 0
+is the first in forward, unit L-1 the last. As FSDP's and DeepSpeed's prefetch run it,
+each unit's gather is issued while the unit before it computes (FSDP's forward and
+backward prefetch, DeepSpeed's prefetch bucket), and a recomputed block uses the
+parameters its backward gathered (no third gather: FSDP's pre-backward hook unshards
+the unit before its checkpointed forward runs again):
 
     stages 1, 2  exposed = rs_0 + max(0, RS - rs_0 - backward) + AG
                  (each unit's reduce-scatter as backward finishes it, unit 0's after
@@ -48,6 +64,7 @@ precision with Adam, K = 12: plain DP (2 + 2 + K) Psi, stage 1 4 Psi + K Psi / N
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from dtlab.lab.simulate.formulas import Network
@@ -73,6 +90,7 @@ class ZeroSpec:
     gather_scale: float = 1.0  # gathered parameters' bytes per element over the units'
     # (the units are at the gradient's wire bytes: --wire bf16 over float32 gathers 2)
     microbatches: int = 1  # --grad-accum
+    backward_share: float = BACKWARD_SHARE  # of the compute (backward_share(config))
 
     def memory(self, stage: int, n: int, optimizer: str) -> dict[str, float]:
         """Bytes per rank of `stage` (0: plain data parallelism) over n ranks."""
@@ -105,24 +123,43 @@ def ring_link(net: Network, n: int) -> Link:
     return net.link("ring", base)
 
 
+def collective_s(one, nbytes: float, n: int, net: Network) -> float:
+    """Seconds of a reduce-scatter or all-gather (`one`: reduce_scatter_s or allgather_s)
+    of nbytes over n ranks: a flat ring within a node (or on a network of one rank a
+    node), else two levels (module docstring)."""
+    G = min(net.gpus_per_node, n)
+    nodes = math.ceil(n / G)
+    if G == 1 or nodes == 1:
+        return one(nbytes, n, ring_link(net, n))
+    return (one(nbytes, G, net.link("ring", net.intra))
+            + net.nic_share(G) * one(nbytes / G, nodes, net.link("ring", net.inter)))
+
+
+def backward_share(config) -> float:
+    """The share of a step's compute after the forward: 2/3 (BACKWARD_SHARE), 3/4 when
+    each block's forward runs again in backward (--recompute: forward 1, recompute 1,
+    backward 2)."""
+    return 0.75 if getattr(config, "recompute", False) else BACKWARD_SHARE
+
+
 def zero_step(stage: int, units: tuple[float, ...], n: int, net: Network, compute_s: float,
               host: Host, straggler_s: float = 0.0, gather_scale: float = 1.0,
-              microbatches: int = 1) -> Step:
+              microbatches: int = 1, backward_share: float = BACKWARD_SHARE) -> Step:
     """One step of ZeRO `stage` over n ranks with units of these bytes and `microbatches`
     micro-batches (module docstring); straggler_s: how much later than the median the
-    slowest rank ends backward (every rank waits for it)."""
+    slowest rank ends backward (every rank waits for it); backward_share: of compute_s."""
     if stage not in STAGES:
         raise ValueError(f"ZeRO stage must be one of {STAGES}, not {stage}")
-    link, share = ring_link(net, n), host.share(n)
-    rs = [reduce_scatter_s(b, n, link) * share for b in units]  # (L,) per unit
-    ag = [allgather_s(b * gather_scale, n, link) * share for b in units]  # (L,)
+    share = host.share(n)
+    rs = [collective_s(reduce_scatter_s, b, n, net) * share for b in units]  # (L,) per unit
+    ag = [collective_s(allgather_s, b * gather_scale, n, net) * share for b in units]  # (L,)
     RS, AG = sum(rs), sum(ag)
     k = microbatches
     gathers = 2 * k if stage == 3 else 1  # all-gathers of the units a step
     scatters = 1 if stage == 1 else k  # reduce-scatters of the units a step
     ranks_here = min(n, net.gpus_per_node) if not host.cores else n
     overlap = host.overlap(ranks_here)
-    backward = BACKWARD_SHARE * compute_s / k  # one micro-batch's
+    backward = backward_share * compute_s / k  # one micro-batch's
     forward = compute_s / k - backward
     if not overlap:
         exposed = scatters * RS + gathers * AG
@@ -144,7 +181,7 @@ def zero_columns(spec: ZeroSpec, optimizer: str, n: int, net: Network, compute_s
     out = {"dp_memory": spec.memory(0, n, optimizer)}
     for stage in spec.stages:
         s = zero_step(stage, spec.units, n, net, compute_s, host, straggler_s,
-                      spec.gather_scale, spec.microbatches)
+                      spec.gather_scale, spec.microbatches, spec.backward_share)
         out[f"zero{stage}"] = {"comm_s": s.comm_s, "step_s": s.step_s, **s.parts,
                                "memory": spec.memory(stage, n, optimizer)}
     return out

@@ -23,7 +23,7 @@ small, then two-shot; above that the bandwidth-optimal point-to-point
 algorithms, whose copies go straight from buffer to buffer (shared memory
 copies in and out), halving-doubling when N is a power of two (fewer waits),
 else the ring (no fold). The thresholds below were measured with
-dtlab.lab.bench.allreduce at 2, 3 and 4 ranks (figures in its docstring);
+dtlab.lab.bench.allreduce at 2, 3 and 4 ranks (figures: scripts/RESULTS.md);
 `Communicator(ours=...)` forces one algorithm for every size.
 """
 

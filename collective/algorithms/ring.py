@@ -66,10 +66,15 @@ the NIC moves chunk j + 1 while the CPU adds chunk j, so 256 KB - 1 MB chunks
 hide most of the additions. Within one host MPICH moves large messages by
 CMA (process_vm_readv), a copy the receiving rank performs itself inside its
 wait, so nothing is in flight while it adds and sub-chunks only add messages:
-hence the 4 MiB default `chunk_bytes` (collective/comm.py; measurements in
-dtlab.lab.bench.allreduce); lower it on a cluster.
+hence the 4 MiB default `chunk_bytes` (collective/comm.py; figures:
+scripts/RESULTS.md); lower it on a cluster.
 
 Sums use `xp.add(x, y, out=x)`, into the buffer without a temporary.
+
+Where a step's time goes (the wait, the add, the Starts, the loop's own
+Python): `mpiexec -n 4 dtlab-bench ring_steps`, which sets `Link.stamps`
+(collective/transport/stamps.py) to time every call the loop below makes;
+unset, ring() only reads the attribute once a call.
 
 Measure: mpiexec -n 4 dtlab-bench allreduce
 """
@@ -79,9 +84,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from mpi4py import MPI
+
 from dtlab.collective.transport.bindings import free_requests
 from dtlab.collective.transport.link import TAG_RING, Link, byte_view
 from dtlab.collective.transport.pages import PAGE, address, mirror
+from dtlab.collective.transport.stamps import ADD, POST, START, WAIT
+
+start_request = MPI.Prequest.Start  # start_request(req): req.Start(), one name for stamps
 
 
 def segment_bounds(length: int, parts: int) -> list[int]:
@@ -146,16 +156,21 @@ class _Plan:
 
 class _Bound:
     """A plan bound to one buffer: persistent requests (MPI_Recv_init,
-    MPI_Send_init), the array views the additions use and the ring neighbours.
+    MPI_Send_init), the array views the additions use, the ring neighbours and
+    the waits for their messages.
 
     Each scratch slot is a page-aligned region with a page of slack, and the
     view a reduce step receives into starts at the page offset of the chunk
     of buf it is added to (collective/transport/pages.py).
     """
 
-    def __init__(self, link: Link, plan: _Plan, buf, xp):
+    def __init__(self, link: Link, plan: _Plan, buf, xp, operation: str):
         comm, self.plan = link.comm, plan
         self.left, self.right = left, right = link.left(), link.right()
+        waiter = link.waiter  # the waits of this operation, made once, not once a call:
+        self.wait = waiter.waits_for(operation, left)  # wait(req): a message from the left
+        self.wait_sent = waiter.waits_for(operation, right)  # wait(req): our send, read
+        self.wait_all_sent = waiter.waitall_for(operation, right)  # wait_all_sent(reqs)
         item, base = buf.itemsize, address(buf)
         stride = -(-plan.chunk_max * item // PAGE) * PAGE + PAGE  # bytes per slot
         slots = link.ws.pages("ring", plan.window * stride, xp) if plan.n_reduce else None
@@ -176,21 +191,20 @@ class _Bound:
 
 
 def _bind(link: Link, buf, bounds: tuple[int, ...], first: int, last: int, chunk_bytes: int,
-          xp) -> _Bound:
+          xp, operation: str) -> _Bound:
     """The binding of this shape's plan to `buf`, from the link's caches."""
-    key = ("ring", bounds, first, last, buf.dtype.char, chunk_bytes)
+    key = ("ring", bounds, first, last, buf.dtype.char, chunk_bytes, operation)
 
     def make() -> _Bound:
         order, position = link.ring()
         plan = link.cache.plan(key, lambda: _Plan(order, position, list(bounds), first, last,
                                                   buf.itemsize, chunk_bytes))
-        return _Bound(link, plan, buf, xp)
+        return _Bound(link, plan, buf, xp, operation)
 
     return link.cache.bound(key, buf, make)
 
 
-def _post(link: Link, plan: _Plan, bound: _Bound, posted: int, upto: int, now: bool,
-          operation: str) -> int:
+def _post(plan: _Plan, bound: _Bound, posted: int, upto: int, now: bool) -> int:
     """Start receives [posted, upto) in message order (MPI matches them in that
     order); the number started so far. A gather receive lands where an earlier
     send reads from: ahead of time it is started only once that send is done
@@ -202,7 +216,7 @@ def _post(link: Link, plan: _Plan, bound: _Bound, posted: int, upto: int, now: b
         old = after_send[posted]
         if old >= 0:
             if now:
-                link.wait(sends[old], operation, bound.right)
+                bound.wait_sent(sends[old])
             elif not sends[old].Test():
                 return posted
         recvs[posted].Start()
@@ -236,35 +250,38 @@ def ring(
     Start of the same chunk's next step: what the plan and the binding hold is
     only indexed here, Python's share of a step is kept to those calls.
     """
-    bound = _bind(link, buf, bounds, first, last, chunk_bytes, xp)
+    bound = _bind(link, buf, bounds, first, last, chunk_bytes, xp, operation)
     plan = bound.plan
     total, window, c, n_reduce = plan.total, plan.window, plan.n_chunks, plan.n_reduce
     recvs, sends, adds = bound.recv, bound.send, bound.adds
-    wait = link.waiter.waits_for(operation, bound.left)
+    wait, add, start, post = bound.wait, xp.add, start_request, _post
+    if link.stamps is not None:  # dtlab-bench ring_steps: every call timed (transport/stamps.py)
+        stamps = link.stamps
+        wait, add, start, post = (stamps.wrap(wait, WAIT), stamps.wrap(add, ADD),
+                                  stamps.wrap(start, START), stamps.wrap(post, POST))
     final = n_reduce - c if divide is not None else total  # the last reduce step's messages
 
-    posted = _post(link, plan, bound, 0, window, False, operation)
+    posted = post(plan, bound, 0, window, False)
     if sync is not None:
         sync()
     for m in range(min(c, total)):  # step `first`: every chunk of the segment we send
-        sends[m].Start()
+        start(sends[m])
     for m in range(total):  # chunk m % C of the walk-through table's row first + m // C
         if posted <= m:
-            posted = _post(link, plan, bound, posted, m + 1, True, operation)
+            posted = post(plan, bound, posted, m + 1, True)
         wait(recvs[m])
         if m < n_reduce:  # reduce-scatter: add what arrived into our own
             dst, got = adds[m]  # (chunk,), (chunk,)
-            xp.add(dst, got, out=dst)
+            add(dst, got, out=dst)
             if m >= final:  # the segment is final
                 xp.true_divide(dst, divide, out=dst)
             if sync is not None:
                 sync()
         if posted < total:
-            posted = _post(link, plan, bound, posted, min(m + 1 + window, total), False,
-                           operation)
+            posted = post(plan, bound, posted, min(m + 1 + window, total), False)
         if m + c < total:  # chunk j of step t + 1 is this chunk: pass it on
-            sends[m + c].Start()
-    link.waitall(sends, operation, bound.right)
+            start(sends[m + c])
+    bound.wait_all_sent(sends)
 
 
 @functools.lru_cache(maxsize=64)

@@ -13,7 +13,7 @@ rank 0's every rank raises the same `MismatchError`, naming both ranks:
     rank 2 has allreduce(999 x float32, ring)
 
 Cost: one small Allgather, as long as a whole small all-reduce or longer
-(figures in dtlab.lab.bench.allreduce). So the default mode "first" checks the first call of each
+(figures: scripts/RESULTS.md). So the default mode "first" checks the first call of each
 distinct signature per communicator (a training loop repeats the same
 buffers, so after the first step the check is free), "always" checks every
 call (debugging), "never" skips it. Set by the communicator's `check`

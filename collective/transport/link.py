@@ -9,6 +9,7 @@ its own module:
     waits.py      how to wait: block in MPI, or poll and yield when oversubscribed
     bindings.py   plans per shape and persistent requests per buffer
     failure.py    the stall watch every wait runs under
+    stamps.py     timestamps of the ring's calls, off unless a bench sets them
 
 Messages are raw bytes (`byte_view`): our algorithms do the arithmetic
 themselves, so every dtype (float16, bfloat16 from ml_dtypes, ints) travels
@@ -41,6 +42,7 @@ from dtlab.collective.transport.bindings import RequestCache
 from dtlab.collective.transport.failure import Watch
 from dtlab.collective.transport.order import ring_order
 from dtlab.collective.transport.scratch import Workspace
+from dtlab.collective.transport.stamps import Stamps
 from dtlab.collective.transport.waits import Waiter
 
 TAG_RING = 32001
@@ -120,6 +122,7 @@ class Link:
         self.cache = RequestCache(persistent_buffers)
         self.release = weakref.finalize(self, self.cache.free_all)
         self._ring: tuple[list[int], int] | None = None
+        self.stamps: Stamps | None = None  # set: the ring times each call (stamps.py)
 
     def ring(self) -> tuple[list[int], int]:
         """(ring order of the ranks, this rank's position in it); collective on first use."""

@@ -10,8 +10,8 @@ Scratch memory that malloc hands out right after the user's buffer sits 16
 bytes past it, which is exactly that case. A receive buffer that starts at
 the same offset within a page as the data sent into it makes the copy one
 between equally aligned pages, as fast as the copy between two user buffers
-(the sender's offset is taken to be ours: every rank allocates alike). The
-figures measured are in dtlab.lab.bench.allreduce's docstring.
+(the sender's offset is taken to be ours: every rank allocates alike)
+(figures: scripts/RESULTS.md).
 """
 
 from __future__ import annotations

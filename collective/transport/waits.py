@@ -67,13 +67,30 @@ class Waiter:
         a fraction of a microsecond per message."""
         if self.yield_waits:
             return lambda req: self.wait(req, operation, peer)
-        watch, timeout = self.watch, self.watch.timeout
+        watch, timeout, monotonic = self.watch, self.watch.timeout, time.monotonic
 
         def wait(req: MPI.Request) -> None:
             if timeout:
-                watch.state = (time.monotonic() + timeout, operation, peer)
+                watch.state = (monotonic() + timeout, operation, peer)
             try:
                 req.Wait()
+            finally:
+                watch.state = None
+
+        return wait
+
+    def waitall_for(self, operation: str, peer: int | None) -> Callable[[list], None]:
+        """`waitall(reqs, operation, peer)` as a one-argument function, as `waits_for`."""
+        if self.yield_waits:
+            return lambda reqs: self.waitall(reqs, operation, peer)
+        watch, timeout, monotonic, waitall = (self.watch, self.watch.timeout, time.monotonic,
+                                              MPI.Request.Waitall)
+
+        def wait(reqs: list) -> None:
+            if timeout:
+                watch.state = (monotonic() + timeout, operation, peer)
+            try:
+                waitall(reqs)
             finally:
                 watch.state = None
 

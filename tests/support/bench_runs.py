@@ -54,6 +54,7 @@ SPECS = {
     "precision": Spec(env=CPU, timeout=120),
     "pserver": Spec(env=ONE_BLAS_THREAD),
     "replication": Spec(env=ONE_BLAS_THREAD),
+    "ring_steps": Spec(ranks=2, mpi=True, timeout=120),
     "sync": Spec(args=("--tiny", "--ranks", "1,2", "--allreduce", "ring,naive", "--wire",
                        "fp32,bf16", "--steps", "6"), mpi=True, drop_user_vars=True, timeout=180),
     "threads": Spec(mpi=True, timeout=300),

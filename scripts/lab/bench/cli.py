@@ -18,7 +18,7 @@ import sys
 
 # the benchmarks; moe_ep and together are also started by others under mpiexec
 NAMES = ("allreduce", "fanout", "flight", "model", "moe", "moe_ep", "optim", "parallel",
-         "pipedream", "precision", "pserver", "replication", "sync", "threads",
+         "pipedream", "precision", "pserver", "replication", "ring_steps", "sync", "threads",
          "together", "zero")
 
 

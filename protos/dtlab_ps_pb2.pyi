@@ -246,7 +246,7 @@ class PullReply(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "step", "shard", "meta", "registration", "partition", "ranges", "compressed")
+    __slots__ = ("worker_id", "step", "shard", "meta", "registration", "partition", "ranges", "compressed", "step_s")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +255,7 @@ class PushHeader(_message.Message):
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
     COMPRESSED_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     step: int
     shard: int
@@ -263,7 +264,8 @@ class PushHeader(_message.Message):
     partition: int
     ranges: PushRanges
     compressed: PushCompressed
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., shard: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., registration: _Optional[int] = ..., partition: _Optional[int] = ..., ranges: _Optional[_Union[PushRanges, _Mapping]] = ..., compressed: _Optional[_Union[PushCompressed, _Mapping]] = ...) -> None: ...
+    step_s: float
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., shard: _Optional[int] = ..., meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., registration: _Optional[int] = ..., partition: _Optional[int] = ..., ranges: _Optional[_Union[PushRanges, _Mapping]] = ..., compressed: _Optional[_Union[PushCompressed, _Mapping]] = ..., step_s: _Optional[float] = ...) -> None: ...
 
 class PushCompressed(_message.Message):
     __slots__ = ("kind", "count")
@@ -300,20 +302,22 @@ class PushRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("duplicate", "staleness", "version", "pending", "lr", "term")
+    __slots__ = ("duplicate", "staleness", "version", "pending", "lr", "term", "fastest_step_s")
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
+    FASTEST_STEP_S_FIELD_NUMBER: _ClassVar[int]
     duplicate: bool
     staleness: int
     version: int
     pending: bool
     lr: float
     term: int
-    def __init__(self, duplicate: _Optional[bool] = ..., staleness: _Optional[int] = ..., version: _Optional[int] = ..., pending: _Optional[bool] = ..., lr: _Optional[float] = ..., term: _Optional[int] = ...) -> None: ...
+    fastest_step_s: float
+    def __init__(self, duplicate: _Optional[bool] = ..., staleness: _Optional[int] = ..., version: _Optional[int] = ..., pending: _Optional[bool] = ..., lr: _Optional[float] = ..., term: _Optional[int] = ..., fastest_step_s: _Optional[float] = ...) -> None: ...
 
 class WholePush(_message.Message):
     __slots__ = ("header", "chunk", "trailer", "then_pull")

@@ -11,7 +11,7 @@ import stat
 
 import pytest
 
-from dtlab.models.run.launcher import mpiexec_path
+from dtlab.models.run.launcher_env import mpiexec_path
 
 REFUSE = """#!/bin/sh
 echo "this test starts mpiexec without the mpiexec fixture (tests/conftest.py)" >&2

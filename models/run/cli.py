@@ -12,7 +12,7 @@ import traceback
 from collections.abc import Callable
 
 from dtlab.models.config import ConfigError
-from dtlab.models.run.launcher import who
+from dtlab.models.run.launcher_env import who
 
 
 def command_name(module: str = "") -> str:

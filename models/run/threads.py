@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 import numpy  # noqa: F401 - loads the BLAS whose thread pool is limited here
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from dtlab.models.run.launcher import LOCAL_SIZE_VARS, first_int
+from dtlab.models.run.launcher_env import LOCAL_SIZE_VARS, first_int
 
 USER_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 

@@ -73,7 +73,7 @@ from pathlib import Path
 
 from dtlab.models.config import ConfigError
 from dtlab.models.run.cli import command_name
-from dtlab.models.run.launcher import RANK_VARS, SIZE_VARS, first_int, who
+from dtlab.models.run.launcher_env import RANK_VARS, SIZE_VARS, first_int, who
 
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 JOIN_TIMEOUT_S = 120.0  # how long a rank waits for the job's others at an allgather

@@ -54,6 +54,7 @@ from dtlab.pserver.server import push_checks
 from dtlab.pserver.server.session_stream import SessionStream
 from dtlab.pserver.server.shm_session import boot_id
 from dtlab.pserver.server.stats_reply import CONSISTENCY, stats_reply
+from dtlab.pserver.server.step_times import StepTimes
 from dtlab.pserver.server.store import PushResult, Read, ShardStore
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class ParameterServerServicer:
         self.meta = pb.TensorMeta(dtype=wire.dtype_code(store.params.dtype), shape=[lay.length],
                                   offset=lay.offset)
         self._busy = 0  # operations in progress, on calls and sessions
+        self.step_times = StepTimes()  # the workers' reported step times (--dylu)
         self._busy_lock = threading.Lock()
 
     def fail(self, context, err: PSError):
@@ -110,7 +112,8 @@ class ParameterServerServicer:
 
     def push_reply(self, r: PushResult) -> pb.PushReply:
         return pb.PushReply(duplicate=r.duplicate, staleness=r.staleness, version=r.version,
-                            pending=r.pending, lr=r.lr, term=self.term)
+                            pending=r.pending, lr=r.lr, term=self.term,
+                            fastest_step_s=self.step_times.fastest())
 
     def _meta(self, version: int) -> pb.TensorMeta:
         meta = pb.TensorMeta()
@@ -330,6 +333,7 @@ class ParameterServerServicer:
               else contextlib.nullcontext()):
             push_checks.check_header(h, self.meta, self.store.layout)
             ranges = push_checks.push_ranges(h, self.store.layout.length)
+            self.step_times.report(h)
             result = self.store.admit(h.worker_id, h.step, h.meta.version)
             if result is not None:
                 skip()

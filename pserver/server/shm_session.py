@@ -102,6 +102,7 @@ def push(servicer: ParameterServerServicer, m: pb.ShmPush, segment: Segment | No
         raise InvalidArgument("a compressed push travels over gRPC, not through shared "
                               "memory", reason="compressed")
     ranges = push_ranges(h, store.layout.length)
+    servicer.step_times.report(h)
     result = store.admit(h.worker_id, h.step, h.meta.version)
     if result is not None:
         return result

@@ -255,6 +255,12 @@ class PSClient:
                   for s in self.shards]
         return [(p.data, None, p) for p in self.compress.parts(flat_grad, bounds)]
 
+    def report_step_s(self, seconds: float) -> None:
+        """Carry `seconds`, this worker's measured step time, on every push from now on
+        (PushHeader.step_s; each reply answers the fastest worker's: --dylu)."""
+        for s in self.shards:
+            s.step_s = seconds
+
     def push(self, flat_grad: np.ndarray, step: int,
              ranges: Ranges | None = None) -> list[pb.PushReply]:
         """Push every shard's slice of `flat_grad` in parallel, each with the version it read;

@@ -28,7 +28,11 @@ with --moe-sparse-push expert_push_fraction (pserver.worker.expert_push).
 optimizer takes every step (the optimizer runs here) from the parameters it pulled; at a
 round's end finish pushes the outer gradient, parameters pulled - local ones, and pulls
 the servers' new parameters, the next round's start. Its records carry the inner lr;
-a round's end also its push's staleness, version, outer_round and outer_lr.
+a round's end also its push's staleness, version, outer_round, outer_lr and round_steps
+(the inner steps of the round). With --dylu (pserver.worker.dylu: speed-aware local
+steps) each round has its own H_i, set by the last push's answer, and its end's record
+also step_time_s (this worker's median inner step time, which the push carried) and
+fastest_step_s (the servers' fastest worker's).
 """
 
 from __future__ import annotations
@@ -39,11 +43,13 @@ import numpy as np
 
 from dtlab.models import backend
 from dtlab.models.outer import outer_gradient, round_ends
+from dtlab.models.run.loop import eval_due
 from dtlab.models.run.session import Session
 from dtlab.models.run.trace import Trace
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver.common.ranges import Ranges
 from dtlab.pserver.worker.client import PSClient
+from dtlab.pserver.worker.dylu import RecentStepTimes, fastest_of, speed_aware_steps
 from dtlab.pserver.worker.expert_push import ExpertPush
 
 
@@ -163,16 +169,47 @@ class OuterPushPull(PushPull):
     """--local-steps H: every step an inner step of this worker's own optimizer; a round's
     last also pushes the outer gradient and pulls the next round's start. The pulled
     parameters stay in `host` (never the buffer the inner steps change), so a shard that
-    answers "not modified" leaves the right values there."""
+    answers "not modified" leaves the right values there. `speed_aware`: --dylu, each
+    round's steps H_i from this worker's speed against the fastest's."""
 
     optimizer_here = True  # the inner steps'; the servers run the outer optimizer
 
-    def __init__(self, session: Session, client: PSClient, trace: Trace, local_steps: int):
+    def __init__(self, session: Session, client: PSClient, trace: Trace, local_steps: int,
+                 speed_aware: bool = False):
         super().__init__(session, client, trace)
         self.H, self.rounds = local_steps, 0
+        self.eval_every = session.setup.run.eval_every
+        # this round's first step (None: this launch's first, a rejoining worker's too), H_i
+        self.round_start, self.round_steps = None, local_steps
+        self.step_times = RecentStepTimes(local_steps) if speed_aware else None
         if not self.on_device:
             self.host = np.empty(self.params.size, self.params.dtype)  # (n,) the pulled global
         self.outer_grad = np.empty_like(self.host)  # (n,) pulled - local
+
+    def ends_round(self, step: int) -> bool:
+        """Whether inner step `step` ends a round: after H steps (--dylu: this round's
+        H_i, or at an evaluation step, which reads the servers' parameters), and the last."""
+        if self.step_times is None:
+            return round_ends(step, self.H, self.steps)
+        return (step + 1 - self.round_start >= self.round_steps or step + 1 == self.steps
+                or eval_due(step + 1, self.eval_every, self.steps))
+
+    def settled(self, record: dict) -> list[dict]:
+        if self.step_times is not None:
+            self.step_times.observe(record)
+        return [record]
+
+    def next_round(self, step: int, replies: list, own: float | None) -> dict:
+        """After the push ending the round at `step` (--dylu: carrying `own`, this worker's
+        step time, None before any was measured): the next round's start and steps; the
+        record's round_steps (and --dylu's step times)."""
+        record = {"round_steps": step + 1 - self.round_start}
+        self.round_start = step + 1
+        if own is not None:
+            fastest = fastest_of(replies)
+            self.round_steps = speed_aware_steps(self.H, fastest, own)
+            record |= {"step_time_s": own, "fastest_step_s": fastest}
+        return record
 
     def loaded(self, changed: int) -> None:
         """The pulled global parameters into the (locally changed) ones, always."""
@@ -184,7 +221,12 @@ class OuterPushPull(PushPull):
         t = time.perf_counter()
         replies, record = [], {}
         sent = (self.client.pushed_bytes, self.client.pulled_bytes)
-        if round_ends(step, self.H, self.steps):
+        if self.round_start is None:
+            self.round_start = step
+        if self.ends_round(step):
+            own = None if self.step_times is None else self.step_times.median()
+            if own is not None:
+                self.client.report_step_s(own)  # carried by this push (--dylu)
             outer_gradient(self.host, backend.to_host(self.params.data), out=self.outer_grad)
             last = step == self.steps - 1
             if last:
@@ -193,7 +235,8 @@ class OuterPushPull(PushPull):
                 replies, changed = self.client.push_pull(self.outer_grad, step, self.host)
                 self.loaded(changed)
             self.rounds += 1
-            record = {"outer_round": self.rounds, "outer_lr": replies[0].lr}
+            record = {"outer_round": self.rounds, "outer_lr": replies[0].lr,
+                      **self.next_round(step, replies, own)}
             self.trace.span("outer push" if last else "outer push + next pull", t,
                             time.perf_counter(), "comm")
         return {"push_s": time.perf_counter() - t, **self.replied(replies), **record,

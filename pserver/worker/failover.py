@@ -126,6 +126,15 @@ class ReplicatedShard:
             r.registration = value
 
     @property
+    def step_s(self) -> float | None:
+        return self.replicas[0].step_s
+
+    @step_s.setter
+    def step_s(self, value: float | None) -> None:
+        for r in self.replicas:
+            r.step_s = value
+
+    @property
     def partition(self) -> pb.PartitionLayout | None:
         return self.replicas[0].partition
 

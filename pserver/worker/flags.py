@@ -4,7 +4,8 @@ of a combination, next to the flags it concerns.
 
 Flags are those of dtlab.models.run.train (models.session) plus the client's
 (pserver.common.config.ClientConfig), the compressed push's (models.compress.CompressConfig),
---worker-id / --num-workers / --local-steps / --moe-sparse-push and the group's --tp,
+--worker-id / --num-workers / --local-steps / --dylu / --fragments / --moe-sparse-push and
+the group's --tp,
 --pp, --pp-schedule, --stages. Without --local-steps the worker never runs the optimizer:
 of the optimizer flags it takes --clip only (the servers take --optimizer, --lr, ...; a
 --config file's optimizer section is read by the servers and left alone here); with it
@@ -20,9 +21,10 @@ from dataclasses import dataclass
 from dtlab.models.compress import CompressConfig
 from dtlab.models.config import ConfigError, add_flags, described, from_namespace
 from dtlab.models.run.cli import command_name
-from dtlab.models.run.launcher import launcher_rank, launcher_size
+from dtlab.models.run.launcher_env import launcher_rank, launcher_size
 from dtlab.models.run.session import Setup, parse
 from dtlab.models.schedule import SCHEDULES
+from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver.common.config import ClientConfig
 
 DESCRIPTION = "The asynchronous SGD worker: pull from every shard, compute on its own data, push."
@@ -38,6 +40,16 @@ class WorkerConfig:
         0, "local SGD / DiLoCo: take H inner steps with this worker's own optimizer (the "
            "optimizer flags, here) between pushes of the outer gradient, parameters pulled - "
            "local; the servers run --outer-optimizer (0: push every step's gradient)")
+    dylu: bool = described(
+        False, "speed-aware local steps (DyLU, Liu et al. 2024; pserver.worker.dylu): each "
+               "round's steps H_i = max(1, round(H * t_fast / t_i)), t_i this worker's median "
+               "inner step time over its last H steps, t_fast the fastest worker's as the "
+               "servers answer it; needs --local-steps H")
+    fragments: int = described(
+        0, "Streaming DiLoCo (Douillard et al. 2025; pserver.worker.streaming): the parameters "
+           "in F fragments of whole tensors, each pushed as its outer gradient in its turn "
+           "(one every H / F inner steps, a ranged push) to the servers' outer optimizer; "
+           "needs --local-steps H (0: off; 1: one fragment, DiLoCo)")
     moe_sparse_push: bool = described(
         False, "Mixture-of-Experts models: push no gradient for the experts that received no "
                "token this step; the servers leave them and their optimizer state as they are "
@@ -75,6 +87,20 @@ class WorkerConfig:
             raise ConfigError("--worker-id must be >= -1 and --num-workers >= 0")
         if self.local_steps < 0:
             raise ConfigError(f"--local-steps must not be negative (got {self.local_steps})")
+        if self.dylu and not self.local_steps:
+            raise ConfigError("--dylu scales the local steps of each round to this worker's "
+                              "speed: give --local-steps H (the fastest worker's H)")
+        if self.fragments < 0:
+            raise ConfigError(f"--fragments must not be negative (got {self.fragments})")
+        if self.fragments and not self.local_steps:
+            raise ConfigError("--fragments cuts the outer gradient of local SGD / DiLoCo into "
+                              "F pushes a round: give --local-steps H")
+        if self.fragments and self.local_steps % self.fragments:
+            raise ConfigError(f"--fragments {self.fragments} must divide --local-steps "
+                              f"{self.local_steps}: one fragment is pushed every H / F steps")
+        if self.fragments and self.dylu:
+            raise ConfigError("--fragments with --dylu: Streaming DiLoCo's schedule is fixed "
+                              "by H; speed-aware rounds would change it: choose one")
         if self.local_steps and self.moe_sparse_push:
             raise ConfigError("--moe-sparse-push leaves experts out of a step's gradient; "
                               "--local-steps pushes every parameter's change: leave it out")
@@ -100,6 +126,10 @@ class WorkerConfig:
 
     def check_model(self, model_name: str, model) -> None:
         """This config against the model built."""
+        tensors = len(model.specs())
+        if self.fragments > tensors:
+            raise ConfigError(f"--fragments {self.fragments}: {model_name} has {tensors} "
+                              "tensors, and a fragment is at least one whole tensor")
         if self.moe_sparse_push and not model.moe:
             raise ConfigError(f"--moe-sparse-push needs a Mixture-of-Experts model (--moe-experts "
                               f"above 0); {model_name} has no experts")
@@ -117,6 +147,16 @@ def check_outer(servers_optim: dict) -> None:
             f"servers run {o.get('optimizer')} with warm-up {o.get('warmup')}, "
             f"{o.get('schedule')} lr, decay {o.get('weight_decay')}: start them with "
             "--outer-optimizer sgd or nesterov")
+
+
+def check_speed_aware(wcfg: WorkerConfig, consistency: int) -> None:
+    """--dylu against the servers' consistency: asynchronous local SGD's (a BSP round
+    waits for one push of every worker, which speed-aware rounds of different lengths
+    would not bring in step)."""
+    if wcfg.dylu and consistency == pb.BSP:
+        raise ConfigError("--dylu: the servers run BSP, whose rounds take one outer gradient "
+                          "of every worker; speed-aware local steps are for asynchronous "
+                          "local SGD (servers with --consistency asp or ssp)")
 
 
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:

@@ -89,11 +89,13 @@ from dtlab.pserver.worker.exchange import OuterPushPull, PushPull
 from dtlab.pserver.worker.flags import (
     WorkerConfig,
     check_outer,
+    check_speed_aware,
     is_group,
     parse_args,
     worker_configs,
 )
 from dtlab.pserver.worker.log_names import start_logging
+from dtlab.pserver.worker.streaming import StreamingPushPull
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +234,9 @@ def train(session: Session, client: PSClient, wcfg: WorkerConfig, first: int,
     local = {}
     if wcfg.local_steps:  # setup.optim is this worker's inner optimizer
         check_outer(servers_optim)
-        local = {"local_steps": wcfg.local_steps, "outer_optim": servers_optim,
+        check_speed_aware(wcfg, server.consistency)
+        local = {"local_steps": wcfg.local_steps, "dylu": wcfg.dylu, "fragments": wcfg.fragments,
+                 "outer_optim": servers_optim,
                  "outer": json.loads(server.outer_config or "{}")}  # what the servers run
     else:
         setup.optim = build(OptimConfig, {**servers_optim, "clip": setup.optim.clip})
@@ -245,12 +249,22 @@ def train(session: Session, client: PSClient, wcfg: WorkerConfig, first: int,
                             "error_feedback": compress.error_feedback} if compress else {}))
     metrics = MetricsLog(run.metrics.replace("{worker}", str(wid)), header, append=first > 0)
     trace = Trace(run.trace, pid=wid, process=f"async worker {wid}")
-    exchange = OuterPushPull(session, client, trace, wcfg.local_steps) if wcfg.local_steps \
-        else PushPull(session, client, trace, sparse_push=wcfg.moe_sparse_push)
+    exchange = exchange_of(session, client, trace, wcfg)
     try:
         return Worker(session, metrics, exchange, client, wid, trace, first).run()
     finally:
         metrics.close()
+
+
+def exchange_of(session: Session, client: PSClient, trace: Trace,
+                wcfg: WorkerConfig) -> PushPull:
+    """The worker's exchange: every step's gradient pushed; or local SGD / DiLoCo's outer
+    gradient every H steps (--dylu: H per worker); or Streaming DiLoCo's fragments."""
+    if wcfg.fragments:
+        return StreamingPushPull(session, client, trace, wcfg.local_steps, wcfg.fragments)
+    if wcfg.local_steps:
+        return OuterPushPull(session, client, trace, wcfg.local_steps, wcfg.dylu)
+    return PushPull(session, client, trace, sparse_push=wcfg.moe_sparse_push)
 
 
 def skip_to(session: Session, step: int) -> None:

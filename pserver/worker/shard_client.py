@@ -109,6 +109,7 @@ class ShardClient:
         self._health = health_pb2_grpc.HealthStub(ch)
         self.info: pb.RegisterReply | None = None
         self.registration, self.partition = registration, partition
+        self.step_s: float | None = None  # PushHeader.step_s of the pushes (--dylu)
         self.terms = None  # a replicated shard's highest term seen (pserver.worker.failover)
 
     def _named(self, message):
@@ -331,6 +332,8 @@ class ShardClient:
             header.ranges.CopyFrom(ranges_lib.encode(ranges))
         if compressed is not None:
             header.compressed.CopyFrom(compressed.message)
+        if self.step_s is not None:
+            header.step_s = self.step_s
         return self._named(header)
 
     def _chunk_bytes(self) -> int:

@@ -32,7 +32,7 @@ from support.mpirun import mpirun
 
 from dtlab.collective.train import parse_args
 from dtlab.models.config import ConfigError
-from dtlab.models.run.launcher import mpiexec_path
+from dtlab.models.run.launcher_env import mpiexec_path
 from dtlab.models.run.metrics import read_metrics
 
 pytestmark = pytest.mark.usefixtures("mpiexec")

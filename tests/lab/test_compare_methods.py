@@ -1,4 +1,4 @@
-"""The comparison's methods between sync and async (compare/launch.py: local SGD, DiLoCo,
+"""The comparison's methods between sync and async (compare/runner.py: local SGD, DiLoCo,
 compression, backup workers) and their reproductions (compare/reproductions.py), each at
 a small size where its expectation holds, the verdict and the bytes and rounds figures
 (compare/analysis.py, traffic) recomputed from the runs' own metrics.
@@ -26,7 +26,7 @@ import pytest
 
 from dtlab.lab.compare import registry
 from dtlab.lab.compare.analysis import ran_words
-from dtlab.lab.compare.launch import RunSpec
+from dtlab.lab.compare.runner import RunSpec
 from dtlab.models.config import ConfigError
 from dtlab.models.run.metrics import read_metrics
 

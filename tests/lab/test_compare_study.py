@@ -16,7 +16,7 @@ import pytest
 
 from dtlab.collective.algorithms.choose import allreduce_algorithm
 from dtlab.lab.compare import study
-from dtlab.lab.compare.launch import RunSpec
+from dtlab.lab.compare.runner import RunSpec
 from dtlab.models.config import ConfigError
 from dtlab.models.optim import OptimConfig
 from dtlab.models.run.metrics import read_metrics

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from dtlab.lab.compare import cluster
-from dtlab.lab.simulate import calibrate, validate
-from dtlab.lab.simulate.calibrated import host_server
+from dtlab.lab.simulate import calibration_fit, validate
+from dtlab.lab.simulate.calibration_links import host_server
 from dtlab.lab.simulate.cli import parse_args as simulate_args
 from dtlab.lab.simulate.emulated import Cluster, ps_step_on, sync_step_on
 from dtlab.lab.simulate.formulas import (
@@ -234,7 +234,7 @@ def synthetic_bench(tmp: Path) -> list[str]:
         for size in (1 << 20, 4 << 20, 16 << 20):
             for algo, via in (("ring", "ring"), ("naive", None)):
                 a, b, c = terms("naive" if algo == "naive" else "ring", n)
-                # ranks beyond the host's cores take turns on them (calibrate.fit_allreduce)
+                # ranks beyond the host's cores take turns on them (calibration_fit.fit_allreduce)
                 t = max(1.0, n / (os.cpu_count() or 1)) * (a * alpha + (b + c) * size * beta)
                 rows.append({"algo": algo, "n": n, "bytes": size, "time_us": t * 1e6,
                              "via": via})
@@ -309,7 +309,7 @@ def test_calibration_recovers_known_constants(tmp_path):
 
 def test_negative_intercept_is_refitted_at_zero():
     x = np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 4.0]])  # (rows, [1, n])
-    k, rel = calibrate.fit_relative(x, np.array([0.5, 1.9, 4.1]))
+    k, rel = calibration_fit.fit_relative(x, np.array([0.5, 1.9, 4.1]))
     assert k[0] == 0.0 and k[1] > 0 and np.isfinite(rel).all()
 
 

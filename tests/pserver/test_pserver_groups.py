@@ -29,7 +29,7 @@ from support.pserver_util import ONE_BLAS_THREAD, ROOT, addresses, serve
 from dtlab.models.config import build
 from dtlab.models.params import FlatParams, ParamSpec
 from dtlab.models.run import checkpoint
-from dtlab.models.run.launcher import mpiexec_path
+from dtlab.models.run.launcher_env import mpiexec_path
 from dtlab.models.run.metrics import read_metrics
 from dtlab.models.zoo import build_model, config_class
 from dtlab.protos import dtlab_ps_pb2 as pb

@@ -25,7 +25,7 @@ from test_pserver_launch import SERVER, STEPS, S, W, by_hand, config, final_para
 
 from dtlab.lab.compare import cluster as emulated
 from dtlab.models.config import ConfigError, build
-from dtlab.models.run.launcher import mpiexec_path
+from dtlab.models.run.launcher_env import mpiexec_path
 from dtlab.models.run.metrics import read_metrics
 from dtlab.pserver.common.config import ServerConfig
 

@@ -9,7 +9,7 @@ import pytest
 
 from dtlab.models.config import ConfigError, build
 from dtlab.models.optim import OptimConfig, Schedule, make_optimizer
-from dtlab.models.run.launcher import RANK_VARS, SIZE_VARS
+from dtlab.models.run.launcher_env import RANK_VARS, SIZE_VARS
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver.common import buffers
 from dtlab.pserver.common import codec as wire

@@ -53,7 +53,7 @@ import numpy as np
 from dtlab.collective.algorithms.choose import OURS
 from dtlab.lab.bench import harness
 from dtlab.lab.bench.harness import VIA, count_wrong, iterations, parse_bytes, parse_list
-from dtlab.models.run.launcher import mpiexec_path
+from dtlab.models.run.launcher_env import mpiexec_path
 
 ALGOS = ("ring", "naive", "mpi")
 COMM_ALGO = {"ring": "ours"}  # the row "ring" is Communicator.allreduce(algo="ours")

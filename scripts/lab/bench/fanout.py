@@ -29,7 +29,7 @@ shard:
 on the shared-memory path (`shm`, a worker's path to shards on its host)
 and the gRPC one (`fused`). dtlab-simulate --calibrate fits per path
 round = alpha + (S - 1) per_shard + n beta over the cold rows
-(simulate/calibrate.py), the parameter server's round on this host, and
+(simulate/calibration_fit.py), the parameter server's round on this host, and
 the same form over the CPU column, the CPU a round takes from the cores
 that the other workers compute on.
 `--co-runners K` keeps K processes computing dtlab's default transformer

@@ -55,7 +55,7 @@ from dtlab.models.moe import MoE, expert_ffn
 from dtlab.models.moe_stats import PHASES, MoEStats
 from dtlab.models.params import FlatParams
 from dtlab.models.router import RouterOptions
-from dtlab.models.run.launcher import mpiexec_path
+from dtlab.models.run.launcher_env import mpiexec_path
 
 QUANTILES = ("p50", "p95", "p99")  # of each phase's time (moe_stats.MoEStats.summary)
 FLOOR = 1.5  # MoE top-2 of 8 step / dense FFN step of equal active parameters

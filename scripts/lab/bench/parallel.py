@@ -103,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def launch(args, size: str, tp: int, pp: int, out: str) -> list[dict]:
-    from dtlab.models.run.launcher import mpiexec_path
+    from dtlab.models.run.launcher_env import mpiexec_path
 
     cmd = [mpiexec_path(), "-n", str(tp * pp), sys.executable, "-m", "mpi4py",
            "-m", "dtlab.lab.bench.parallel",

@@ -164,7 +164,7 @@ def figures_rows(every: list[dict], p: int, m: int, K: int) -> list[dict]:
 
 
 def launch(args, config: list[str], workdir: str) -> list[dict]:
-    from dtlab.models.run.launcher import mpiexec_path
+    from dtlab.models.run.launcher_env import mpiexec_path
 
     out = os.path.join(workdir, "rows.json")
     cmd = [mpiexec_path(), "-n", str(args.pp), sys.executable, "-m", "mpi4py",

@@ -32,7 +32,7 @@ import sys
 import tempfile
 
 from dtlab.lab.bench import harness
-from dtlab.models.run.launcher import mpiexec_path
+from dtlab.models.run.launcher_env import mpiexec_path
 from dtlab.models.run.metrics import read_metrics
 
 CONFIG = ["--model", "transformer", "--vocab", "64", "--seq-len", "64", "--d-model", "256",

@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 
 from dtlab.lab.bench import harness
-from dtlab.lab.compare.launch import wait_ready
+from dtlab.lab.compare.runner import wait_ready
 from dtlab.lab.programs import program
-from dtlab.models.run.launcher import mpiexec_path
+from dtlab.models.run.launcher_env import mpiexec_path
 
 TINY_MODEL = ["--model", "mlp", "--d-in", "8", "--d-hidden", "16", "--n-classes", "4",
               "--n-samples", "512"]  # model and data flags: the servers take these too

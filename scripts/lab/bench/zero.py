@@ -127,7 +127,7 @@ def row(metrics: str, stage: int, n: int) -> dict:
 
 
 def launch(n: int, args, config: list[str], workdir: str) -> list[dict]:
-    from dtlab.models.run.launcher import mpiexec_path
+    from dtlab.models.run.launcher_env import mpiexec_path
 
     out = os.path.join(workdir, f"rows{n}.json")
     cmd = [mpiexec_path(), "-n", str(n), sys.executable, "-m", "mpi4py",

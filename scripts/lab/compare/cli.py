@@ -33,7 +33,7 @@ loss) multiplied into time to target (Hadjis et al. 2016, Omnivore). The
 target is the data's loss floor + 0.1 nats, or --target-loss. --trace merges
 each run's process traces into OUT/NAME.trace.json (compare/traces.py);
 --calibration FILE sets the cost model's step beside each run's measured one
-(compare/predict.py). --launcher says where the processes run (compare/launchers.py:
+(compare/predict.py). --launcher says where the processes run (compare/placement.py:
 this host, emulated hosts, real ones through mpiexec over ssh or srun in a Slurm
 allocation); on several hosts the links between them are measured first
 (compare/probe.py: an all-reduce and a gRPC probe, OUT/links.json) and named in
@@ -61,19 +61,19 @@ from dtlab.lab import presets
 from dtlab.lab.compare import (
     analysis,
     cluster,
-    launch,
-    launchers,
+    placement,
     predict,
     probe,
     registry,
     report,
     reproductions,
+    runner,
     study,
     study_report,
     sweep,
     traces,
 )
-from dtlab.lab.compare.launch import Outcome, Processes, RunContext, RunSpec
+from dtlab.lab.compare.runner import Outcome, Processes, RunContext, RunSpec
 from dtlab.models.config import ConfigError
 from dtlab.models.data.dataset import in_words
 from dtlab.models.data.factory import source_of
@@ -126,7 +126,7 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", metavar="DIR", default="",
                    help="a new or empty folder for everything written "
                         "(default runs/compare-DATE-TIME)")
-    g.add_argument("--launcher", choices=launchers.LAUNCHERS, default=None,
+    g.add_argument("--launcher", choices=placement.LAUNCHERS, default=None,
                    help="where every run's processes run: local (this host, shared memory), "
                         "emulated (--hosts H emulated hosts), mpiexec (--hosts a,b,...: real "
                         "hosts, Hydra over ssh), srun (the nodes of the current Slurm "
@@ -265,12 +265,12 @@ def check_launcher(opts: argparse.Namespace) -> None:
             raise ConfigError(f"--tcp-cc {opts.tcp_cc}: {why}")
         opts.emulated_hosts = count
     elif launcher == "mpiexec":
-        opts.real = launchers.mpiexec_hosts(hosts, launch.find_mpiexec())
+        opts.real = placement.mpiexec_hosts(hosts, runner.find_mpiexec())
     elif launcher == "srun":
         if hosts != "1":
             raise ConfigError("--launcher srun runs on the allocation's nodes "
                               "(SLURM_JOB_NODELIST): leave --hosts out")
-        opts.real = launchers.srun_hosts()
+        opts.real = placement.srun_hosts()
     if opts.real and (opts.trace or opts.calibration):
         raise ConfigError(f"--launcher {launcher} does not go with "
                           f"{'--trace' if opts.trace else '--calibration'}: "
@@ -344,7 +344,7 @@ class Board:
     def _line(self, i: int, name: str, text: str) -> str:
         return f"[{i + 1}/{self.n}] {name:<{self.width}}  {text}"
 
-    def watch(self, i: int, name: str) -> launch.Watch:
+    def watch(self, i: int, name: str) -> runner.Watch:
         start = time.monotonic()
 
         def show(step: int, loss: float | None) -> None:
@@ -401,19 +401,19 @@ def describe(setup: Setup, data: dict) -> list[str]:
         f"target loss {data['target_loss']:.4f} ({data['target_rule']})",
         f"command: `{data['command']}`",
     ]
-    grid = launch.Grid(**data["grid"])
+    grid = runner.Grid(**data["grid"])
     if grid.model_parallel:
         lines.append(f"every replica: {grid.describe()}")
     if data.get("cluster"):
-        lines.append(f"network: {data['cluster']}; {launch.placement(grid)}")
+        lines.append(f"network: {data['cluster']}; {runner.placement(grid)}")
     if opt.clip:
         lines.append("clip > 0: sync clips the averaged gradient, each async worker its own, "
                      "so async-bsp is not the sync computation")
     return ["- " + line for line in lines]
 
 
-def grid_of(opts: argparse.Namespace) -> launch.Grid:
-    return launch.Grid(opts.tp, opts.pp, opts.ep, opts.pp_schedule)
+def grid_of(opts: argparse.Namespace) -> runner.Grid:
+    return runner.Grid(opts.tp, opts.pp, opts.ep, opts.pp_schedule)
 
 
 def shared_config(setup: Setup) -> dict:
@@ -458,7 +458,7 @@ def run_sweep(setup: Setup, spec: RunSpec, argv: list[str], session, out: Path,
             (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
             ctx = RunContext(folder, (folder / "config.json").resolve(), opts.ranks, opts.shards,
                           s["steps"], opts.timeout, mpiexec, grid=grid_of(opts))
-            outcome = launch.run(runs[i], ctx, procs, board.watch(i, runs[i].name))
+            outcome = runner.run(runs[i], ctx, procs, board.watch(i, runs[i].name))
             result = analyse(outcome, ctx, data["global_batch"], floor, target)
             board.done(i, result)
             if not result.ok:
@@ -513,7 +513,7 @@ def run_folder(lab: Lab, folder: Path, point: dict, seed: int, specs: list[RunSp
     results = []
     try:
         for i, spec in enumerate(specs):
-            outcome = launch.run(spec, ctx, lab.procs, board.watch(i, spec.name))
+            outcome = runner.run(spec, ctx, lab.procs, board.watch(i, spec.name))
             if opts.trace:
                 traces.merge_run(outcome, folder)
             results.append(analyse(outcome, ctx, lab.data["global_batch"], lab.floor,
@@ -611,7 +611,7 @@ def check_reproduction(lab: Lab, out: Path, summary: dict) -> None:
     print(f"{name}: {'held' if held else 'not held'}: {measured}", file=sys.stderr)
 
 
-def measured_links(lab: Lab, hosts: launchers.Hosts, out: Path) -> str:
+def measured_links(lab: Lab, hosts: placement.Hosts, out: Path) -> str:
     """The hosts and their links in words, measured by compare/probe.py with one rank
     per host (OUT/links.json); ConfigError naming the probe's log when it fails."""
     path, log = out / "links.json", out / "probe.log"
@@ -627,7 +627,7 @@ def measured_links(lab: Lab, hosts: launchers.Hosts, out: Path) -> str:
         lab.procs.stop([proc])
     if proc.returncode or not path.exists():
         raise ConfigError(f"the link probe across {', '.join(hosts.names)} failed "
-                          f"({launch.tail(log).strip()}); nothing else ran")
+                          f"({runner.tail(log).strip()}); nothing else ran")
     links = json.loads(path.read_text())
     return f"{hosts.describe()}; links measured at the start ({path.name}): " + \
         probe.describe(links)
@@ -653,7 +653,7 @@ def main(argv: list[str]) -> int:
     session = build_session(setup)  # the model and data exist and fit: else a ConfigError
     floor = session.dataset.floor
     target, rule = target_loss(opts.target_loss, floor)
-    mpiexec = launch.find_mpiexec()
+    mpiexec = runner.find_mpiexec()
     if opts.sweep:
         sweep.plan(setup.model_name, setup.model, opts.widths, 1, setup.run.steps)  # or named
         return run_sweep(setup, specs[0], argv, session, out_dir(opts.out), mpiexec, target,

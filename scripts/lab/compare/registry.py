@@ -2,7 +2,7 @@
 
 Each `Method` entry holds its run-name pattern, a one-line summary, the exchange it
 runs (the class in the package that moves its gradients or parameters), and how a name
-it matches becomes a `RunSpec`: the topology, the fields `launch.py` turns into the
+it matches becomes a `RunSpec`: the topology, the fields `runner.py` turns into the
 flags of every program it starts, and the words the report shows for it. `parse` tries
 the entries in order; `dtlab-compare --list-methods` prints them (`listing`).
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dtlab.models.config import ConfigError
 
@@ -120,6 +120,14 @@ def _local(topology: str) -> Build:
                        consistency="asp" if topology == "async" else "", local_steps=H,
                        outer=outer)
     return build
+
+
+def _speed_aware(name: str, m: re.Match) -> RunSpec:
+    """async-localH-dylu, async-dilocoH-dylu: async local SGD / DiLoCo, H per worker."""
+    spec = _local("async")(name, m)
+    return replace(spec, worker_flags=("--dylu",), what=(
+        f"{spec.what}; speed-aware: worker i's rounds take H_i = round(H t_fast / t_i) "
+        "steps (DyLU, Liu et al. 2024)"))
 
 
 def _streaming(name: str, m: re.Match) -> RunSpec:
@@ -247,6 +255,13 @@ METHODS: tuple[Method, ...] = (
            "async local SGD: each worker pushes its outer gradient every H steps to ASP "
            "servers (DiLoCo: Delayed Nesterov, Liu et al. 2024)",
            "dtlab.pserver.worker.exchange.OuterPushPull", _local("async")),
+    Method("async-localH-dylu | async-dilocoH-dylu",
+           r"async-(?P<kind>local|diloco)(?P<H>[1-9]\d*)-dylu",
+           "async local SGD / DiLoCo with speed-aware local steps (DyLU, Liu et al. 2024): "
+           "worker i's rounds take H_i = round(H t_fast / t_i) steps, so that every outer "
+           "gradient covers about the same wall time",
+           "dtlab.pserver.worker.exchange.OuterPushPull",
+           _speed_aware),
     Method("async-bsp-backupB", r"async-bsp-backup(?P<backups>[1-9]\d*)",
            "BSP closing each round at the first N of N + B gradients (Chen et al. 2016)",
            "dtlab.pserver.worker.exchange.PushPull", _backup),

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dtlab.lab.compare.analysis import SPLIT, Curve
-from dtlab.lab.compare.launch import Outcome
+from dtlab.lab.compare.runner import Outcome
 
 PLOTS = {"loss_vs_time.png": "loss against wall time",
          "loss_vs_samples.png": "loss against samples seen",

@@ -41,7 +41,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from dtlab.lab.compare.launch import RunSpec
+from dtlab.lab.compare.runner import RunSpec
 from dtlab.models.config import ConfigError
 from dtlab.models.optim import OptimConfig
 

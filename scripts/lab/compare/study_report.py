@@ -29,8 +29,8 @@ import numpy as np
 
 from dtlab.lab.compare import front, study
 from dtlab.lab.compare.analysis import SPLIT, memory_words, ran_words
-from dtlab.lab.compare.launch import RunSpec
 from dtlab.lab.compare.report import NO_MATPLOTLIB, Result, _f, failed_lines
+from dtlab.lab.compare.runner import RunSpec
 
 PLOTS = {"sensitivity.png": "final held-out loss against the tuned setting",
          "heldout_vs_samples.png": "held-out loss against samples seen (band: min-max over "

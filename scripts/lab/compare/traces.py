@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from dtlab.lab.compare.launch import Outcome
+from dtlab.lab.compare.runner import Outcome
 from dtlab.models.run.trace import merge
 
 

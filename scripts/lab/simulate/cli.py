@@ -88,7 +88,7 @@ throughput tables, torchtitan's FSDP throughput, Horovod's scaling efficiency,
 nccl-tests bus bandwidths) beside the predictions of their flags, with each
 ratio (simulate/reproduce.py).
 
---calibrate fits the constants to benchmark JSON (simulate/calibrate.py)
+--calibrate fits the constants to benchmark JSON (simulate/calibration_fit.py)
 and writes them to --calibration with their fit errors. --validate runs
 dtlab-compare at each N of --ranks (or reads --measured DIR) and
 prints predicted against measured step time per run, the relative error
@@ -117,7 +117,7 @@ from pathlib import Path
 from dtlab.lab import presets
 from dtlab.lab.compare import cluster
 from dtlab.lab.simulate import (
-    calibrate,
+    calibration_fit,
     clusters,
     hardware,
     links,
@@ -130,7 +130,7 @@ from dtlab.lab.simulate import (
     validate_parallel,
     zero,
 )
-from dtlab.lab.simulate.calibrated import (
+from dtlab.lab.simulate.calibration_links import (
     host_alltoall,
     host_network,
     host_p2p,
@@ -463,7 +463,7 @@ def write_json(path: str, data: dict) -> None:
 
 
 def do_calibrate(o) -> int:
-    cal = calibrate.calibrate(o.bench, os.cpu_count() or 1)
+    cal = calibration_fit.calibrate(o.bench, os.cpu_count() or 1)
     write_json(o.calibration, cal)
     print(f"# calibration of this host ({cal['cores']} cores) from "
           f"{', '.join(s['path'] for s in cal['sources'])} -> {o.calibration}")
@@ -485,7 +485,7 @@ def new_folder(given: str) -> Path:
 
 
 def do_validate(setup, o) -> int:
-    cal = calibrate.load(o.calibration)
+    cal = calibration_fit.load(o.calibration)
     host = Host(os.cpu_count() or 1)
     if o.measured:
         folders = validate.measured_dirs(o.measured)
@@ -620,7 +620,7 @@ def parallel_prediction(setup, o) -> tuple[parallel.Work, list[dict], Network | 
     work = parallel_work(setup, o)
     layout = parallel.Layout(1, o.pp, o.ep, o.tp)
     local = o.link == links.LOCAL
-    cal = calibrate.load(o.calibration) if local or (o.tflops is None and not o.gpu) \
+    cal = calibration_fit.load(o.calibration) if local or (o.tflops is None and not o.gpu) \
         else None
     w = validate.workload_of(setup)
     micro = replace(w, batch_size=work.batch, flops_step=work.flops_microbatch)
@@ -690,7 +690,7 @@ def dp_prediction(setup, o):
     local = o.link == links.LOCAL
     need_cal = local or (o.tflops is None and not o.gpu)
     # a preset with --tflops needs none, but takes the servers' apply rate from one there is
-    cal = calibrate.load(o.calibration) if need_cal or Path(o.calibration).exists() else None
+    cal = calibration_fit.load(o.calibration) if need_cal or Path(o.calibration).exists() else None
     net = None
     if local:
         host = Host(os.cpu_count() or 1)

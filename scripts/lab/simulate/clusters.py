@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dtlab.lab.simulate import hardware, links
-from dtlab.lab.simulate.calibrated import preset_server
+from dtlab.lab.simulate.calibration_links import preset_server
 from dtlab.lab.simulate.formulas import Network, ServerLink
 from dtlab.lab.simulate.precision import Precision
 from dtlab.lab.simulate.step import ComputeRate, Host, Workload, sync_step

@@ -1,7 +1,7 @@
 """The step on an emulated cluster (dtlab-compare --hosts H --link-gbit X): H network
 namespaces of this one host, each host's egress shaped by a token bucket, the CPUs shared.
 
-Placement is compare/launch.py's: rank, worker or shard i on host i mod H.
+Placement is compare/runner.py's: rank, worker or shard i on host i mod H.
 The link is the alpha-beta model of one TCP stream through the shaped qdisc
 (Hockney 1994):
 
@@ -27,7 +27,7 @@ hosts; under BSP a round waits for the busiest link:
 
 Each also costs its CPU side, gRPC's serialisation and copies and the shard's
 apply, as the calibration's `session` path (gRPC over TCP loopback, the path a
-worker takes with shared memory off) measured it (calibrated.host_server); the
+worker takes with shared memory off) measured it (calibration_links.host_server); the
 two are added (no pipelining of one message's CPU work with its transmission).
 The round's CPU work is shared by the cores as step.ps_step describes; the
 link's time is not CPU work.
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtlab.lab.simulate.calibrated import host_server
+from dtlab.lab.simulate.calibration_links import host_server
 from dtlab.lab.simulate.formulas import Network, pserver_s
 from dtlab.lab.simulate.links import Link
 from dtlab.lab.simulate.step import Host, Step, Workload, sync_step

@@ -7,7 +7,7 @@
     time to target = step x steps to target        (Hadjis et al. 2016, Omnivore)
 
 Compute is models/cost.py's FLOPs per step over a calibrated rate: t0 + F / R
-(calibrate.py), or the measured step of exactly this model and batch when
+(calibration_fit.py), or the measured step of exactly this model and batch when
 the calibration holds one, or F / (--tflops) at scale.
 
 Stragglers. Every rank waits for the slowest in the all-reduce (a BSP
@@ -53,7 +53,7 @@ Ranks sharing a host's cores (models/run/threads.py): R processes on C
 cores get max(1, C // R) BLAS threads each, and when R > C each computes at
 C / R of a core's rate; the compute time is the calibrated one at that
 thread count times max(1, R / C), and so is the all-reduce's (its waits and
-copies are CPU work too; calibrate.py fits its constants the same way).
+copies are CPU work too; calibration_fit.py fits its constants the same way).
 """
 
 from __future__ import annotations

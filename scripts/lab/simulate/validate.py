@@ -31,8 +31,8 @@ from threadpoolctl import threadpool_limits
 
 from dtlab.lab.bench import model as bench_model
 from dtlab.lab.bench.harness import flatten, read, write
-from dtlab.lab.simulate.calibrate import exact_rows
-from dtlab.lab.simulate.calibrated import host_network, host_server
+from dtlab.lab.simulate.calibration_fit import exact_rows
+from dtlab.lab.simulate.calibration_links import host_network, host_server
 from dtlab.lab.simulate.emulated import Cluster, ps_step_on, sync_step_on
 from dtlab.lab.simulate.precision import Precision
 from dtlab.lab.simulate.step import (
@@ -48,7 +48,7 @@ from dtlab.models.cost import estimate
 from dtlab.models.model import Replica
 from dtlab.models.optim import make_optimizer
 from dtlab.models.run.allocator import keep_freed_memory
-from dtlab.models.run.launcher import mpiexec_path
+from dtlab.models.run.launcher_env import mpiexec_path
 from dtlab.models.run.metrics import read_metrics
 from dtlab.models.run.session import parse, replica_cost
 from dtlab.models.zoo import build_model

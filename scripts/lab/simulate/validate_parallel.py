@@ -10,7 +10,7 @@ Each launch first benchmarks the very model at one micro-batch in one process at
 ranks' thread count (validate.bench_compute: forward + backward, and the optimizer's
 update, timed apart), then runs the measured program; its predictions
 (simulate/parallel.py) take their compute rate and update time from that benchmark and
-their communication from the calibration (calibrated.host_p2p point to point, the
+their communication from the calibration (calibration_links.host_p2p point to point, the
 all-to-all fit, the all-reduce fits). Nothing measured in the runs goes into the
 prediction. With several launches the launch figures' medians are compared.
 """
@@ -27,12 +27,12 @@ from pathlib import Path
 from dtlab.lab import presets
 from dtlab.lab.bench.harness import read
 from dtlab.lab.bench.parallel_formulas import SIZES
-from dtlab.lab.simulate import calibrate, parallel, pipeline, table, validate
-from dtlab.lab.simulate.calibrated import host_alltoall, host_network, host_p2p
+from dtlab.lab.simulate import calibration_fit, parallel, pipeline, table, validate
+from dtlab.lab.simulate.calibration_links import host_alltoall, host_network, host_p2p
 from dtlab.lab.simulate.step import Host
 from dtlab.models.config import ConfigError
 from dtlab.models.cost import estimate
-from dtlab.models.run.launcher import mpiexec_path
+from dtlab.models.run.launcher_env import mpiexec_path
 from dtlab.models.run.metrics import read_metrics
 from dtlab.models.run.session import parse
 
@@ -180,7 +180,7 @@ def rows_of(launches: list[Path], cal: dict, host: Host, bucket_bytes: float) ->
 
 
 def main(o, new_folder) -> int:
-    cal = calibrate.load(o.calibration)
+    cal = calibration_fit.load(o.calibration)
     host_p2p(cal), host_alltoall(cal)  # a ConfigError naming a missing fit, before measuring
     host = Host(os.cpu_count() or 1)
     if o.measured:

@@ -19,7 +19,7 @@ import pytest
 from support.mpirun import mpirun
 
 from dtlab.models.run import checkpoint
-from dtlab.models.run.launcher import mpiexec_path
+from dtlab.models.run.launcher_env import mpiexec_path
 from dtlab.models.run.metrics import read_metrics
 
 pytestmark = pytest.mark.usefixtures("mpiexec")

@@ -1,4 +1,4 @@
-"""A calibration (calibrate.py's JSON) as the model's links: the measured host's all-reduce
+"""A calibration (calibration_fit.py's JSON) as the model's links: the measured host's all-reduce
 constants by algorithm, its all-to-all and its parameter server's pull and push."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ APPLY_NAME = {"adamw": "adam", "sgd-momentum": "sgd"}
 
 
 def fitted(name: str, f: dict) -> Link:
-    # the fits take gamma = beta (calibrate.py): the add is one more pass over memory
+    # the fits take gamma = beta (calibration_fit.py): the add is one more pass over memory
     return Link(name, f["alpha_s"], f["beta_s_per_byte"], f["beta_s_per_byte"])
 
 

@@ -46,7 +46,7 @@ tensor-parallel group) instead of single ranks (mpiexec through the namespace la
 k on host k mod H listening on that host's address; shared memory is off
 between workers and servers (--no-shm: the hosts share one kernel), and each
 run records the bytes its hosts' shaped links sent. On real hosts (--launcher
-mpiexec | srun, compare/launchers.py) the same rule places every rank, and an
+mpiexec | srun, compare/placement.py) the same rule places every rank, and an
 async run is one job of servers and workers (`run_job`):
 
     mpiexec -launcher ssh -hosts a,b -rankmap 0,1,0,1 \
@@ -69,12 +69,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dtlab.lab.compare.cluster import EmulatedCluster
-from dtlab.lab.compare.launchers import Hosts, async_hosts, rank_hosts
+from dtlab.lab.compare.placement import Hosts, async_hosts, rank_hosts
 from dtlab.lab.compare.processes import Processes
 from dtlab.lab.compare.registry import DILOCO, RunSpec
 from dtlab.lab.programs import program
 from dtlab.models.config import ConfigError
-from dtlab.models.run.launcher import mpiexec_path
+from dtlab.models.run.launcher_env import mpiexec_path
 from dtlab.models.run.metrics import read_metrics
 
 POLL_S = 0.2

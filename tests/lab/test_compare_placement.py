@@ -1,4 +1,4 @@
-"""dtlab-compare --launcher (compare/launchers.py): the placement rule, the srun command
+"""dtlab-compare --launcher (compare/placement.py): the placement rule, the srun command
 lines built from a Slurm allocation's environment (given here: no srun on this machine)
 and refused cleanly without one, and the comparison through mpiexec over "ssh" to two
 emulated hosts (Hydra's launcher replaced by the namespace launcher through
@@ -15,8 +15,8 @@ import pytest
 from support.mpirun import mpirun
 from test_compare import TINY, compare, left_behind, losses
 
-from dtlab.lab.compare import cluster, launchers
-from dtlab.lab.compare.launchers import async_hosts, expand_nodelist, rank_hosts
+from dtlab.lab.compare import cluster, placement
+from dtlab.lab.compare.placement import async_hosts, expand_nodelist, rank_hosts
 from dtlab.models.config import ConfigError
 
 pytestmark = pytest.mark.usefixtures("mpiexec")
@@ -42,7 +42,7 @@ def test_srun_lines_from_the_allocation(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "srun").write_text("#!/bin/sh\nexit 97\n")  # found on PATH, never run here
     (bin_dir / "srun").chmod(0o755)
-    hosts = launchers.srun_hosts({**SLURM, "PATH": str(bin_dir)})
+    hosts = placement.srun_hosts({**SLURM, "PATH": str(bin_dir)})
     assert hosts.names == ["gpu07", "gpu08"] and "Slurm job 4242" in hosts.describe()
     sync, env = hosts.line([(4, ["dtlab-sync", "--config", "c.json"])],
                            rank_hosts(4, 1, 2), tmp_path, "sync-ring")
@@ -59,13 +59,13 @@ def test_srun_lines_from_the_allocation(tmp_path):
 
 
 def test_mpiexec_lines_place_every_rank_by_the_rule(tmp_path):
-    hosts = launchers.mpiexec_hosts("a, b", "/x/mpiexec")
+    hosts = placement.mpiexec_hosts("a, b", "/x/mpiexec")
     cmd, env = hosts.line([(2, ["serve"]), (3, ["worker"])], async_hosts(2, 3, 1, 2),
                           tmp_path, "async-bsp")
     assert cmd == ["/x/mpiexec", "-launcher", "ssh", "-hosts", "a,b", "-rankmap", "0,1,0,1,0",
                    "-n", "2", "serve", ":", "-n", "3", "worker"] and env == {}
     with pytest.raises(ConfigError, match="give the hosts' names"):
-        launchers.mpiexec_hosts("2", "/x/mpiexec")
+        placement.mpiexec_hosts("2", "/x/mpiexec")
 
 
 @pytest.mark.parametrize("args, env, named", [

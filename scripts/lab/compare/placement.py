@@ -10,7 +10,7 @@ that places them on hosts.
                   SLURM_HOSTFILE=OUT/NAME.hosts srun -n N --distribution=arbitrary ...
 
 The placement rule, on H hosts (`rank_hosts`, `async_hosts`; the emulated hosts'
-too, compare/launch.py): rank r of a sync run on host (r // T) mod H, where T is
+too, compare/runner.py): rank r of a sync run on host (r // T) mod H, where T is
 --tp (a tensor-parallel group stays on one host); an async run's shard k on host
 k mod H and its worker ranks as a sync run's ranks. Hydra takes the host of every
 rank by -rankmap (node indices into -hosts), srun by --distribution=arbitrary

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dtlab.lab.bench.parallel_formulas import HEADER_BYTES, p2p_bytes, tp_payload
-from dtlab.lab.simulate import calibrate, moe, parallel, pipeline, tensor
+from dtlab.lab.simulate import calibration_fit, moe, parallel, pipeline, tensor
 from dtlab.lab.simulate.formulas import Network
 from dtlab.lab.simulate.links import Link
 from dtlab.lab.simulate.step import Host
@@ -192,7 +192,7 @@ def test_alltoall_fit_recovers_known_constants():
     rows = [{"ranks": n, "bytes": B, "ours_s": (n - 1) * alpha + (n - 1) / n * B * beta,
              "mpi_s": 2 * ((n - 1) * alpha + (n - 1) / n * B * beta)}
             for n in (2, 4) for B in (65536, 1_000_000, 4_000_000)]
-    fit = calibrate.fit_alltoall(rows, cores=8)
+    fit = calibration_fit.fit_alltoall(rows, cores=8)
     assert fit["ours"]["alpha_s"] == pytest.approx(alpha, rel=1e-6)
     assert fit["ours"]["beta_s_per_byte"] == pytest.approx(beta, rel=1e-6)
     assert fit["mpi"]["alpha_s"] == pytest.approx(2 * alpha, rel=1e-6)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dtlab.lab.simulate import calibrate, validate
+from dtlab.lab.simulate import calibration_fit, validate
 from dtlab.lab.simulate.emulated import Cluster
 from dtlab.lab.simulate.step import Host
 from dtlab.models.config import ConfigError
@@ -27,7 +27,7 @@ BUCKET_BYTES = 25e6  # dtlab-sync's --bucket-mb default
 def load(path: str, ranks: int, hosts: int) -> dict:
     """The calibration at `path`, refused by name before anything starts if the model
     cannot predict this comparison."""
-    cal = calibrate.load(path)
+    cal = calibration_fit.load(path)
     if hosts > 1:
         Cluster(hosts, 1.0).check(ranks)
     return cal

@@ -76,6 +76,7 @@ from dtlab.collective.comm import Communicator
 from dtlab.collective.flags import SyncConfig
 from dtlab.collective.grid import GridError, ProcessGrid
 from dtlab.collective.reducers.data_parallel import DataParallelReducer, plan_words
+from dtlab.collective.reducers.exchange import step_scalars
 from dtlab.collective.reducers.methods import (
     METHOD_CONFIGS,
     Methods,
@@ -295,6 +296,7 @@ def train(setup: Setup) -> tuple[Session, ProcessGrid, Summary]:
     trainer = kind(session, log, reducer, is_main=rank == 0,
                    saves=zero is not None or grid.dp_rank == 0,
                    agree=agreement(session, grid.world),  # collective/reducers/methods.py
+                   scalars=step_scalars(reducer, grid.world),  # the loss and agreement in one
                    rank=rank, role="sync",
                    stages=grid.pp_comm.mpi.allgather if grid.pp_size > 1 else None)
     if zero is None:

@@ -85,6 +85,8 @@ class LocalReducer(Exchange):
     `loss` the mean over the global batch, as every other method logs it (`settled`).
     The held-out loss, at round ends, is of the averaged parameters."""
 
+    averages_every_step = False  # the losses meet at round ends: no step scalars to carry
+
     def __init__(self, ring: Communicator, optimizer=None):
         super().__init__(ring)
         self.ring = ring  # the outer all-reduce's, freed in close

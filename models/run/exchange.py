@@ -5,8 +5,10 @@ step every topology runs (models/run/trainer.py `Trainer.step`) sees it.
     loss = replica.compute_grads(batches, exchange.ready)  # ready(o): [o, end) final
     record |= exchange.wait()                    # the reduced gradient in place, or nothing
     loss = exchange.average(loss)                # the logged loss: over the global batch
+                                                 # (a data-parallel exchange's `scalars`:
+                                                 # with the stop agreement, one all-reduce)
     applied = replica.finish_grads(); clip       # unscale, overflow check, --clip
-    if exchange.optimizer_here:                  # else the servers run it
+    if exchange.optimizer_here:                  # else the servers run it (finish)
         optimizer.step(params, grad, lr)
     record |= exchange.finish(step, applied)     # a push that brings the next pull, or nothing
     written = exchange.settled(record)           # the records now final (local SGD: a round's)
@@ -15,7 +17,9 @@ Implemented once per method and handed to the trainer, so that models/run import
 them: `Single` below (one process, dtlab-train); the data-parallel exchanges of dtlab-sync
 on the base collective/reducers/exchange.py (bucketed all-reduce, ZeRO, local SGD /
 DiLoCo, compression, 1-bit Adam, the quantized ring); the parameter-server worker's in
-pserver/worker/exchange.py (`PushPull`, and `OuterPushPull` for local SGD / DiLoCo).
+pserver/worker/exchange.py (`PushPull`, and `OuterPushPull` for local SGD / DiLoCo);
+the simulated workers' `StaleExchange` (models/run/simulated.py: the gradient computed
+on values S updates back, the server's update of the live ones in finish).
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ class Exchange(Protocol):
                     step); a push that brings the next pull, or nothing; its fields of
                     the step's record (they override the trainer's, e.g. the servers' lr)
     average(value)  a logged scalar (the loss) as the mean over the step's global batch
+                    (where its ranks are the whole job, a data-parallel exchange's
+                    `scalars` carries the stop agreement in the same all-reduce:
+                    collective/reducers/exchange.py, handed to the trainer apart)
     settled(record) the step records final after this one, their losses averaged
     plan()          what each of its collectives runs, for the metrics header
     close()         threads and communicators freed

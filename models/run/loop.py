@@ -13,11 +13,11 @@
                 method.stopped(stop.name, i, saved)
                 break
 
-The trainer (`models/run/trainer.py`: dtlab-train, dtlab-sync, and as its subclass
-`pserver/worker/loop.py`'s Worker, dtlab-worker: one step for every topology, what
-differs is its exchange, models/run/exchange.py) and the simulated workers
-(`models/run/simulated.py`) each say what a step, an evaluation, a report, a checkpoint
-and a stop are; the loop around them, the finite-loss check and the summary are here.
+The trainer (`models/run/trainer.py`: dtlab-train, dtlab-sync, and as its subclasses
+`pserver/worker/loop.py`'s Worker, dtlab-worker, and `models/run/simulated.py`'s
+simulated workers: one step for every topology, what differs is its exchange,
+models/run/exchange.py) says what a step, an evaluation, a report, a checkpoint and a
+stop are; the loop around them, the finite-loss check and the summary are here.
 """
 
 from __future__ import annotations
@@ -106,12 +106,14 @@ Agree = Callable[[np.ndarray], np.ndarray]
 
 
 def train(method: Method, iterations: Iterable[int], floor: float | None,
-          samples_per_step: int, agree: Agree | None = None) -> Summary:
+          samples_per_step: int, agree: Agree | None = None,
+          stop: StopSignals | None = None) -> Summary:
     """Run `method` over `iterations` (the loop above) or until SIGTERM / SIGINT, agreed
-    over the ranks by `agree` (a sum of a small count array; None: this process alone)."""
+    over the ranks by `agree` (a sum of a small count array; None: this process alone);
+    `stop`: the signals to catch (a trainer's own, whose steps read them), else new ones."""
     start = time.perf_counter()
     losses: list[float] = []
-    with StopSignals() as stop:
+    with stop or StopSignals() as stop:
         for i in iterations:
             record = method.step(i)
             if method.eval_due(i):

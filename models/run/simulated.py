@@ -21,6 +21,9 @@ W - 1, all workers having read the initial values). Here push p
             (Zhang et al. 2016, "Staleness-aware Async-SGD"), staleness = updates now -
             updates in the values read (pserver.server.store's rule)
 
+The step is the trainer's (models/run/trainer.py `Trainer.step`, every topology's)
+on the W loaders taking turns; what differs is its exchange, `StaleExchange`: begin
+reads the stale values, finish is the server's update (the optimizer runs there).
 S = 0 is the same W-way sharded run without staleness; W = 1, S = 0 is plain
 dtlab-train bit for bit. A push whose half-precision gradient overflowed
 applies nothing (an ASP worker pushes nothing). --steps and --eval-every count
@@ -34,19 +37,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections import deque
 from dataclasses import dataclass
 
 from dtlab.models.config import ConfigError, add_flags, choice, described, from_namespace
 from dtlab.models.data import ShardedLoader
 from dtlab.models.optim import Schedule, divided_lr
-from dtlab.models.run import loop, moe_report
+from dtlab.models.run import loop
 from dtlab.models.run.loop import Summary
 from dtlab.models.run.metrics import MetricsLog
-from dtlab.models.run.progress import Progress
 from dtlab.models.run.session import RunConfig, Session, Setup
 from dtlab.models.run.trace import Trace
+from dtlab.models.run.trainer import Trainer
 
 
 @dataclass
@@ -123,16 +125,31 @@ def simulate_config(setup: Setup) -> SimulateConfig | None:
     return cfg
 
 
-class SimulatedWorkers:
-    """The pushes of W workers taking turns, each gradient S updates stale."""
+class TakingTurns:
+    """The W workers' loaders as one: the n-th batch is worker n mod W's next (push n's)."""
 
-    def __init__(self, session: Session, log: MetricsLog, cfg: SimulateConfig):
+    def __init__(self, loaders: list[ShardedLoader]):
+        self.loaders, self.turn = loaders, 0
+
+    def next(self):
+        batch = self.loaders[self.turn % len(self.loaders)].next()
+        self.turn += 1
+        return batch
+
+
+class StaleExchange:
+    """The exchange (models/run/exchange.py) of W simulated workers, each gradient S
+    updates stale: `begin` reads the values before push max(0, p - S) into params.data,
+    `finish` is the server's update of the live parameters at its lr (the optimizer runs
+    there, not in the trainer's step)."""
+
+    overlap = False  # the gradient goes whole, after --clip
+    optimizer_here = False  # the simulated server steps the live parameters in finish
+
+    def __init__(self, session: Session, cfg: SimulateConfig):
         s, run = session, session.setup.run
-        self.s, self.log, self.cfg = s, log, cfg
+        self.s, self.cfg = s, cfg
         self.W, self.S = cfg.simulate_workers, cfg.stale
-        self.loaders = [ShardedLoader(s.dataset, run.batch_size, rank=w, world=self.W,
-                                      seed=run.seed, micro_batches=run.grad_accum)
-                        for w in range(self.W)]
         self.schedule = Schedule(s.setup.optim, run.steps * self.W)
         # The optimizer steps `live`; the replica computes on params.data, which holds the
         # values read (S = 0: they are the live ones, nothing copied). `past` holds
@@ -141,66 +158,83 @@ class SimulatedWorkers:
         self.live = s.params.data if self.S == 0 else s.params.data.copy()
         self.past = deque([(0, self.live.copy())], maxlen=self.S + 1) if self.S else None
         self.updates = 0
-        self.trace = Trace(run.trace, pid=0, process=f"{self.W} simulated workers")
+        self.read_version = 0  # the updates in the values the push in progress read
 
-    def read(self) -> int:
-        """The values the next push reads into params.data; how many updates they hold."""
+    def begin(self, p: int) -> dict:
+        """Push p is worker p mod W's step p // W: it reads the values S updates back."""
         if self.past is None:
-            return self.updates
-        updates, values = self.past[0]
-        self.s.params.data[...] = values
-        return updates
+            self.read_version = self.updates
+        else:
+            self.read_version, values = self.past[0]
+            self.s.params.data[...] = values
+        return {"round": p // self.W + 1, "worker": p % self.W,
+                "read_version": self.read_version}
 
-    def step(self, p: int) -> dict:
-        """The loop's step p is push p: worker p mod W's step p // W."""
-        s, worker = self.s, p % self.W
-        t0 = time.perf_counter()
-        read = self.read()
-        loss = s.replica.compute_grads(self.loaders[worker].next())
-        loop.check_finite(loss, f"push {p + 1} (worker {worker})")
-        t1 = time.perf_counter()
-        apply, scaling = s.replica.finish_grads()  # mixed precision: unscaled, overflow checked
-        staleness = self.updates - read
+    def refresh(self) -> None:
+        """The live parameters into params.data (what a pull would read now)."""
+        if self.past is not None:
+            self.s.params.data[...] = self.live
+
+    def ready(self, offset: int) -> None:
+        """Nothing to start: the server takes the gradient whole."""
+
+    def wait(self) -> dict:
+        return {}
+
+    def finish(self, p: int, applied: bool) -> dict:
+        """One optimizer step on the live parameters at the server's lr (an overflowed
+        push applies nothing), by pserver.server.store's staleness rule."""
+        s = self.s
+        staleness = self.updates - self.read_version
         lr = divided_lr(self.schedule(s.optimizer.steps), [staleness], self.cfg.staleness_lr)
-        grad_norm = None
-        if apply:
-            grad_norm = s.model.clip_grad_norm(s.params, s.setup.optim.clip)
+        if applied:
             s.optimizer.step(self.live, s.params.grad, lr)
             self.updates += 1
         if self.past is not None:
-            self.past.append((self.updates, self.live.copy() if apply else self.past[-1][1]))
-        t2 = time.perf_counter()
-        self.trace.span("compute", t0, t1, step=p + 1, worker=worker)
-        self.trace.span("optimizer", t1, t2)
-        return {"step": p + 1, "round": p // self.W + 1, "worker": worker,
-                "update": self.updates, "read_version": read, "staleness": staleness,
-                "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_s": t2 - t0,
-                "compute_s": t2 - t0, **scaling, **s.replica.timing,
-                **moe_report.merge([moe_report.step_record(s.model.moe)])}
+            self.past.append((self.updates, self.live.copy() if applied else self.past[-1][1]))
+        return {"update": self.updates, "staleness": staleness, "lr": lr}
 
-    def evaluate(self) -> float:
-        """The held-out loss of the live parameters (what a pull would read now)."""
-        t = time.perf_counter()
-        if self.past is not None:
-            self.s.params.data[...] = self.live
-        loss = self.s.replica.evaluate(self.s.heldout)
-        self.trace.span("eval", t, time.perf_counter())
-        return loss
+    def average(self, value: float) -> float:
+        return value  # one push, one worker's batch
+
+    def settled(self, record: dict) -> list[dict]:
+        return [record]
+
+    def plan(self) -> list[dict]:
+        return []
+
+    def close(self) -> None:
+        """Nothing held."""
+
+
+class SimulatedWorkers(Trainer):
+    """The pushes of W workers taking turns, each gradient S updates stale: the trainer's
+    step (models/run/trainer.py) on the workers' loaders in turn, with `StaleExchange`.
+    The loop's step p is push p; eval, progress and the stop go by rounds of W."""
+
+    def __init__(self, session: Session, log: MetricsLog, cfg: SimulateConfig):
+        run = session.setup.run
+        self.cfg, self.W = cfg, cfg.simulate_workers
+        session.loader = TakingTurns([
+            ShardedLoader(session.dataset, run.batch_size, rank=w, world=self.W, seed=run.seed,
+                          micro_batches=run.grad_accum) for w in range(self.W)])
+        super().__init__(session, log, StaleExchange(session, cfg),
+                         trace=Trace(run.trace, pid=0, process=f"{self.W} simulated workers"))
+
+    @property
+    def live(self):
+        """The live parameters (the server's)."""
+        return self.exchange.live
+
+    def iterations(self) -> range:
+        return range(self.s.setup.run.steps * self.W)
 
     def run(self) -> Summary:
         """W x --steps pushes, or until SIGTERM / SIGINT (after the push in progress);
         params.data ends holding the live parameters."""
-        run = self.s.setup.run
-        self.progress = Progress(run.steps, run.log_every)
-        summary = loop.train(self, range(run.steps * self.W), self.s.dataset.floor,
-                             run.batch_size * run.grad_accum)
-        if self.past is not None:
-            self.s.params.data[...] = self.live
-        self.trace.close()
-        summary.extra_lines = [self.describe(), *moe_report.summary_lines(
-            moe_report.layer_summaries(self.s.model.moe))]
-        if hasattr(self.s.replica, "summary_line"):
-            summary.extra_lines.append(self.s.replica.summary_line())
+        summary = super().run()
+        self.exchange.refresh()
+        summary.extra_lines.insert(0, self.describe())
         return summary
 
     def eval_due(self, p: int) -> bool:
@@ -213,11 +247,8 @@ class SimulatedWorkers:
         self.log.write(record)
         if p % self.W == self.W - 1:
             self.progress.update(p // self.W, record["loss"],
-                                 f"update {self.updates}  lr {record['lr']:.2e}")
+                                 f"update {self.exchange.updates}  lr {record['lr']:.2e}")
         return [record]
-
-    def checkpoint(self, p: int) -> bool:
-        return False  # a simulated run keeps none
 
     def stopped(self, signal_name: str, p: int, saved: bool) -> None:
         print(f"stopped by {signal_name} after push {p + 1}; a simulated run keeps no "
@@ -225,7 +256,8 @@ class SimulatedWorkers:
 
     def describe(self) -> str:
         """The summary's line that says the run was simulated, and how."""
+        x = self.exchange
         lr = ", lr / staleness" if self.cfg.staleness_lr == "divide" else ""
         return (f"simulated: {self.W} asynchronous worker(s) in one process taking turns, "
-                f"each gradient {self.S} update(s) stale (ASP steady state: {self.W - 1}); "
-                f"{self.updates} updates{lr}")
+                f"each gradient {x.S} update(s) stale (ASP steady state: {self.W - 1}); "
+                f"{x.updates} updates{lr}")

@@ -12,8 +12,12 @@ finishes (or, for a data-parallel rank, completes its all-reduce) and the
 trainer can write a consistent checkpoint. A second signal is not caught:
 SIGINT raises KeyboardInterrupt, SIGTERM ends the process, as without the
 handler. Ranks of one job may receive a signal at different steps, so
-`agreed` combines the flags over every rank (`agree`: a sum over the world,
-one small all-reduce per step) and all of them stop after the same step.
+`agreed` combines the flags over every rank (`agree`: a sum over the world)
+and all of them stop after the same step. That sum is one small all-reduce
+per step, or none of its own: where the ranks whose losses make the global
+batch are the whole job, the trainer's step carries the counts in its loss
+average (models/run/trainer.py `Trainer.scalars`), so a signal caught after
+that point of the step is agreed at the next one.
 Handlers are installed only from the main thread and restored on exit.
 """
 
@@ -51,11 +55,16 @@ class StopSignals:
         for sig, old in self._old.items():  # a second signal acts as if uncaught
             signal.signal(sig, old)
 
+    def counts(self) -> np.ndarray:
+        """This process's caught signals as (2,) counts: [SIGTERM, SIGINT], each 0 or 1
+        (what `agree` sums over the ranks, or a trainer's step carries with its loss)."""
+        return np.array([signal.SIGTERM in self.received, signal.SIGINT in self.received],
+                        dtype=np.int64)  # (2,)
+
     def agreed(self, agree: Callable[[np.ndarray], np.ndarray] | None = None) -> bool:
-        """Whether any rank caught a signal; `agree` sums a (2,) count over the ranks.
+        """Whether any rank caught a signal; `agree` sums the (2,) counts over the ranks.
         SIGINT wins over SIGTERM when ranks caught different ones."""
-        counts = np.array([signal.SIGTERM in self.received, signal.SIGINT in self.received],
-                          dtype=np.int64)  # (2,)
+        counts = self.counts()
         if agree is not None:
             counts = agree(counts)
         if counts[1]:

@@ -4,6 +4,8 @@ steps is models/run/loop.py's).
 One step:  the exchange's begin (a pull, or nothing) -> micro-batches ->
            Replica.compute_grads (the exchange told as gradient ranges become final)
            -> the exchange's wait (the gradient reduced across ranks, or nothing)
+           -> the step's scalars (the loss averaged over the global batch; where one
+              all-reduce can, the stop agreement with it: `scalars`)
            -> Replica.finish_grads (mixed precision: unscale, skip the step on an
               overflow) -> clip global norm -> optimizer step at the scheduled lr
               (where the exchange says the optimizer runs here)
@@ -32,6 +34,7 @@ from dtlab.models.run.loop import Summary
 from dtlab.models.run.metrics import MetricsLog
 from dtlab.models.run.progress import Progress
 from dtlab.models.run.session import GROUPS, Session
+from dtlab.models.run.stop import StopSignals
 from dtlab.models.run.straggler import Straggler
 from dtlab.models.run.trace import Trace
 
@@ -45,7 +48,7 @@ class Trainer:
 
     def __init__(self, session: Session, log: MetricsLog, exchange: Exchange | None = None,
                  is_main: bool = True, saves: bool | None = None, agree=None, rank: int = 0,
-                 role: str = "train", stages=None, trace: Trace | None = None):
+                 role: str = "train", stages=None, trace: Trace | None = None, scalars=None):
         self.s, self.log, self.is_main = session, log, is_main
         self.exchange = exchange or Single()
         # a pipeline's allgather of a small object over its stages, so that the MoE
@@ -57,6 +60,12 @@ class Trainer:
         self.straggler = Straggler(run.straggler, run.delay_ms, run.seed, rank)
         self.last_compute_s = 0.0
         self.agree = agree  # sums a small count array over every rank of the job (StopSignals)
+        # (loss, stop counts) -> (the loss averaged, the counts summed over every rank of the
+        # job) in one all-reduce, where the program has one (collective/reducers/exchange.py
+        # step_scalars); else the exchange's average, and `agree` at the step's end
+        self.scalars = scalars or self._apart
+        self.stop = StopSignals()  # the loop's: the step reads this rank's caught signals
+        self.carried = None  # the counts this step's scalars summed (None: not carried)
         self.saves = is_main if saves is None else saves
         run = session.setup.run
         self.groups = model_parallel_groups(session.model)
@@ -84,7 +93,7 @@ class Trainer:
         t2 = time.perf_counter()
         self.last_compute_s = t2 - t1
         waited = exchange.wait()
-        loss = exchange.average(loss)
+        loss, self.carried = self.scalars(loss, self.stop.counts())
         loop.check_finite(loss, f"step {step}")
         t3 = time.perf_counter()
         lr = s.schedule(step)
@@ -112,15 +121,30 @@ class Trainer:
     def run(self) -> Summary:
         """Train to --steps, or until SIGTERM / SIGINT: then every rank stops after the
         same step and, with --checkpoint-dir, saves it (models/run/stop.py)."""
-        run = self.s.setup.run
-        summary = loop.train(self, range(self.start_step, run.steps), self.s.dataset.floor,
-                             self.samples_per_step, self.agree)
+        summary = loop.train(self, self.iterations(), self.s.dataset.floor,
+                             self.samples_per_step, self.agreed_counts, self.stop)
         self.trace.close()
         every = self.stages(moe_report.layer_summaries(self.s.model.moe))
         summary.extra_lines = moe_report.summary_lines([row for rows in every for row in rows])
         if hasattr(self.s.replica, "summary_line"):
             summary.extra_lines.append(self.s.replica.summary_line())
         return summary
+
+    def iterations(self) -> range:
+        """The loop's steps: from the resumed one to --steps."""
+        return range(self.start_step, self.s.setup.run.steps)
+
+    def _apart(self, loss: float, counts):
+        """The loss averaged by the exchange; the counts left to the step's end (None)."""
+        return self.exchange.average(loss), None
+
+    def agreed_counts(self, counts):
+        """The stop counts summed over every rank of the job at a step's end: those its
+        scalars carried (a signal caught since is agreed at the next step), else `agree`'s
+        own sum of `counts` (None: this process alone)."""
+        if self.carried is not None:
+            return self.carried
+        return counts if self.agree is None else self.agree(counts)
 
     def eval_due(self, step: int) -> bool:
         run = self.s.setup.run

@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from dtlab.lab.compare.analysis import staleness as measured_staleness
-from dtlab.lab.simulate import calibrate, validate
+from dtlab.lab.simulate import calibration_fit, validate
 from dtlab.lab.simulate.arrivals import Speeds, Trace, trace
 from dtlab.lab.simulate.statistical import Method, steps_to_target
 from dtlab.lab.simulate.step import Host
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                    "calibration: the step from the cost model (else the measured step)")
     p.add_argument("--json", default=None, help="write the rows here")
     o = p.parse_args(argv)
-    cal = calibrate.load(o.calibration) if o.calibration else None
+    cal = calibration_fit.load(o.calibration) if o.calibration else None
     host = Host(os.cpu_count() or 1)
     rows, stale = [], []
     for folder in [f for x in o.folders for f in validate.measured_dirs(x)]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dtlab.collective.algorithms.choose import OURS
-from dtlab.collective.reducers.buckets import DEFAULT_BUCKET_BYTES, WIRE_DTYPES
+from dtlab.collective.reducers.bucket_defaults import DEFAULT_BUCKET_BYTES
+from dtlab.collective.reducers.buckets import WIRE_DTYPES
 from dtlab.collective.transport.failure import DEFAULT_TIMEOUT_S
 from dtlab.collective.zero.sharding import STAGES
 from dtlab.models.config import choice, described, positive

@@ -49,9 +49,9 @@ import numpy as np
 from mpi4py import MPI
 
 from dtlab.collective.comm import Communicator
+from dtlab.collective.reducers.bucket_defaults import DEFAULT_BUCKET_BYTES
 from dtlab.models.backend import array_module
 
-DEFAULT_BUCKET_BYTES = 25_000_000  # dtlab-sync --bucket-mb 25 (MB: 1e6 bytes)
 WIRE_DTYPES = {"fp32": None, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 
 

@@ -1,12 +1,13 @@
 """dtlab-worker's flags: the worker's own (`WorkerConfig`), the compressed push's, the
-client's and a model-parallel group's, read into a Setup (`parse_args`), and every refusal
-of a combination, next to the flags it concerns.
+client's and a model-parallel group's, read into a Setup (`parse_args`); every combination
+it refuses is a rule (models/flag_rules.py) declared on the config class holding the flags,
+or in GROUP_RULES, and kept by `parse`.
 
 Flags are those of dtlab.models.run.train (models.session) plus the client's
 (pserver.common.config.ClientConfig), the compressed push's (models.compress.CompressConfig),
 --worker-id / --num-workers / --local-steps / --dylu / --fragments / --moe-sparse-push and
-the group's --tp,
---pp, --pp-schedule, --stages. Without --local-steps the worker never runs the optimizer:
+the group's --tp, --pp, --pp-schedule, --stages (models.run.grid_flags.GridConfig's).
+Without --local-steps the worker never runs the optimizer:
 of the optimizer flags it takes --clip only (the servers take --optimizer, --lr, ...; a
 --config file's optimizer section is read by the servers and left alone here); with it
 they are its inner optimizer's. The servers keep the checkpoints: the worker takes no
@@ -19,17 +20,56 @@ import argparse
 from dataclasses import dataclass
 
 from dtlab.models.compress import CompressConfig
-from dtlab.models.config import ConfigError, add_flags, described, from_namespace
+from dtlab.models.config import ConfigError, described
+from dtlab.models.flag_rules import (
+    Conflicts,
+    Flag,
+    MultipleOf,
+    NoEffectWithout,
+    Requires,
+    at,
+    rules,
+)
 from dtlab.models.run.cli import command_name
+from dtlab.models.run.grid_flags import GridConfig
 from dtlab.models.run.launcher_env import launcher_rank, launcher_size
-from dtlab.models.run.session import Setup, parse
-from dtlab.models.schedule import SCHEDULES
+from dtlab.models.run.session import RunConfig, Setup, parse
+from dtlab.models.transformer import TransformerConfig
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver.common.config import ClientConfig
 
 DESCRIPTION = "The asynchronous SGD worker: pull from every shard, compute on its own data, push."
+GROUP_FLAGS = ("tp", "pp", "pp_schedule", "stages")  # the worker takes these of GridConfig's
+WORKER_GROUP = (Flag("tp", GridConfig), Flag("pp", GridConfig))  # either above 1: a group
+LOCAL_STEPS_H = Flag("local_steps", words="--local-steps H")
 
 
+@rules(
+    Requires("dylu", LOCAL_STEPS_H, why="it scales each round's local steps to this "
+                                        "worker's speed (H: the fastest worker's)"),
+    Requires("fragments", LOCAL_STEPS_H, why="it cuts the outer gradient of local SGD / "
+                                             "DiLoCo into F pushes a round"),
+    MultipleOf("local_steps", "fragments", why="one fragment is pushed every H / F steps"),
+    Conflicts("fragments", "dylu", why="Streaming DiLoCo's schedule is fixed by H; speed-aware "
+                                       "rounds would change it: choose one"),
+    Conflicts("moe_sparse_push", "local_steps",
+              why="it leaves experts out of a step's gradient; --local-steps pushes every "
+                  "parameter's change"),
+    Requires("moe_sparse_push", Flag("moe_experts", TransformerConfig,
+                                     words="a Mixture-of-Experts model (--model transformer "
+                                           "--moe-experts N)")),
+    Conflicts("moe_sparse_push", WORKER_GROUP, why="a model-parallel worker group pushes every "
+                                                   "parameter"),
+    Conflicts("local_steps", WORKER_GROUP, why="a model-parallel worker group takes no inner "
+                                               "steps yet"),
+    MultipleOf(Flag("eval_every", RunConfig), "local_steps",
+               why="the held-out loss is of the servers' parameters, which change once per "
+                   "outer round"),
+    Conflicts(Flag("compress", CompressConfig),
+              ("local_steps", "moe_sparse_push", Flag("wire", ClientConfig), *WORKER_GROUP),
+              why="not supported (a dense worker's every-step gradient, compressed in the "
+                  "model's dtype)"),
+)
 @dataclass
 class WorkerConfig:
     worker_id: int = described(-1, "this worker's id, which picks its data shard "
@@ -87,36 +127,8 @@ class WorkerConfig:
             raise ConfigError("--worker-id must be >= -1 and --num-workers >= 0")
         if self.local_steps < 0:
             raise ConfigError(f"--local-steps must not be negative (got {self.local_steps})")
-        if self.dylu and not self.local_steps:
-            raise ConfigError("--dylu scales the local steps of each round to this worker's "
-                              "speed: give --local-steps H (the fastest worker's H)")
         if self.fragments < 0:
             raise ConfigError(f"--fragments must not be negative (got {self.fragments})")
-        if self.fragments and not self.local_steps:
-            raise ConfigError("--fragments cuts the outer gradient of local SGD / DiLoCo into "
-                              "F pushes a round: give --local-steps H")
-        if self.fragments and self.local_steps % self.fragments:
-            raise ConfigError(f"--fragments {self.fragments} must divide --local-steps "
-                              f"{self.local_steps}: one fragment is pushed every H / F steps")
-        if self.fragments and self.dylu:
-            raise ConfigError("--fragments with --dylu: Streaming DiLoCo's schedule is fixed "
-                              "by H; speed-aware rounds would change it: choose one")
-        if self.local_steps and self.moe_sparse_push:
-            raise ConfigError("--moe-sparse-push leaves experts out of a step's gradient; "
-                              "--local-steps pushes every parameter's change: leave it out")
-
-    def check_with(self, setup: Setup) -> None:
-        """This config against the run's other flags: a ConfigError naming both."""
-        if is_group(setup) and self.moe_sparse_push:
-            raise ConfigError("--moe-sparse-push: a model-parallel worker group (--tp/--pp) "
-                              "pushes every parameter; leave it out there")
-        if is_group(setup) and self.local_steps:
-            raise ConfigError("--local-steps: a model-parallel worker group (--tp/--pp) takes no "
-                              "inner steps yet; leave it out there")
-        if self.local_steps and setup.run.eval_every % self.local_steps:
-            raise ConfigError(f"--eval-every {setup.run.eval_every} must be a multiple of "
-                              f"--local-steps {self.local_steps}: the held-out loss is of the "
-                              "servers' parameters, which change once per outer round")
 
     def check_metrics(self, metrics: str, launched: bool) -> None:
         """--metrics of a worker the launcher (or the job) started among others."""
@@ -130,9 +142,6 @@ class WorkerConfig:
         if self.fragments > tensors:
             raise ConfigError(f"--fragments {self.fragments}: {model_name} has {tensors} "
                               "tensors, and a fragment is at least one whole tensor")
-        if self.moe_sparse_push and not model.moe:
-            raise ConfigError(f"--moe-sparse-push needs a Mixture-of-Experts model (--moe-experts "
-                              f"above 0); {model_name} has no experts")
 
 
 def check_outer(servers_optim: dict) -> None:
@@ -159,47 +168,33 @@ def check_speed_aware(wcfg: WorkerConfig, consistency: int) -> None:
                           "local SGD (servers with --consistency asp or ssp)")
 
 
-def add_worker_flags(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, WorkerConfig, "worker")
-    add_flags(parser, CompressConfig, "compressed push (pserver.worker.compressed_push)")
-    add_flags(parser, ClientConfig, "parameter servers")
-    add_group_flags(parser)
+class ClientFlags(ClientConfig):
+    """ClientConfig's flags as given, for the rules that name them: `--servers auto` is
+    resolved into addresses later (loop.join_servers), and the ClientConfig built then
+    checks the values."""
+
+    def validate(self) -> None:
+        """Left to the ClientConfig built from these flags once --servers is resolved."""
 
 
-def add_group_flags(parser: argparse.ArgumentParser) -> None:
-    """--tp, --pp, --pp-schedule, --stages: the worker is a model-parallel group of
-    ranks (pserver.worker.group_worker)."""
-    grid = parser.add_argument_group("model-parallel worker group (mpiexec; tp x pp ranks "
-                                     "per worker)")
-    grid.add_argument("--tp", type=int, default=1,
-                      help="tensor-parallel ranks per worker group (Megatron-LM split)")
-    grid.add_argument("--pp", type=int, default=1,
-                      help="pipeline stages per worker group; a step's micro-batches are "
-                           "--grad-accum")
-    grid.add_argument("--pp-schedule", choices=sorted(SCHEDULES), default=None,
-                      help="pipeline schedule: GPipe, 1F1B (PipeDream-Flush, the default) "
-                           "or ZB-H1")
-    grid.add_argument("--stages", default="",
-                      help="modules per stage, e.g. 3,2 (default: balanced by FLOPs)")
+# dtlab-worker's config classes, each (class, --help title[, the fields it takes]); the
+# rules between their flags are declared on them and in GROUP_RULES
+WORKER_CONFIGS = ((WorkerConfig, "worker"),
+                  (CompressConfig, "compressed push (pserver.worker.compressed_push)"),
+                  (ClientFlags, "parameter servers"),
+                  (GridConfig, "model-parallel worker group (mpiexec; tp x pp ranks per worker)",
+                   GROUP_FLAGS))
+GROUP_RULES = (
+    NoEffectWithout(Flag("pp_schedule", GridConfig), Flag("pp", GridConfig)),
+    Conflicts(at("servers", "auto", ClientConfig), WORKER_GROUP,
+              why="it launches dense workers; a model-parallel group takes --servers "
+                  "HOST:PORT,..."),
+)
 
 
 def is_group(setup) -> bool:
     """Whether the worker is a model-parallel group (--tp or --pp above 1)."""
     return setup.extra.tp * setup.extra.pp > 1
-
-
-def check_group_flags(setup: Setup) -> None:
-    """--tp and --pp, and the flags that only a group (or only a dense worker) takes."""
-    opts = setup.extra
-    if opts.tp < 1 or opts.pp < 1:
-        raise ConfigError(f"--tp {opts.tp} and --pp {opts.pp} must be positive")
-    if is_group(setup) and opts.servers == "auto":
-        raise ConfigError("--servers auto launches dense workers; a model-parallel group "
-                          "(--tp/--pp) takes --servers HOST:PORT,...")
-    if not is_group(setup):
-        for flag, value in (("--stages", opts.stages), ("--pp-schedule", opts.pp_schedule)):
-            if value:
-                raise ConfigError(f"{flag} {value} has no effect without --pp")
 
 
 def local_steps_given(argv: list[str]) -> int:
@@ -214,35 +209,20 @@ def parse_args(argv: list[str]) -> Setup:
     """The worker's flags (a group's too) as a Setup; ConfigError where they do not fit."""
     local = local_steps_given(argv) > 0  # then the inner optimizer's flags are this worker's
     setup = parse(argv, prog=command_name("dtlab.pserver.worker"), description=DESCRIPTION,
-                  add_extra=add_worker_flags,
                   flags={"data": None, "run": None, "optim": None if local else ("clip",)},
                   why="the servers run the optimizer (give it to python -m dtlab.pserver serve; "
-                      "with --local-steps the worker takes its inner optimizer's)")
+                      "with --local-steps the worker takes its inner optimizer's)",
+                  configs=WORKER_CONFIGS, rules=GROUP_RULES)
     if setup.run.checkpoint_every or setup.run.resume:
         raise ConfigError("the servers keep the checkpoints (pserver --checkpoint-dir); the "
                           "worker takes no --checkpoint-every or --resume")
+    if setup.extra.tp < 1 or setup.extra.pp < 1:
+        raise ConfigError(f"--tp {setup.extra.tp} and --pp {setup.extra.pp} must be positive")
     return setup
 
 
 def worker_configs(setup: Setup) -> tuple[WorkerConfig, CompressConfig | None]:
-    """The worker's config and its compressed push's (None: off), every combination of
-    the flags checked; a ConfigError naming the flags that do not go together."""
-    wcfg = from_namespace(WorkerConfig, setup.extra)
-    check_group_flags(setup)
-    wcfg.check_with(setup)
-    return wcfg, compress_config(setup)
-
-
-def compress_config(setup: Setup) -> CompressConfig | None:
-    """--compress (None: off); a ConfigError naming what it does not go with."""
-    cfg = from_namespace(CompressConfig, setup.extra)
-    if not cfg.compress:
-        return None
-    for dest in ("local_steps", "moe_sparse_push", "wire", "tp", "pp"):
-        value = getattr(setup.extra, dest)
-        if value is not None and setup.given(dest):
-            raise ConfigError(
-                f"--compress {cfg.compress} with --{dest.replace('_', '-')} {value}: not "
-                "supported (a dense worker's every-step gradient, compressed in the model's "
-                "dtype)")
-    return cfg
+    """The worker's config and its compressed push's (None: off); parse_args refused every
+    combination of their flags that does not go together."""
+    compress = setup.config(CompressConfig)
+    return setup.config(WorkerConfig), compress if compress.compress else None

@@ -87,9 +87,6 @@ class Group:
 def place(setup: Setup, wcfg: WorkerConfig) -> Group:
     """The grid and this rank's group, or a ConfigError naming the flags."""
     opts = setup.extra
-    for flag, value in (("--stages", opts.stages), ("--pp-schedule", opts.pp_schedule)):
-        if value and opts.pp == 1:
-            raise ConfigError(f"{flag} {value} has no effect without --pp")
     try:
         grid = ProcessGrid(dp=None, pp=opts.pp, tp=opts.tp)
     except GridError as e:
@@ -152,7 +149,7 @@ def run_group(setup: Setup, wcfg: WorkerConfig, client_cfg: ClientConfig,
     threads = share_cores()
     grid, opts = group.grid, setup.extra
     grid.select_device()
-    pipeline = PipelineSpec(grid.pp_comm, opts.pp_schedule or "1f1b", opts.stages) \
+    pipeline = PipelineSpec(grid.pp_comm, opts.pp_schedule, opts.stages) \
         if opts.pp > 1 else None
     session = build_session(setup, rank=group.data_rank, world=group.data_world,
                             tp=grid.tp_comm if opts.tp > 1 else None, pipeline=pipeline)
@@ -186,8 +183,8 @@ def _train(session: Session, client: PSClient, group: Group, first: int,
                         staleness_bound=server.staleness_bound,
                         schedule_steps=server.schedule_steps, staleness_lr=server.staleness_lr,
                         tp=setup.extra.tp, pp=setup.extra.pp,
-                        pp_schedule=(setup.extra.pp_schedule or "1f1b") if setup.extra.pp > 1
-                        else None, threads=threads.as_dict())
+                        pp_schedule=setup.extra.pp_schedule if setup.extra.pp > 1 else None,
+                        threads=threads.as_dict())
     path = run.metrics.replace("{worker}", str(group.wid)) if group.partition == 0 else ""
     metrics = MetricsLog(path, header, append=first > 0)
     try:

@@ -72,6 +72,8 @@ def test_run_names_say_the_method():
              "async-local8": dict(topology="async", consistency="asp", local_steps=8),
              "async-bsp-backup2": dict(topology="async", consistency="bsp", backups=2),
              "async-diloco20": dict(topology="async", local_steps=20, outer="diloco"),
+             "async-stream10x2": dict(topology="async", consistency="asp", local_steps=10,
+                                      outer="diloco", worker_flags=("--fragments", "2")),
              "async-bsp-topk1": dict(topology="async", consistency="bsp", compress="topk:0.01"),
              "sync-stream30x3-t1-int4": dict(topology="sync", local_steps=30, outer="diloco",
                                              sync_flags=("--fragments", "3", "--overlap-steps",
@@ -97,7 +99,7 @@ def test_every_method_is_one_registry_entry():
     names = ("sync-ring", "sync-zero2", "sync-diloco50", "sync-stream30x3-t1-int4",
              "sync-onebitadam100", "sync-qring4", "sync-pipedream-2bw",
              "sync-powersgd4-noef", "async-local8", "async-bsp-backup2", "async-asp-randk5-noef",
-             "async-ssp3-div", "sim-asp-div")
+             "async-ssp3-div", "sim-asp-div", "async-diloco10-dylu", "async-stream10x2")
     for name in names:
         hits = [m for m in registry.METHODS if m.match(name)]
         assert len(hits) == 1, (name, [m.usage for m in hits])

@@ -243,7 +243,7 @@ def test_malformed_compressed_pushes_are_refused_by_name_and_nothing_is_applied(
     (["--compress", "sign", "--wire", "fp16"], "with --wire fp16"),
     (["--compress", "sign", "--tp", "2"], "with --tp 2"),
     (["--model", "transformer", "--moe-experts", "4", "--compress", "topk:0.1",
-      "--moe-sparse-push"], "with --moe-sparse-push True"),
+      "--moe-sparse-push"], "with --moe-sparse-push: not supported"),
     (["--compress", "powersgd:2"], "the parameter servers take topk, randk, sign"),
     (["--no-error-feedback"], "--no-error-feedback needs --compress"),
 ])

@@ -227,6 +227,7 @@ def what_ran(topology: str, headers: list[dict], records: list[list[dict]]) -> d
         ran["buckets"] = header.get("allreduce_buckets", [])
         ran["zero"] = header.get("zero", 0)
         ran["local_steps"] = header.get("local_steps", 0)  # collective/reducers/local_sgd.py
+        ran["fragments"] = header.get("fragments", 0)  # Streaming DiLoCo
         ran["outer"] = header.get("outer")
         ran["compress"] = header.get("compress", "")  # collective/reducers/compress.py
         ran["error_feedback"] = header.get("error_feedback")
@@ -246,6 +247,8 @@ def what_ran(topology: str, headers: list[dict], records: list[list[dict]]) -> d
                     seen.append(r["paths"])
         ran["paths"] = seen
         ran["local_steps"] = header.get("local_steps", 0)
+        ran["dylu"] = header.get("dylu", False)  # speed-aware H (pserver/worker/dylu.py)
+        ran["fragments"] = header.get("fragments", 0)  # Streaming DiLoCo (.../streaming.py)
         ran["outer"] = header.get("outer")  # the servers' (RegisterReply.outer_config)
         ran["compress"] = header.get("compress", "")
         ran["error_feedback"] = header.get("error_feedback")
@@ -281,7 +284,11 @@ def ran_words(ran: dict) -> str:
         name = o.get("outer_optimizer", "unrecorded")
         period = f" period {o['outer_period']}" if name == "delayed-nesterov" else ""
         how = "ring all-reduce of the change" if "buckets" in ran else "the change pushed"
-        return (f"local SGD, {ran['local_steps']} steps a round, outer {name} lr "
+        kind = (f"Streaming DiLoCo, {ran['fragments']} fragments" if ran.get("fragments")
+                else "local SGD")
+        steps = (f"speed-aware H (DyLU), H = {ran['local_steps']} for the fastest"
+                 if ran.get("dylu") else f"{ran['local_steps']} steps a round")
+        return (f"{kind}, {steps}, outer {name} lr "
                 f"{o.get('outer_lr', float('nan')):g}{period}; {ran['precision']}, {how}")
     if ran.get("compress"):
         ef = "error feedback" if ran["error_feedback"] else "no error feedback"

@@ -141,6 +141,15 @@ def _streaming(name: str, m: re.Match) -> RunSpec:
                    sync_flags=flags)
 
 
+def _async_streaming(name: str, m: re.Match) -> RunSpec:
+    """async-streamHxF: async DiLoCo whose outer gradient is pushed in F fragments."""
+    H, F = int(m["H"]), int(m["F"])
+    what = (f"async (ASP servers) Streaming DiLoCo, {H} inner steps a round in {F} fragments "
+            f"(one pushed every {H // F} steps), {_outer_words('async', 'diloco')}")
+    return RunSpec(name, "async", what, consistency="asp", local_steps=H, outer="diloco",
+                   worker_flags=("--fragments", str(F)))
+
+
 def _onebit(name: str, m: re.Match) -> RunSpec:
     W = int(m["W"])
     what = (f"sync 1-bit Adam, {W} warm-up steps of Adam, then the momentum's signs with "
@@ -262,6 +271,11 @@ METHODS: tuple[Method, ...] = (
            "gradient covers about the same wall time",
            "dtlab.pserver.worker.exchange.OuterPushPull",
            _speed_aware),
+    Method("async-streamHxF", r"async-stream(?P<H>[1-9]\d*)x(?P<F>[1-9]\d*)",
+           "Streaming DiLoCo on the servers (Douillard et al. 2025): each worker pushes one "
+           "of F fragments of its outer gradient every H / F inner steps, a ranged push to "
+           "the servers' Delayed Nesterov",
+           "dtlab.pserver.worker.streaming.StreamingPushPull", _async_streaming),
     Method("async-bsp-backupB", r"async-bsp-backup(?P<backups>[1-9]\d*)",
            "BSP closing each round at the first N of N + B gradients (Chen et al. 2016)",
            "dtlab.pserver.worker.exchange.PushPull", _backup),

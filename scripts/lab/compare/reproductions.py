@@ -295,15 +295,15 @@ PRESETS.update({
         "(the paper: up to 87% less data and 54% fewer rounds)", _onebit_adam),
     "heterogeneous": Reproduction(
         ("--runs", "sync-ring,async-bsp,async-bsp-backup1,async-ssp2,async-asp,"
-                   "async-diloco10,async-diloco10-dylu", "--ranks", "4",
+                   "async-diloco10,async-diloco10-dylu,async-stream10x2", "--ranks", "4",
          "--straggler", "2:2,3:4"),
         "workers of different speeds (1x, 1x, 2x, 4x: --straggler 2:2,3:4): sync waits for "
         "the slowest every step, so a method that does not (backup workers, SSP, ASP, async "
-        "local SGD with fixed or speed-aware H) reaches the held-out target first in time; "
-        "the report names the winner and by how much", _heterogeneous),
+        "local SGD with fixed or speed-aware H, Streaming DiLoCo) reaches the held-out "
+        "target first in time; the report names the winner and by how much", _heterogeneous),
     "heterogeneous-drawn": Reproduction(
         ("--runs", "sync-ring,async-bsp,async-bsp-backup1,async-ssp2,async-asp,"
-                   "async-diloco10,async-diloco10-dylu", "--ranks", "8",
+                   "async-diloco10,async-diloco10-dylu,async-stream10x2", "--ranks", "8",
          "--straggler", "lognormal:0.5"),
         "8 workers whose speeds are drawn (--straggler lognormal:0.5: each slowed by exp(|z|), "
         "z ~ N(0, 0.25), median 1.4x, seeded by rank): as in heterogeneous, a method that "

@@ -149,7 +149,6 @@ from dtlab.models.schedule import SCHEDULES
 
 PROG = "dtlab-simulate"
 DEFAULT_CALIBRATION = "runs/calibration.json"
-BUCKET_MB = 25.0  # dtlab-sync's --bucket-mb default
 DEFAULT_RANKS = "2,3,4"
 
 
@@ -241,8 +240,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "given (default 8)")
     g.add_argument("--steps-to-target", type=int, default=None,
                    help="steps to the target loss (from a measured run) for time to target")
-    g.add_argument("--bucket-mb", type=float, default=BUCKET_MB,
-                   help=f"gradient bucket size in MB, as dtlab-sync's (default {BUCKET_MB:g})")
+    g.add_argument("--bucket-mb", type=float, default=clusters.BUCKET_MB,
+                   help="gradient bucket size in MB, as dtlab-sync's (default "
+                        f"{clusters.BUCKET_MB:g})")
     g.add_argument("--calibration", default=DEFAULT_CALIBRATION,
                    help=f"the calibration JSON read, or written by --calibrate "
                         f"(default {DEFAULT_CALIBRATION})")

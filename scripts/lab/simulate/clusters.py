@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dtlab.collective.reducers.bucket_defaults import DEFAULT_BUCKET_BYTES
 from dtlab.lab.simulate import hardware, links
 from dtlab.lab.simulate.calibration_links import preset_server
 from dtlab.lab.simulate.formulas import Network, ServerLink
@@ -43,7 +44,7 @@ from dtlab.lab.simulate.step import ComputeRate, Host, Workload, sync_step
 from dtlab.models.config import ConfigError
 from dtlab.models.cost import estimate
 
-BUCKET_MB = 25.0  # dtlab-sync's --bucket-mb default
+BUCKET_MB = DEFAULT_BUCKET_BYTES / 1e6  # dtlab-sync's --bucket-mb default (MB: 1e6 bytes)
 
 
 @dataclass(frozen=True)

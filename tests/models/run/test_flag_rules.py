@@ -1,7 +1,7 @@
 """Rules between flags declared on the config dataclasses (models/flag_rules.py): each
 kind refuses what it says with both flags named, a rule cannot name a flag that does not
-exist, and every rule dtlab-sync declares fires on a command line with both sides named.
-Parsing only: no MPI job starts."""
+exist, and every rule dtlab-sync and dtlab-worker declare fires on a command line with both
+sides named. Parsing only: no MPI job starts, no server."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from dtlab.models.flag_rules import (
 )
 from dtlab.models.run.session import GROUPS
 from dtlab.models.zoo import MODELS
+from dtlab.pserver.worker import flags as worker_flags
 
 
 @dataclass
@@ -192,3 +193,51 @@ def test_every_config_with_rules_whose_flags_dtlab_sync_takes_is_checked_by_it(c
             taken = all(re.search(re.escape(flag(f.name)) + r"(?![\w-])", out)
                         for f in dataclasses.fields(cls))
             assert not taken, f"{cls.__name__}'s rules are not kept by dtlab-sync"
+
+
+WORKER = ["--servers", "127.0.0.1:1", *MLP]
+WORKER_MOE = ["--servers", "127.0.0.1:1", *MOE]
+# One command line per rule dtlab-worker keeps among the flags it takes (pserver/worker/
+# flags.py; the test below checks that together they break every such rule).
+WORKER_BREAKING = [
+    [*WORKER, "--dylu"],
+    [*WORKER, "--fragments", "2"],
+    [*WORKER, "--fragments", "3", "--local-steps", "4"],
+    [*WORKER, "--fragments", "2", "--local-steps", "4", "--dylu"],
+    [*WORKER_MOE, "--moe-sparse-push", "--local-steps", "2"],
+    [*WORKER, "--moe-sparse-push"],
+    [*WORKER_MOE, "--moe-sparse-push", "--tp", "2"],
+    [*WORKER, "--local-steps", "2", "--pp", "2"],
+    [*WORKER, "--local-steps", "3", "--eval-every", "4"],
+    [*WORKER, "--compress", "sign", "--wire", "fp16"],
+    [*WORKER, "--stages", "3,2"],
+    [*WORKER, "--pp-schedule", "gpipe"],
+    [*MLP, "--servers", "auto", "--tp", "2"],
+]
+
+
+def worker_help(capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        worker_flags.parse_args(["--help"])
+    assert e.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_every_rule_of_dtlab_worker_on_its_flags_fires_with_both_flags_named(capsys):
+    """GridConfig's rules on flags the worker does not take (--ep, --virtual-stages) are
+    kept but cannot fire: they are left out here."""
+    out = worker_help(capsys)
+    classes = (*(c.config for c in MODELS.values()), *GROUPS.values(),
+               *(cls for cls, *_ in worker_flags.WORKER_CONFIGS))
+    declared = {rule for rule in rules_of(*classes) + worker_flags.GROUP_RULES
+                if all(re.search(re.escape(flag(f.name)) + r"(?![\w-])", out)
+                       for f in (*rule.flags, *rule.other))}
+    fired = set()
+    for argv in WORKER_BREAKING:
+        with pytest.raises(Refusal) as e:
+            worker_flags.parse_args(argv)
+        rule, message = e.value.rule, str(e.value)
+        fired.add(rule)
+        for side in (rule.flags, rule.other):
+            assert not side or any(named(f, message) for f in side), (argv, message)
+    assert fired == declared, declared - fired

@@ -27,6 +27,11 @@
  *   norm_y:    xhat <- xhat r;  y <- xhat g + b                          (r per row)
  *   norm_dy:   gx <- dy xhat;  dxhat <- dy g
  *   norm_dx:   dx <- (dxhat - (xhat m2 + m1)) r                          (m1, m2, r per row)
+ *
+ * and the embedding's gradient scatter (models/layers.py), in the order np.add.at adds:
+ *
+ *   rows_add:  t[index[i]] <- t[index[i]] + rows[i]   for i = 0 .. N-1     (rows of d; an
+ *              index below 0 counts from the end, as NumPy's indexing does)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -163,6 +168,20 @@ DEFINE_GELU(double, f64)
 
 DEFINE_NORM(float, f32)
 DEFINE_NORM(double, f64)
+
+#define DEFINE_ROWS_ADD(T, S)                                                                   \
+    VECTOR_CLONES static void rows_add_##S(T *restrict t, const Py_ssize_t *restrict index,     \
+                                           const T *restrict rows, Py_ssize_t n,                \
+                                           Py_ssize_t v, Py_ssize_t d) {                        \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                    \
+            T *tr = t + (index[i] < 0 ? index[i] + v : index[i]) * d;                           \
+            const T *rr = rows + i * d;                                                         \
+            for (Py_ssize_t j = 0; j < d; j++) tr[j] = tr[j] + rr[j];                           \
+        }                                                                                       \
+    }
+
+DEFINE_ROWS_ADD(float, f32)
+DEFINE_ROWS_ADD(double, f64)
 
 static void release(Py_buffer *views, int count) {
     for (int k = 0; k < count; k++) PyBuffer_Release(&views[k]);
@@ -393,6 +412,59 @@ static PyObject *norm_dx(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* A float32/float64 format ('f' of 4 bytes or 'd' of 8, any byte-order mark): its size, else 0. */
+static int float_size(const Py_buffer *view) {
+    const char *f = view->format;
+    if (f[0] == '<' || f[0] == '=' || f[0] == '@') f++;
+    if (f[1] != '\0') return 0;
+    return (f[0] == 'f' && view->itemsize == 4) || (f[0] == 'd' && view->itemsize == 8)
+               ? (int)view->itemsize : 0;
+}
+
+/* rows_add(table (V, d), index (N,) intp, rows (N, d)): every index is checked against V
+ * first, so that nothing is written when one is out of range (np.add.at's IndexError). */
+static PyObject *rows_add(PyObject *self, PyObject *args) {
+    PyObject *o[3];
+    Py_buffer b[3];
+    const int flags[3] = {PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE,
+                          PyBUF_C_CONTIGUOUS | PyBUF_FORMAT, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT};
+    if (!PyArg_ParseTuple(args, "OOO", &o[0], &o[1], &o[2])) return NULL;
+    for (int k = 0; k < 3; k++) {
+        if (PyObject_GetBuffer(o[k], &b[k], flags[k]) < 0) {
+            release(b, k);
+            return NULL;
+        }
+    }
+    const char *f = b[1].format;
+    if (f[0] == '<' || f[0] == '=' || f[0] == '@') f++;
+    int size = float_size(&b[0]);
+    if (!size || float_size(&b[2]) != size || b[0].ndim != 2 || b[2].ndim != 2
+        || b[0].shape[1] != b[2].shape[1] || b[1].ndim != 1 || b[1].shape[0] != b[2].shape[0]
+        || b[1].itemsize != (Py_ssize_t)sizeof(Py_ssize_t) || (f[0] != 'l' && f[0] != 'q')
+        || f[1] != '\0') {
+        PyErr_SetString(PyExc_ValueError, "rows_add takes a (V, d) table, an (N,) intp index "
+                                          "and (N, d) rows, contiguous, of one float type");
+        release(b, 3);
+        return NULL;
+    }
+    Py_ssize_t v = b[0].shape[0], d = b[0].shape[1], n = b[1].shape[0];
+    const Py_ssize_t *index = b[1].buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (index[i] < -v || index[i] >= v) {
+            PyErr_Format(PyExc_IndexError, "rows_add: index %zd is out of bounds for %zd rows",
+                         index[i], v);
+            release(b, 3);
+            return NULL;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (size == 4) rows_add_f32(b[0].buf, index, b[2].buf, n, v, d);
+    else rows_add_f64(b[0].buf, index, b[2].buf, n, v, d);
+    Py_END_ALLOW_THREADS
+    release(b, 3);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"sgd", sgd, METH_VARARGS, "sgd(p, g, lr): p -= g * lr"},
     {"momentum", momentum, METH_VARARGS,
@@ -407,6 +479,8 @@ static PyMethodDef methods[] = {
     {"norm_dy", norm_dy, METH_VARARGS, "norm_dy(gx, dxhat, dy, xhat, g): dy xhat, dy g"},
     {"norm_dx", norm_dx, METH_VARARGS,
      "norm_dx(dx, xhat, m1, m2, r): dx = (dx - (xhat m2 + m1)) r"},
+    {"rows_add", rows_add, METH_VARARGS,
+     "rows_add(t, index, rows): t[index[i]] += rows[i] for each i in order"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -46,13 +46,11 @@ recomputation a chunk's A is a chunk-sized temporary.
 from __future__ import annotations
 
 import math
-import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 from dtlab.models.backend import array_module
 from dtlab.models.comm import Comm
-from dtlab.models.layers import Linear, Module
+from dtlab.models.layers import Linear, Module, numpy_blas, thread_pool
 from dtlab.models.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 
@@ -188,7 +186,7 @@ def over_heads(xp, chunk, B: int, nh: int, T: int) -> None:
     if xp.__name__ != "numpy":
         chunk((slice(None), slice(None)))
         return
-    blas = _numpy_blas()
+    blas = numpy_blas()
     threads = 1 if blas is None else blas.num_threads
     chunks = head_chunks(B, nh, T, threads)
     n = min(threads, len(chunks), B * nh * T * T // SCORES_PER_THREAD)
@@ -199,7 +197,7 @@ def over_heads(xp, chunk, B: int, nh: int, T: int) -> None:
         return
     blas.set_num_threads(1)
     try:
-        futures = [_pool(n - 1).submit(_each, chunk, chunks[j::n]) for j in range(1, n)]
+        futures = [thread_pool(n - 1).submit(_each, chunk, chunks[j::n]) for j in range(1, n)]
         try:
             _each(chunk, chunks[0::n])
         finally:
@@ -215,24 +213,4 @@ def _each(chunk, chunks) -> None:
         chunk(i)
 
 
-_THREADS: dict = {}
 _LIMITING = threading.Lock()
-
-
-def _numpy_blas():
-    """threadpoolctl's controller of the BLAS NumPy calls (None if it finds none)."""
-    if "blas" not in _THREADS:
-        from threadpoolctl import ThreadpoolController
-
-        libs = ThreadpoolController().select(user_api="blas").lib_controllers
-        ours = [lib for lib in libs if "numpy" in lib.filepath] or libs
-        _THREADS["blas"] = ours[0] if ours else None
-    return _THREADS["blas"]
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """A pool of `workers` threads of this process (a forked child makes its own)."""
-    key = (os.getpid(), workers)
-    if key not in _THREADS:
-        _THREADS[key] = ThreadPoolExecutor(workers, thread_name_prefix="dtlab-heads")
-    return _THREADS[key]

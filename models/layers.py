@@ -25,6 +25,9 @@ counts what each context keeps; keep the two in step.
 from __future__ import annotations
 
 import math
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -46,6 +49,55 @@ def _one_pass(*arrays) -> bool:
                     and a.flags.aligned for a in arrays))
 
 
+def numpy_blas():
+    """threadpoolctl's controller of the BLAS NumPy calls (None if it finds none)."""
+    if "blas" not in _THREADS:
+        from threadpoolctl import ThreadpoolController
+
+        libs = ThreadpoolController().select(user_api="blas").lib_controllers
+        ours = [lib for lib in libs if "numpy" in lib.filepath] or libs
+        _THREADS["blas"] = ours[0] if ours else None
+    return _THREADS["blas"]
+
+
+def thread_pool(workers: int) -> ThreadPoolExecutor:
+    """A pool of `workers` threads of this process (a forked child makes its own)."""
+    key = (os.getpid(), workers)
+    if key not in _THREADS:
+        _THREADS[key] = ThreadPoolExecutor(workers, thread_name_prefix="dtlab-passes")
+    return _THREADS[key]
+
+
+_THREADS: dict = {}
+_SPREADING = threading.Lock()  # held by the one caller whose blocks run on the pool
+THREAD_BLOCK = 1 << 16  # elements a thread's block of a layer's pass has at least
+
+
+def in_blocks(fn, n: int, min_block: int) -> None:
+    """fn(lo, hi) over contiguous blocks covering [0, n), on as many threads as NumPy's BLAS
+    has (the process's compute threads; the caller is one), each block at least `min_block`
+    long and starting at a multiple of 16; one call fn(0, n) when n is too short or another
+    thread is already spreading its blocks. For elementwise and row-wise passes in C or
+    NumPy, which release the GIL: each element is computed as in one call, so the results
+    are bit-identical (as PyTorch's CPU kernels split their loops over its threads)."""
+    blas = numpy_blas()
+    threads = min(1 if blas is None else blas.num_threads, n // max(1, min_block))
+    if threads <= 1 or not _SPREADING.acquire(blocking=False):
+        fn(0, n)
+        return
+    try:
+        edges = [n * j // threads // 16 * 16 for j in range(threads)] + [n]
+        futures = [thread_pool(threads - 1).submit(fn, edges[j], edges[j + 1])
+                   for j in range(1, threads)]
+        try:
+            fn(edges[0], edges[1])
+        finally:
+            for f in futures:
+                f.result()
+    finally:
+        _SPREADING.release()
+
+
 class Module:
     name: str = ""
 
@@ -60,10 +112,16 @@ class Module:
 
 
 class Linear(Module):
-    """y = x @ W + b, with W of shape (d_in, d_out)."""
+    """y = x @ W + b, with W of shape (d_in, d_out).
 
-    def __init__(self, name: str, d_in: int, d_out: int, bias: bool = True, std: float = 0.02):
+    `input_grad=False` (a model's first layer, whose input is data) skips dx = dy W^T and
+    returns None, as autograd skips the gradient of an input that does not require one.
+    """
+
+    def __init__(self, name: str, d_in: int, d_out: int, bias: bool = True, std: float = 0.02,
+                 input_grad: bool = True):
         self.name, self.d_in, self.d_out, self.bias, self.std = name, d_in, d_out, bias, std
+        self.input_grad = input_grad
 
     def specs(self):
         out = [ParamSpec(f"{self.name}.W", (self.d_in, self.d_out), std=self.std)]
@@ -74,7 +132,12 @@ class Linear(Module):
     def forward(self, P, x):
         y = x.reshape(-1, self.d_in) @ P[f"{self.name}.W"]  # (N, d_out): one GEMM, any batch shape
         if self.bias:
-            y += P[f"{self.name}.b"]
+            b = P[f"{self.name}.b"]
+            if array_module(y) is np:  # rows in blocks over the compute threads
+                in_blocks(lambda lo, hi: np.add(y[lo:hi], b, out=y[lo:hi]), y.shape[0],
+                          max(1, THREAD_BLOCK // self.d_out))
+            else:
+                y += b
         return y.reshape(*x.shape[:-1], self.d_out), x
 
     def backward(self, P, x, dy):
@@ -83,6 +146,8 @@ class Linear(Module):
         P.add_weight_grad(f"{self.name}.W", x2, dy2)  # += x2^T dy2, (d_in, d_out)
         if self.bias:
             P.grads[f"{self.name}.b"] += dy2.sum(axis=0)
+        if not self.input_grad:
+            return None
         return (dy2 @ P[f"{self.name}.W"].T).reshape(x.shape)  # (..., d_in)
 
 
@@ -113,11 +178,18 @@ class Embedding(Module):
 
     def backward(self, P, tokens, dy):
         xp = array_module(dy)
-        # Scatter-add rows dy[i] into dW[tokens[i]]; repeated tokens accumulate. ufunc.at
-        # on the flat buffer with one offset per element runs several times faster in
-        # NumPy than the row-indexed form (its 1-D fast path); CuPy does it with atomics.
-        offsets = (tokens.reshape(-1, 1) * self.d + xp.arange(self.d)).reshape(-1)  # (N d,)
-        xp.add.at(P.grads[f"{self.name}.W"].reshape(-1), offsets, dy.reshape(-1))
+        dW, rows = P.grads[f"{self.name}.W"], dy.reshape(-1, self.d)  # (V, d), (N, d)
+        index = tokens.reshape(-1)  # (N,)
+        if _one_pass(dW, rows) and index.dtype.kind in "iu":
+            # dW[index[i]] += rows[i] in order, in C (models/_fused.c): the same adds in the
+            # same order as the ufunc.at below, one row at a time instead of one element
+            _fused.rows_add(dW, np.ascontiguousarray(index, dtype=np.intp), rows)
+        else:
+            # Scatter-add rows dy[i] into dW[tokens[i]]; repeated tokens accumulate. ufunc.at
+            # on the flat buffer with one offset per element runs several times faster in
+            # NumPy than the row-indexed form (its 1-D fast path); CuPy does it with atomics.
+            offsets = (index.reshape(-1, 1) * self.d + xp.arange(self.d)).reshape(-1)  # (N d,)
+            xp.add.at(dW.reshape(-1), offsets, rows.reshape(-1))
         if self.max_len:
             T = tokens.shape[-1]
             P.grads[f"{self.name}.pos"][:T] += dy.reshape(-1, T, self.d).sum(axis=0)
@@ -132,7 +204,8 @@ class LayerNorm(Module):
     Row sums of products go through einsum, which needs no (..., d) temporary. On NumPy
     the elementwise passes between the row reductions run in C (models/_fused.c: the same
     operations in the same order, bit-identical): 4 passes forward instead of 6, 6
-    backward instead of 10.
+    backward instead of 10. Those row passes run in blocks of rows spread over the compute
+    threads (in_blocks); the column sums of the gain's and bias's gradients stay whole.
     """
 
     def __init__(self, name: str, d: int, eps: float = 1e-5):
@@ -146,41 +219,67 @@ class LayerNorm(Module):
 
     def forward(self, P, x):
         xp = array_module(x)
+        g, b = P[f"{self.name}.g"], P[f"{self.name}.b"]
+        if _one_pass(x, g, b):
+            xhat, y = np.empty_like(x), np.empty_like(x)  # (..., d)
+            rstd = np.empty((*x.shape[:-1], 1), dtype=x.dtype)  # (..., 1)
+            rows = [a.reshape(-1, a.shape[-1]) for a in (x, xhat, rstd, y)]
+            in_blocks(lambda lo, hi: self._forward_rows(*(a[lo:hi] for a in rows), g, b),
+                      rows[0].shape[0], max(1, THREAD_BLOCK // self.d))
+            return y, (xhat, rstd)
         xhat = x - x.mean(axis=-1, keepdims=True)  # (..., d) centred
         var = xp.einsum("...i,...i->...", xhat, xhat)[..., None]  # (..., 1) sum of squares
         var /= self.d
         var += self.eps
         rstd = 1.0 / xp.sqrt(var)  # (..., 1)
-        g, b = P[f"{self.name}.g"], P[f"{self.name}.b"]
-        if _one_pass(xhat, rstd, g, b):
-            y = xp.empty_like(xhat)
-            _fused.norm_y(y, xhat, rstd, g, b)  # xhat *= rstd; y = xhat g + b
-            return y, (xhat, rstd)
         xhat *= rstd
         y = xhat * g
         y += b
         return y, (xhat, rstd)
 
+    def _forward_rows(self, x, xhat, rstd, y, g, b):
+        """The forward's NumPy and C passes on rows (n, d) of x, into those of xhat, rstd
+        (n, 1) and y: the array lines' operations, row by row the same."""
+        np.subtract(x, x.mean(axis=-1, keepdims=True), out=xhat)  # centred
+        var = np.einsum("...i,...i->...", xhat, xhat)[..., None]  # (n, 1) sum of squares
+        var /= self.d
+        var += self.eps
+        np.divide(1.0, np.sqrt(var), out=rstd)
+        _fused.norm_y(y, xhat, rstd, g, b)  # xhat *= rstd; y = xhat g + b
+
+    def _backward_rows(self, dx, xhat, rstd):
+        """dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)) on rows (n, d), in place
+        of dxhat in dx."""
+        m1 = dx.mean(axis=-1, keepdims=True)  # (n, 1)
+        m2 = np.einsum("...i,...i->...", dx, xhat)[..., None]  # (n, 1)
+        m2 /= self.d
+        _fused.norm_dx(dx, xhat, m1, m2, rstd)  # (dx - (xhat m2 + m1)) rstd
+
     def backward(self, P, ctx, dy):
         xp = array_module(dy)
         xhat, rstd = ctx
         g = P[f"{self.name}.g"]
-        fused = _one_pass(dy, xhat, rstd, g)
-        if fused:
-            tmp, dx = xp.empty_like(dy), xp.empty_like(dy)
-            _fused.norm_dy(tmp, dx, dy, xhat, g)  # dy xhat and dxhat = dy g, (..., d)
-        else:
-            tmp = dy * xhat  # (..., d)
+        if _one_pass(dy, xhat, rstd, g):
+            tmp, dx = np.empty_like(dy), np.empty_like(dy)  # (..., d)
+            rows = [a.reshape(-1, a.shape[-1]) for a in (tmp, dx, dy, xhat, rstd)]
+            per_thread = max(1, THREAD_BLOCK // self.d)
+            # dy xhat and dxhat = dy g; the column sums below stay whole (their order)
+            in_blocks(lambda lo, hi: _fused.norm_dy(*(a[lo:hi] for a in rows[:4]), g),
+                      rows[0].shape[0], per_thread)
+            P.grads[f"{self.name}.g"] += tmp.reshape(-1, self.d).sum(axis=0)
+            P.grads[f"{self.name}.b"] += dy.reshape(-1, self.d).sum(axis=0)
+            dx_rows, xhat_rows, rstd_rows = rows[1], rows[3], rows[4]
+            in_blocks(lambda lo, hi: self._backward_rows(dx_rows[lo:hi], xhat_rows[lo:hi],
+                                                         rstd_rows[lo:hi]),
+                      rows[0].shape[0], per_thread)
+            return dx
+        tmp = dy * xhat  # (..., d)
         P.grads[f"{self.name}.g"] += tmp.reshape(-1, self.d).sum(axis=0)
         P.grads[f"{self.name}.b"] += dy.reshape(-1, self.d).sum(axis=0)
-        if not fused:
-            dx = dy * g  # dxhat, (..., d)
+        dx = dy * g  # dxhat, (..., d)
         m1 = dx.mean(axis=-1, keepdims=True)  # (..., 1)
         m2 = xp.einsum("...i,...i->...", dx, xhat)[..., None]  # (..., 1)
         m2 /= self.d
-        if fused and _one_pass(dx, xhat, m1, m2, rstd):
-            _fused.norm_dx(dx, xhat, m1, m2, rstd)  # (dx - (xhat m2 + m1)) rstd
-            return dx
         xp.multiply(xhat, m2, out=tmp)
         tmp += m1
         dx -= tmp
@@ -237,17 +336,22 @@ class GELU(Module):
     Computed in place in two (..., d) buffers each way; the context is (x, t). On NumPy
     the polynomial passes run in one pass of C each (models/_fused.c: the same operations
     in the same order, bit-identical) and tanh is NumPy's: 3 passes forward instead of
-    8, one backward instead of 11.
+    8, one backward instead of 11, each in blocks spread over the compute threads
+    (in_blocks).
     """
 
     def forward(self, P, x):
         xp = array_module(x)
         if _one_pass(x):
-            t = xp.empty_like(x)  # (..., d)
-            _fused.gelu_u(t, x, _GELU_C * _GELU_K, _GELU_C)
-            xp.tanh(t, out=t)
-            y = xp.empty_like(x)
-            _fused.gelu_y(y, x, t)
+            t, y = xp.empty_like(x), xp.empty_like(x)  # (..., d)
+            xs, ts, ys = x.reshape(-1), t.reshape(-1), y.reshape(-1)
+
+            def block(lo, hi):
+                _fused.gelu_u(ts[lo:hi], xs[lo:hi], _GELU_C * _GELU_K, _GELU_C)
+                np.tanh(ts[lo:hi], out=ts[lo:hi])
+                _fused.gelu_y(ys[lo:hi], xs[lo:hi], ts[lo:hi])
+
+            in_blocks(block, x.size, THREAD_BLOCK)
             return y, (x, t)
         t = x * x  # (..., d)
         t *= _GELU_C * _GELU_K
@@ -263,7 +367,10 @@ class GELU(Module):
         x, t = ctx
         if _one_pass(dy, x, t):
             dx = array_module(dy).empty_like(x)  # (..., d)
-            _fused.gelu_dx(dx, dy, x, t, 3 * _GELU_C * _GELU_K, _GELU_C)
+            flat = [a.reshape(-1) for a in (dx, dy, x, t)]
+            in_blocks(lambda lo, hi: _fused.gelu_dx(*(a[lo:hi] for a in flat),
+                                                    3 * _GELU_C * _GELU_K, _GELU_C),
+                      x.size, THREAD_BLOCK)
             return dx
         dx = x * x  # (..., d)
         dx *= 3 * _GELU_C * _GELU_K

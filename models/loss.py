@@ -5,12 +5,17 @@
 
 The max is subtracted before exponentiating, so large logits cannot overflow.
 One (N, C) buffer is allocated: shifted logits, then probabilities, then the
-gradient, in place.
+gradient, in place. On NumPy the row passes run in blocks of rows spread over
+the compute threads (layers.in_blocks): each row's operations are the same, so
+the results are bit-identical; the loss's mean over the rows is taken whole.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from dtlab.models.backend import array_module
+from dtlab.models.layers import THREAD_BLOCK, in_blocks
 
 
 def softmax_cross_entropy(logits, targets, scale: float = 1.0):
@@ -27,11 +32,28 @@ def softmax_cross_entropy(logits, targets, scale: float = 1.0):
     t = targets.reshape(-1)  # (N,)
     N = z.shape[0]
     rows = xp.arange(N)
-    p = z - z.max(axis=1, keepdims=True)  # (N, C) shifted logits, then probabilities
-    zt = p[rows, t]  # (N,) shifted logit of the target
-    xp.exp(p, out=p)
-    sum_p = p.sum(axis=1, keepdims=True)  # (N, 1)
-    loss = float((xp.log(sum_p[:, 0]) - zt).mean())
-    p *= (scale / N) / sum_p  # softmax * scale / N
+    p = xp.empty_like(z)  # (N, C) shifted logits, then probabilities
+    zt = xp.empty(N, dtype=z.dtype)  # (N,) shifted logit of the target
+    sum_p = xp.empty((N, 1), dtype=z.dtype)  # (N, 1)
+
+    def softmax_rows(lo, hi):  # rows lo..hi-1: p = exp(z - max), its row sums, zt
+        zb, pb = z[lo:hi], p[lo:hi]
+        xp.subtract(zb, zb.max(axis=1, keepdims=True), out=pb)
+        zt[lo:hi] = pb[rows[: hi - lo], t[lo:hi]]
+        xp.exp(pb, out=pb)
+        pb.sum(axis=1, keepdims=True, out=sum_p[lo:hi])
+
+    def scale_rows(lo, hi):  # softmax * scale / N
+        p[lo:hi] *= (scale / N) / sum_p[lo:hi]
+
+    if xp is np:
+        per_thread = max(1, THREAD_BLOCK // max(1, C))
+        in_blocks(softmax_rows, N, per_thread)
+        loss = float((xp.log(sum_p[:, 0]) - zt).mean())
+        in_blocks(scale_rows, N, per_thread)
+    else:
+        softmax_rows(0, N)
+        loss = float((xp.log(sum_p[:, 0]) - zt).mean())
+        scale_rows(0, N)
     p[rows, t] -= scale / N
     return loss, p.reshape(logits.shape)

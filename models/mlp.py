@@ -56,7 +56,8 @@ class MLP(Model):
             return self._split(c, act, widths, stds, names, tp)
         modules = []
         for i, name in enumerate(names):  # He-style init keeps activations O(1) through depth
-            modules.append(Linear(name, widths[i], widths[i + 1], std=stds[i]))
+            modules.append(Linear(name, widths[i], widths[i + 1], std=stds[i],
+                                  input_grad=i > 0))  # the input is data: no dx
             if name != "out":
                 modules.append(act())
         super().__init__(config, Sequential(modules))

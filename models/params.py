@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dtlab.models import backend
+from dtlab.models.backend import array_module
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,12 @@ class FlatParams:
     Weight gradients of matmuls go through `add_weight_grad`, so that a
     zero-bubble pipeline schedule (Qi et al. 2024) can split a backward pass
     in two: inside `deferring()` they are queued (the B pass: input gradients
-    only) and `run_weight_grads` computes them later (the W pass).
+    only) and `run_weight_grads` computes them later (the W pass). A weight
+    gradient still zero since `zero_grad` takes the product written in place
+    (`matmul(..., out=)`, as autograd's first gradient is stored, not added):
+    no (d_in, d_out) temporary and no add pass; later ones (further
+    micro-batches) go through one scratch buffer. 0 + a == a, so the values
+    are those of `+=`; only add_weight_grad may write a weight's gradient.
     """
 
     deferred: list | None = None  # the queue while deferring, else None
@@ -140,6 +146,10 @@ class FlatParams:
         self.grad = self.xp.zeros(self.size, dtype=self.dtype)
         self.params = self._views(self.data)
         self.grads = self._views(self.grad)
+        # names whose gradient is zero since zero_grad: one set, changed in place, so that
+        # shallow copies sharing the gradient buffer (PipeDream's second weights) share it
+        self._zero = set(self.offsets)
+        self._scratch = None  # add_weight_grad's product when it must be added
 
     def _views(self, buf) -> dict:
         return {
@@ -178,6 +188,7 @@ class FlatParams:
 
     def zero_grad(self) -> None:
         self.grad.fill(0)
+        self._zero.update(self.offsets)
 
     def decay_mask(self):
         """1.0 where weight decay applies, 0.0 elsewhere, in the buffer layout."""
@@ -202,9 +213,25 @@ class FlatParams:
         """grads[name] += x^T dy, x (N, d_in), dy (N, d_out): now, or queued while
         deferring. Queued arrays must not be written until the queue runs."""
         if self.deferred is None:
-            self.grads[name] += x.T @ dy  # (d_in, d_out)
+            self._weight_grad(name, x, dy)
         else:
             self.deferred.append((name, x, dy))
+
+    def _weight_grad(self, name: str, x, dy) -> None:
+        """grads[name] += x^T dy: written in place while it is zero, else added from the
+        scratch buffer (the same values as `+= x.T @ dy`, without its temporary)."""
+        g = self.grads[name]  # (d_in, d_out)
+        xp = array_module(g)
+        if xp.result_type(x, dy) != g.dtype:  # a cast on the way in: the plain form
+            g += x.T @ dy
+        elif name in self._zero:
+            xp.matmul(x.T, dy, out=g)
+        else:
+            if self._scratch is None or self._scratch.size < g.size:
+                self._scratch = xp.empty(g.size, dtype=g.dtype)
+            product = xp.matmul(x.T, dy, out=self._scratch[: g.size].reshape(g.shape))
+            g += product
+        self._zero.discard(name)
 
     @contextmanager
     def deferring(self) -> Iterator[list]:
@@ -220,7 +247,7 @@ class FlatParams:
     def run_weight_grads(self, queue: list) -> None:
         """The W pass: the queued weight gradients, in the order they were made."""
         for name, x, dy in queue:
-            self.grads[name] += x.T @ dy  # (d_in, d_out)
+            self._weight_grad(name, x, dy)
         queue.clear()
 
     def first_offset(self, names: Sequence[str]) -> int:

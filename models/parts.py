@@ -47,11 +47,13 @@ class Part:
         return self.act_floats * float_bytes + self.act_other_bytes
 
 
-def linear(name: str, N: int, d_in: int, d_out: int, bias: bool = True) -> Part:
-    """y = x W + b on N rows: 2 N d_in d_out forward, 4 N d_in d_out backward; keeps x."""
+def linear(name: str, N: int, d_in: int, d_out: int, bias: bool = True,
+           input_grad: bool = True) -> Part:
+    """y = x W + b on N rows: 2 N d_in d_out forward, 4 N d_in d_out backward (2 without
+    the input's gradient: a model's first layer); keeps x."""
     f = 2 * N * d_in * d_out
     return Part(name, params=d_in * d_out + (d_out if bias else 0), flops_forward=f,
-                flops_backward=2 * f, act_floats=N * d_in)
+                flops_backward=2 * f if input_grad else f, act_floats=N * d_in)
 
 
 def norm(name: str, kind: str, N: int, d: int) -> Part:
@@ -195,13 +197,13 @@ def mlp_parts(c: MLPConfig, B: int) -> list[Part]:
     widths = [c.d_in] + [c.d_hidden] * c.n_layers
     parts = []
     for i in range(c.n_layers):
-        parts.append(linear(f"l{i}", B, widths[i], widths[i + 1]))
+        parts.append(linear(f"l{i}", B, widths[i], widths[i + 1], input_grad=i > 0))
         h = widths[i + 1]
         if c.activation == "gelu":
             parts.append(Part(f"gelu{i}", act_floats=2 * B * h))
         else:
             parts.append(Part(f"relu{i}", act_other_bytes=B * h))  # bool mask
-    parts.append(linear("out", B, widths[-1], c.n_classes))
+    parts.append(linear("out", B, widths[-1], c.n_classes, input_grad=c.n_layers > 0))
     parts.append(Part("loss (dlogits)", act_floats=B * c.n_classes))
     return parts
 

@@ -115,3 +115,78 @@ def test_head_chunks_cover_every_head_once():
             seen[b, h] += 1
         assert (seen == 1).all(), (B, nh, T, n)
         assert len(chunks) >= min(n, B * nh)
+
+
+class _Threads:
+    num_threads = 3
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_passes_spread_over_threads_are_bit_identical(dtype, monkeypatch):
+    """GELU's and LayerNorm's passes in blocks on three threads (layers.in_blocks)
+    against the array lines: bit for bit."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((7, 9, 37)) * 3).astype(dtype)  # 63 rows, 2331 elements
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    norm = LayerNorm("n", x.shape[-1])
+    P = FlatParams(norm.specs(), seed=0, dtype=dtype, xp=np)
+    P.data[...] = rng.standard_normal(P.data.shape)
+    out = {}
+    for kernels in (True, False):
+        monkeypatch.setattr(layers, "_fused", fused if kernels else None)
+        monkeypatch.setattr(layers, "numpy_blas", _Threads)
+        monkeypatch.setattr(layers, "THREAD_BLOCK", 100)  # 3 blocks, of unequal rows
+        y, ctx = GELU().forward(None, x)
+        out[kernels] = (y, *ctx, GELU().backward(None, ctx, dy), *run(norm, P, x, dy))
+    for a, b in zip(out[True], out[False], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_embedding_rows_add_is_bit_identical_to_add_at(monkeypatch):
+    """The embedding's gradient scatter in C (rows_add) against ufunc.at: repeated and
+    negative tokens, a gradient that is not zero first."""
+    emb = layers.Embedding("e", 11, 6, max_len=8)
+    P = FlatParams(emb.specs(), seed=0, xp=np)
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(-11, 11, size=(5, 8))
+    tokens[0, :4] = 2  # one token four times
+    dy = rng.standard_normal((5, 8, 6)).astype(np.float32)
+    start = rng.standard_normal(P.grad.shape).astype(np.float32)  # earlier micro-batches'
+    grads = {}
+    for kernels in (True, False):
+        monkeypatch.setattr(layers, "_fused", fused if kernels else None)
+        P.grad[...] = start
+        emb.backward(P, tokens, dy)
+        grads[kernels] = P.grad.copy()
+    assert not np.array_equal(grads[True], start)
+    np.testing.assert_array_equal(grads[True], grads[False])
+    with pytest.raises(IndexError, match="out of bounds"):
+        fused.rows_add(np.zeros((3, 2), np.float32), np.array([0, 3], np.intp),
+                       np.zeros((2, 2), np.float32))
+
+
+def test_cross_entropy_by_blocks_of_rows_is_bit_identical(monkeypatch):
+    """The loss's row passes in blocks on three threads against one block on one thread."""
+    from dtlab.models import loss
+
+    rng = np.random.default_rng(4)
+    logits = (rng.standard_normal((4, 33, 50)) * 5).astype(np.float32)
+    targets = rng.integers(0, 50, size=(4, 33))
+    one = loss.softmax_cross_entropy(logits, targets, 0.5)
+    monkeypatch.setattr(layers, "numpy_blas", _Threads)
+    monkeypatch.setattr(loss, "THREAD_BLOCK", 200)  # 132 rows: three blocks
+    blocks = loss.softmax_cross_entropy(logits, targets, 0.5)
+    assert blocks[0] == one[0]
+    np.testing.assert_array_equal(blocks[1], one[1])
+
+
+def test_linear_bias_by_blocks_of_rows_is_bit_identical(monkeypatch):
+    lin = layers.Linear("l", 37, 29)
+    P = FlatParams(lin.specs(), seed=0, xp=np)
+    P.data[...] = np.random.default_rng(6).standard_normal(P.data.shape)
+    x = np.random.default_rng(7).standard_normal((5, 13, 37)).astype(np.float32)
+    one, _ = lin.forward(P, x)
+    monkeypatch.setattr(layers, "numpy_blas", _Threads)
+    monkeypatch.setattr(layers, "THREAD_BLOCK", 500)  # 65 rows of 29: three blocks
+    blocks, _ = lin.forward(P, x)
+    np.testing.assert_array_equal(blocks, one)

@@ -78,3 +78,23 @@ def test_kernels_refuse_mismatched_buffers():
     with pytest.raises(ValueError, match="read-only"):
         fused.sgd(frozen, p, 0.1)
     fused.sgd(p, frozen, 0.1)  # the gradient is only read
+
+
+class _Threads:
+    num_threads = 3
+
+
+@pytest.mark.parametrize("settings", SETTINGS[::2], ids=lambda s: "-".join(
+    f"{k}={v}" for k, v in s.items()))
+def test_updates_spread_over_threads_are_bit_identical(settings, monkeypatch):
+    """A long buffer's update in blocks on three threads (layers.in_blocks) against the
+    array lines."""
+    import dtlab.models.layers as layers
+
+    monkeypatch.setattr(layers, "numpy_blas", _Threads)
+    monkeypatch.setattr(optim, "THREAD_BLOCK", 1000)  # 4099: three blocks
+    p_c, state_c = _run(settings, np.float32, 4099, True, monkeypatch)
+    p_np, state_np = _run(settings, np.float32, 4099, False, monkeypatch)
+    np.testing.assert_array_equal(p_c, p_np)
+    for name, value in state_np.items():
+        np.testing.assert_array_equal(state_c[name], value, err_msg=name)

@@ -49,3 +49,39 @@ def test_duplicate_names_and_bad_loads_are_errors():
         P.load(np.zeros(19))
     P.load(np.arange(20.0))
     np.testing.assert_array_equal(P["n.g"], [16, 17, 18, 19])
+
+
+def test_weight_gradients_written_then_added_equal_the_plain_sums():
+    """add_weight_grad writes a gradient still zero since zero_grad and adds later ones
+    (further micro-batches, the deferred W pass, a shallow copy sharing the buffer):
+    bit for bit the sums of `+= x.T @ dy`."""
+    import copy
+
+    P = FlatParams([ParamSpec("l.W", (5, 3)), ParamSpec("l.b", (3,))], seed=0)
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((7, 5)).astype(np.float32) for _ in range(3)]
+    dys = [rng.standard_normal((7, 3)).astype(np.float32) for _ in range(3)]
+    want = np.zeros((5, 3), np.float32)
+    for x, dy in zip(xs, dys, strict=True):
+        want += x.T @ dy
+
+    def add_all():
+        for x, dy in zip(xs, dys, strict=True):
+            P.add_weight_grad("l.W", x, dy)
+
+    for deferred in (False, True, False):
+        P.grad[...] = 1.0  # a previous step's gradient
+        P.zero_grad()
+        if deferred:
+            with P.deferring() as queue:
+                add_all()
+            P.run_weight_grads(queue)
+        else:
+            add_all()
+        np.testing.assert_array_equal(P.grads["l.W"], want)
+    other = copy.copy(P)  # PipeDream's second weights: the gradients shared
+    P.zero_grad()
+    P.add_weight_grad("l.W", xs[0], dys[0])
+    other.add_weight_grad("l.W", xs[1], dys[1])
+    P.add_weight_grad("l.W", xs[2], dys[2])
+    np.testing.assert_array_equal(P.grads["l.W"], want)

@@ -118,6 +118,7 @@ def measure(topology: str, records: list[list[dict]], global_batch: int, workers
         # sync: a PipeDream pipeline's records carry each stage's (models/pipedream.py)
         "staleness": (staleness(records) if topology != "sync" or "staleness" in records[0][0]
                       else None),
+        "pipeline": pipeline(records[0]),
         "traffic": None if c.bytes is None else {
             "bytes": float(c.bytes[-1]), "rounds": float(c.rounds[-1]),
             "bytes_per_step": float(c.bytes[-1]) / steps,
@@ -125,6 +126,18 @@ def measure(topology: str, records: list[list[dict]], global_batch: int, workers
             "bytes_to_target": (float(c.bytes[int(c.eval_steps[held_reached[0]]) - 1])
                                 if held_reached.size else None)},
     }
+
+
+def pipeline(records: list[dict]) -> dict | None:
+    """A pipeline's bubble per step as measured by its first rank's records (the idle share
+    of the stage's step, models/pipeline.py) and as its schedule's unit-time replay gives it
+    (`bubble_replay`: PipeDream's runs, models/pipedream.py); None for a run without one."""
+    measured = [r["bubble"] for r in records if "bubble" in r]
+    if not measured:
+        return None
+    replay = [r["bubble_replay"] for r in records if "bubble_replay" in r]
+    return {"bubble": float(np.mean(measured)),
+            "bubble_replay": float(np.mean(replay)) if replay else None}
 
 
 def traffic(topology: str, records: list[list[dict]],
@@ -236,6 +249,7 @@ def what_ran(topology: str, headers: list[dict], records: list[list[dict]]) -> d
                          sum(header.get(k, 0) for k in ("param_bytes", "grad_bytes",
                                                         "optimizer_bytes",
                                                         "weight_version_bytes"))}
+        ran["stage_weight_version_bytes"] = header.get("stage_weight_version_bytes")
     elif topology == "simulated":
         ran["simulated"] = {k: header.get(k) for k in ("simulate_workers", "staleness",
                                                        "staleness_lr", "schedule_steps")}

@@ -168,6 +168,28 @@ def detail_table(results: list[Result]) -> list[str]:
     return rows
 
 
+def pipeline_lines(results: list[Result]) -> list[str]:
+    """Pipelined runs: the bubble measured and replayed, and what each stage holds."""
+    piped = [r for r in results if r.stats and r.stats.get("pipeline")]
+    if not piped:
+        return []
+    rows = ["| run | bubble measured | bubble replayed | extra weight version per stage (KB) "
+            "| memory per rank (KB) |", "|---|---|---|---|---|"]
+    for r in piped:
+        p, ran = r.stats["pipeline"], r.ran or {}
+        extra = ran.get("stage_weight_version_bytes") or []
+        memory = (ran.get("memory") or {}).get("per_rank_bytes")
+        rows.append(f"| {r.name} | {p['bubble']:.3f} | {_f(p['bubble_replay'], '.3f')} | "
+                    + (", ".join(f"{b / 1e3:.1f}" for b in extra) or "0") + " | "
+                    + f"{_f(None if memory is None else memory / 1e3, ',.1f')} |")
+    return ["## Pipelines", "", *rows, "", "bubble measured: the mean over steps of the idle "
+            "share of the first stage's step (models/pipeline.py); bubble replayed: its "
+            "schedule's unit-time replay (PipeDream's runs: a flushed step, or a 2BW window "
+            "of K steps as one op list, (p-1)/(Km+p-1)); extra weight version: the past "
+            "parameters PipeDream-2BW or weight stashing keeps on each stage; memory per "
+            "rank: parameters, gradients, optimizer state and that version.", ""]
+
+
 def link_lines(results: list[Result]) -> list[str]:
     """On an emulated cluster: the bytes each run's hosts sent over their shaped links."""
     if not any(r.outcome.link_bytes for r in results):
@@ -216,6 +238,7 @@ def write_report(out: Path, data: dict, results: list[Result], lines: list[str])
             "the wire a step, every process together, and collectives or pushes a step "
             "(local SGD: one per H steps); staleness: over every push to "
             "every shard, versions applied between its read and its apply (sync: none).", ""]
+    text += pipeline_lines(results)
     text += failed_lines(results, lambda r: r.name)
     text += trace_lines(results)
     text += ["## Plots", ""]

@@ -31,15 +31,16 @@ from collections.abc import Callable
 import numpy as np
 
 from dtlab.collective.comm import Communicator
+from dtlab.models.run.exchange import Single
 
 Scalars = Callable[[float, np.ndarray], tuple[float, np.ndarray]]
 
 
-class Exchange:
-    """The base of DataParallelReducer, ZeroReducer, CompressReducer and LocalReducer."""
+class Exchange(Single):
+    """The base of DataParallelReducer, ZeroReducer, CompressReducer and LocalReducer:
+    one process's exchange (Single: nothing to pull before a step or to push after it, the
+    optimizer on every rank) whose logged loss is averaged over the ranks."""
 
-    overlap = False  # ready() starts reducing while backward still runs
-    optimizer_here = True  # every rank steps its optimizer on the reduced gradient
     averages_every_step = True  # False: the losses meet at round ends (LocalReducer)
 
     def __init__(self, scalar_comm: Communicator):
@@ -47,17 +48,6 @@ class Exchange:
         # one buffer each: the same call goes to its prepared runner
         self._scalar = np.zeros(1)
         self._scalars = np.zeros(3)  # [loss, SIGTERM count, SIGINT count]
-
-    def begin(self, step: int) -> dict:
-        """Nothing before a step: every rank holds the parameters."""
-        return {}
-
-    def refresh(self) -> None:
-        """Nothing before an evaluation: every rank holds the parameters."""
-
-    def finish(self, step: int, applied: bool) -> dict:
-        """Nothing after the update: wait() brought the reduced gradient."""
-        return {}
 
     def average(self, value: float) -> float:
         """The mean of `value` over the ranks."""
@@ -72,10 +62,6 @@ class Exchange:
         buf[0], buf[1:] = value, counts
         self.scalar_comm.allreduce(buf, algo="mpi")
         return float(buf[0] / self.scalar_comm.size), buf[1:].astype(np.int64)
-
-    def settled(self, record: dict) -> list[dict]:
-        """The step records final after this one: this one, its loss already averaged."""
-        return [record]
 
 
 def step_scalars(exchange, world: Communicator) -> Scalars | None:

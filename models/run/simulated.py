@@ -44,6 +44,7 @@ from dtlab.models.config import ConfigError, add_flags, choice, described, from_
 from dtlab.models.data import ShardedLoader
 from dtlab.models.optim import Schedule, divided_lr
 from dtlab.models.run import loop
+from dtlab.models.run.exchange import Single
 from dtlab.models.run.loop import Summary
 from dtlab.models.run.metrics import MetricsLog
 from dtlab.models.run.session import RunConfig, Session, Setup
@@ -137,13 +138,13 @@ class TakingTurns:
         return batch
 
 
-class StaleExchange:
+class StaleExchange(Single):
     """The exchange (models/run/exchange.py) of W simulated workers, each gradient S
     updates stale: `begin` reads the values before push max(0, p - S) into params.data,
     `finish` is the server's update of the live parameters at its lr (the optimizer runs
-    there, not in the trainer's step)."""
+    there, not in the trainer's step); the rest as one process's (one push, one worker's
+    batch; nothing held)."""
 
-    overlap = False  # the gradient goes whole, after --clip
     optimizer_here = False  # the simulated server steps the live parameters in finish
 
     def __init__(self, session: Session, cfg: SimulateConfig):
@@ -175,12 +176,6 @@ class StaleExchange:
         if self.past is not None:
             self.s.params.data[...] = self.live
 
-    def ready(self, offset: int) -> None:
-        """Nothing to start: the server takes the gradient whole."""
-
-    def wait(self) -> dict:
-        return {}
-
     def finish(self, p: int, applied: bool) -> dict:
         """One optimizer step on the live parameters at the server's lr (an overflowed
         push applies nothing), by pserver.server.store's staleness rule."""
@@ -193,18 +188,6 @@ class StaleExchange:
         if self.past is not None:
             self.past.append((self.updates, self.live.copy() if applied else self.past[-1][1]))
         return {"update": self.updates, "staleness": staleness, "lr": lr}
-
-    def average(self, value: float) -> float:
-        return value  # one push, one worker's batch
-
-    def settled(self, record: dict) -> list[dict]:
-        return [record]
-
-    def plan(self) -> list[dict]:
-        return []
-
-    def close(self) -> None:
-        """Nothing held."""
 
 
 class SimulatedWorkers(Trainer):

@@ -43,6 +43,7 @@ import numpy as np
 
 from dtlab.models import backend
 from dtlab.models.outer import outer_gradient, round_ends
+from dtlab.models.run.exchange import Single
 from dtlab.models.run.loop import eval_due
 from dtlab.models.run.session import Session
 from dtlab.models.run.trace import Trace
@@ -53,9 +54,10 @@ from dtlab.pserver.worker.dylu import RecentStepTimes, fastest_of, speed_aware_s
 from dtlab.pserver.worker.expert_push import ExpertPush
 
 
-class PushPull:
+class PushPull(Single):
     """A registered worker's exchange with the servers: `begin` pulls where the last push
-    brought nothing, `finish` pushes the step's gradient with the next pull riding on it."""
+    brought nothing, `finish` pushes the step's gradient with the next pull riding on it;
+    the rest as one process's (Single: a worker's loss is its own batch's, nothing held)."""
 
     overlap = False  # the whole gradient goes after backward, clipped
     optimizer_here = False  # the servers run it on the pushed gradient
@@ -96,12 +98,6 @@ class PushPull:
         if self.experts is not None:
             self.experts.begin()
         return {"pull_s": pulled - t}
-
-    def ready(self, offset: int) -> None:
-        """Nothing to start: the gradient is pushed whole, after --clip."""
-
-    def wait(self) -> dict:
-        return {}
 
     def finish(self, step: int, applied: bool) -> dict:
         """Push the step's gradient (an overflowed one: nothing, or zeros under BSP) with
@@ -150,19 +146,6 @@ class PushPull:
             return None, {}
         ranges, fraction = self.experts.ranges()
         return ranges, {"expert_push_fraction": fraction}
-
-    def average(self, value: float) -> float:
-        """This worker's own loss: a worker's batch is its step's."""
-        return value
-
-    def settled(self, record: dict) -> list[dict]:
-        return [record]
-
-    def plan(self) -> list[dict]:
-        return []
-
-    def close(self) -> None:
-        """Nothing held: the client is the run's (pserver.worker.loop closes it)."""
 
 
 class OuterPushPull(PushPull):

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from dtlab.lab.simulate import clusters, verdict, verdict_check
+from dtlab.lab.simulate import clusters, verdict, verdict_check, verdict_runs, verdict_stats
 from dtlab.lab.simulate.arrivals import Speeds, round_time, throughput, trace
 from dtlab.lab.simulate.statistical import AsyncPushes, Method, Run, steps_to_target
 from dtlab.lab.simulate.step import Host, ps_step
@@ -155,16 +155,51 @@ def test_verdict_command_end_to_end_and_reuse(tmp_path, capsys):
     assert verdict.main([*argv, "--out", str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out
     assert "time to target (s)" in out and "sync" in out.split("time to target")[1]
+    assert "~: extrapolated" in out
     first = json.loads((tmp_path / "a" / "verdict.json").read_text())
     assert set(first["points"]) == {"sync", "asp"} and first["simulated"] == [2, 4]
     assert [c["source"] for c in first["tables"][0]["cells"]["backup1"]][-1] == "fit, as sync"
-    assert verdict.main([*argv, "--out", str(tmp_path / "b"), "--statistics",
-                         str(tmp_path / "a" / "verdict.json")]) == 0
+    stored = tmp_path / "a" / "statistics.json"
+    kept = json.loads(stored.read_text())
+    assert len(kept["cells"]) == 4 and kept["commands"][0].endswith(str(tmp_path / "a"))
+    capsys.readouterr()
+    assert verdict.main([*argv, "--out", str(tmp_path / "b"), "--statistics", str(stored),
+                         "--cached-only"]) == 0
+    assert "# simulated" not in capsys.readouterr().err  # every cell read back, none trained
     again = json.loads((tmp_path / "b" / "verdict.json").read_text())
     assert again["tables"] == first["tables"]
-    with pytest.raises(ConfigError, match="no simulations of sign"):
-        verdict.main([*argv, "--methods", "sync,sign", "--statistics",
-                      str(tmp_path / "a" / "verdict.json"), "--out", str(tmp_path / "c")])
+    with pytest.raises(ConfigError, match="no simulation of sign at N = 2, sign at N = 4"):
+        verdict.main([*argv, "--methods", "sync,sign", "--statistics", str(stored),
+                      "--cached-only", "--out", str(tmp_path / "c")])
+    with pytest.raises(ConfigError, match="no simulation of sync at N = 2"):  # a new budget
+        verdict.main([*argv, "--steps", "6", "--statistics", str(stored), "--cached-only",
+                      "--out", str(tmp_path / "c")])
+
+
+def test_statistics_cells_in_processes_equal_inline_and_divergence_ends_a_cell(tmp_path):
+    setup, methods = tiny(3), [Method.parse("sync"), Method.parse("local2")]
+    inline = verdict_stats.measure(setup, methods, [2], 0.0, 1, Speeds(),
+                                   verdict_stats.Statistics(None), jobs=1)
+    store = verdict_stats.Statistics.open(tmp_path / "s.json")
+    pooled = verdict_stats.measure(setup, methods, [2], 0.0, 1, Speeds(), store, jobs=2)
+    assert [r["curve"] for r in pooled.runs] == [r["curve"] for r in inline.runs]
+    assert verdict_stats.Statistics.open(tmp_path / "s.json").cells == store.cells
+    # ran the whole budget: any target is read from the curves, none trained again
+    loose = verdict_stats.measure(setup, methods, [2], 100.0, 1, Speeds(), store,
+                                  simulate=False)
+    assert loose.points == {"sync": {2: 1}, "local2": {2: 2}} and loose.simulated_now == 0
+    reached = verdict_stats.Statistics(None)
+    verdict_stats.measure(setup, methods[:1], [2], 100.0, 1, Speeds(), reached)
+    with pytest.raises(ConfigError, match="no simulation of sync at N = 2"):
+        verdict_stats.measure(setup, methods[:1], [2], 0.0, 1, Speeds(), reached,
+                              simulate=False)  # stopped at 100: a lower target is new
+    wild = verdict_stats.measure(tiny(4, "--lr", "1e30", "--optimizer", "sgd"),
+                                 [Method.parse("sync")], [2], 0.0, 1, Speeds(),
+                                 verdict_stats.Statistics(None))
+    assert wild.points == {"sync": {2: None}} and wild.runs[0]["diverged"] is not None
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not a verdict statistics file"):
+        verdict_stats.Statistics.open(tmp_path / "bad.json")
 
 
 def test_check_reads_comparison_names_and_measured_speeds():
@@ -189,3 +224,37 @@ def test_check_rebuilds_a_runs_push_order_and_replays_it():
     assert verdict_check.order_of([[{"version": [2], "staleness": [0]}]]) is None  # gap
     r = steps_to_target(tiny(2), Method.parse("asp"), 2, 0.0, 1, order=order)
     assert [s for s, _ in r.curve] == [1, 2] and r.staleness["max"] == 2
+
+
+# stated constants, not this host's (the row checks the code path, not the accuracy)
+SYNTHETIC_CALIBRATION = {
+    "allreduce": {"ring": {"beta_s_per_byte": 0.25e-9}},
+    "compute": [{"model": "mlp", "threads": t, "flops_per_s": 1e9, "overhead_s": 1e-4}
+                for t in (1, 2)],
+    "pserver": {"session": {op: {"alpha_s": 1e-4, "beta_s_per_byte": 1e-9}
+                            for op in ("pull", "push")}},
+    "apply_s_per_byte": {}}
+
+
+@pytest.mark.usefixtures("mpiexec")
+@pytest.mark.skipif(bool(verdict_runs.emulated_missing()),
+                    reason=verdict_runs.emulated_missing() or "-")
+def test_check_on_emulated_hosts_predicts_time_to_target_with_their_links(tmp_path):
+    """A comparison at N = 2 across 2 emulated hosts, checked: steps simulated in one
+    process against the runs', the step from the cost model with the shaped link."""
+    folder = verdict_runs.compare_at(
+        2, "scripts/lab/configs/emulated-mlp.json", "sync-ring,async-asp", 4, 2,
+        tmp_path / "n2", hosts=2, link_gbit=1.0, timeout_s=120,
+        extra=("--d-hidden", "16", "--n-samples", "512", "--target-loss", "10",
+               "--eval-samples", "64", "--warmup", "0"))
+    rows, stale = verdict_check.check_folder(folder, SYNTHETIC_CALIBRATION, Host(2))
+    assert [r["run"] for r in rows] == ["sync-ring", "async-asp"]
+    for r in rows:
+        assert r["where"] == "2 emulated hosts at 1 Gbit/s"
+        assert r["step_from"] == "cost model, 2 emulated hosts at 1 Gbit/s"
+        assert r["pred_steps"] == r["meas_steps"] == 2  # any loss is below 10
+        assert r["pred_ttt_s"] == pytest.approx(2 * r["pred_step_s"])
+        assert r["meas_ttt_s"] == pytest.approx(2 * r["meas_step_s"])
+    assert [s["run"] for s in stale] == ["async-asp"] and stale[0]["n"] == 2
+    text = "\n".join(verdict_check.table(rows, stale))
+    assert "# N = 2 on 2 emulated hosts at 1 Gbit/s" in text

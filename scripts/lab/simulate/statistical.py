@@ -32,7 +32,8 @@ loader's rank w of N, as the comparison's programs read their data):
 
 The held-out loss (make_heldout's examples) is evaluated every `eval_every` steps (at the
 end of a round for local SGD); the target is reached at the first evaluation at or below
-it, as the comparison's held-out target. Memory: N gradients (async), N optimizer states
+it, as the comparison's held-out target; a loss that is not finite ends the simulation
+(diverged: not reached). Memory: N gradients (async), N optimizer states
 (local SGD) or N residuals (compression) of the model's size.
 """
 
@@ -113,6 +114,7 @@ class Result:
     curve: list = field(default_factory=list)  # (step, held-out loss)
     staleness: dict | None = None  # async: arrivals' summary of the pushes made
     seconds: float = 0.0  # wall time of the simulation
+    diverged: int | None = None  # the step whose held-out loss was not finite (then stopped)
 
     @property
     def samples(self) -> int | None:
@@ -156,12 +158,14 @@ class Run:
                              seed=run.seed, micro_batches=micro)
 
     def evaluate(self, step: int) -> bool:
-        """Record the held-out loss after `step` per-worker steps; whether it reached the
-        target (then the result's steps are set)."""
-        loss = self.held.loss(self.s)
+        """Record the held-out loss after `step` per-worker steps; whether the simulation
+        ends: the target reached (then the result's steps are set) or the loss not finite
+        (diverged: the target never reached)."""
+        with np.errstate(all="ignore"):
+            loss = self.held.loss(self.s)
         if not math.isfinite(loss):
-            raise FloatingPointError(f"{self.method.label} at N = {self.n}: held-out loss "
-                                     f"{loss} after step {step}")
+            self.result.diverged = step
+            return True
         self.result.curve.append((step, loss))
         if loss <= self.target:
             self.result.steps = step

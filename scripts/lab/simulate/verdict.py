@@ -4,9 +4,13 @@ model's step, with the crossovers named.
 
     python -m dtlab.lab.simulate.verdict --config scripts/lab/configs/transformer.json \
         --methods sync,asp,asp-div,ssp4,local8,diloco8,topk1,sign,backup2 \
-        --sizes 8,16,32,64,128,256,512,1024 --simulate-up-to 64 \
+        --sizes 8,16,32,64,128,256,512,1024 --simulate-up-to 64 --jobs 2 \
         --clusters dgx-h100-ndr,h100-eth100 --step-models 'same;gpt2-small' --out runs/verdict
-    python -m dtlab.lab.simulate.verdict --statistics runs/verdict/verdict.json ...  # reuse
+    python -m dtlab.lab.simulate.verdict --d-model 128 --n-layers 4 --d-ff 512 \
+        --batch-size 8 --steps 400 --simulate-up-to 16 --step-models same \
+        --statistics runs/verdict/statistics.json --out runs/verdict-d128  # a larger model
+    python -m dtlab.lab.simulate.verdict --statistics runs/verdict/statistics.json \
+        --cached-only ...                         # redraw from the stored simulations
     python -m dtlab.lab.simulate.verdict --compare runs/cmp ...   # into a comparison's report
 
 Two halves (Hadjis et al. 2016, Omnivore: time to target = step x steps):
@@ -16,7 +20,8 @@ Two halves (Hadjis et al. 2016, Omnivore: time to target = step x steps):
                of --speeds simulated in one process on the config's model and data
                (simulate/statistical.py; the staleness N workers of those speeds produce
                from simulate/arrivals.py), the config's --steps the budget; beyond, fitted
-               (simulate/verdict_time.py)
+               (simulate/verdict_time.py) and marked ~ (table) and dashed (plot); each
+               simulation kept in --statistics (simulate/verdict_stats.py), --jobs at once
   hardware     each method's step at N on each --clusters preset (simulate/clusters.py)
                for each --step-models model: `same` (the config's) or gpt2-small (GPT-2
                124M's shape: 12 layers, width 768, 1024 tokens, vocabulary 50257; its
@@ -29,7 +34,9 @@ and reuses nothing of a comparison's processes; `--compare DIR` puts its tables 
 plots into a finished comparison's folder and report.md.
 
 Writes OUT/verdict.json (every simulation, every cell), OUT/verdict.md and one plot per
-(model, cluster): OUT/verdict-MODEL-CLUSTER.png.
+(model, cluster): OUT/verdict-MODEL-CLUSTER.png; the simulations also in --statistics
+(default OUT/statistics.json), read back by the next run with the same inputs (a
+looser --target-loss too: simulate/verdict_stats.py).
 """
 
 from __future__ import annotations
@@ -43,7 +50,8 @@ from pathlib import Path
 from dtlab.lab.presets import config_path
 from dtlab.lab.simulate import clusters, verdict_report
 from dtlab.lab.simulate.arrivals import Speeds
-from dtlab.lab.simulate.statistical import Method, steps_to_target
+from dtlab.lab.simulate.statistical import Method
+from dtlab.lab.simulate.verdict_stats import Statistics, measure
 from dtlab.lab.simulate.verdict_time import cells, crossover, crossover_words
 from dtlab.models.config import ConfigError
 from dtlab.models.cost import estimate
@@ -67,11 +75,14 @@ def int_list(text: str, flag: str) -> list[int]:
     return out
 
 
-def step_model(spec: str, model_cfg):
-    """(name, config) of one --step-models entry."""
+def step_model(spec: str, model_cfg, model_name: str):
+    """(name, config) of one --step-models entry (`same`: named as the simulated model)."""
     if spec == "same":
-        return "same", model_cfg
-    changes = GPT2_SMALL if spec == "gpt2-small" else {}
+        return model_name, model_cfg
+    if spec == "gpt2-small" and not all(hasattr(model_cfg, k) for k in GPT2_SMALL):
+        raise ConfigError("--step-models gpt2-small: the simulated model is not a "
+                          "transformer (give --step-models same)")
+    changes = dict(GPT2_SMALL) if spec == "gpt2-small" else {}
     if not changes:
         for item in spec.split(","):
             key, _, value = item.partition("=")
@@ -104,39 +115,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target-loss", type=float, default=None,
                    help=f"held-out target (default: the data's floor + {MARGIN})")
     p.add_argument("--statistics", default=None,
-                   help="a verdict.json whose simulations to reuse (no training)")
+                   help="the simulations' store, read and added to (default "
+                        "OUT/statistics.json)")
+    p.add_argument("--cached-only", action="store_true",
+                   help="train nothing: every simulation from --statistics")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="simulations run at once, a process and one BLAS thread each")
     p.add_argument("--compare", default=None,
                    help="a dtlab-compare folder: its config and target; tables, plots and "
                         "a section of its report.md written there")
     p.add_argument("--out", default="runs/verdict")
     return p
-
-
-def simulate(setup, methods, sizes, target, eval_every, speeds, log) -> dict:
-    """{label: {N: steps or None}} and each simulation's record."""
-    points, runs = {}, []
-    for m in methods:
-        if m.same_steps_as:
-            continue
-        points[m.label] = {}
-        for n in sizes:
-            r = steps_to_target(setup, m, n, target, eval_every, speeds)
-            points[m.label][n] = r.steps
-            runs.append(asdict(r))
-            last = f", held-out {r.curve[-1][1]:.4f} at step {r.curve[-1][0]}" if r.curve else ""
-            print(f"# simulated {m.label} N = {n}: "
-                  f"{'not reached' if r.steps is None else f'{r.steps} steps'}{last} "
-                  f"({r.seconds:.0f} s)", file=log, flush=True)
-    return {"points": points, "runs": runs}
-
-
-def reuse(path: str, methods) -> dict:
-    data = json.loads(Path(path).read_text())
-    points = {k: {int(n): s for n, s in v.items()} for k, v in data["points"].items()}
-    missing = [m.label for m in methods if not m.same_steps_as and m.label not in points]
-    if missing:
-        raise ConfigError(f"--statistics {path}: no simulations of {', '.join(missing)}")
-    return {"points": points, "runs": data.get("runs", [])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     names = [x for x in o.clusters.split(",") if x.strip()]
     for c in names:
         clusters.cluster(c, "--clusters")
-    models = [step_model(x.strip(), setup.model) for x in o.step_models.split(";")
-              if x.strip()]
+    models = [step_model(x.strip(), setup.model, setup.model_name)
+              for x in o.step_models.split(";") if x.strip()]
     summary = json.loads((folder / "summary.json").read_text()) if folder else {}
     floor = summary.get("floor")
     if floor is None:
@@ -163,26 +152,32 @@ def main(argv: list[str] | None = None) -> int:
     simulated = [n for n in sizes if n <= o.simulate_up_to]
     if not simulated:
         raise ConfigError(f"--simulate-up-to {o.simulate_up_to}: below every --sizes N")
+    if o.jobs < 1:
+        raise ConfigError(f"--jobs {o.jobs}: at least 1")
     eval_every = setup.run.eval_every or max(1, setup.run.steps // 30)
-    stats = reuse(o.statistics, methods) if o.statistics else \
-        simulate(setup, methods, simulated, target, eval_every, speeds, sys.stderr)
-    points = stats["points"]
     out = folder or Path(o.out)
+    store = Statistics.open(o.statistics or out / "statistics.json")
+    if not o.cached_only:
+        store.note_command(list(argv if argv is not None else sys.argv[1:]))
+    stats = measure(setup, methods, simulated, target, eval_every, speeds, store, o.jobs,
+                    sys.stderr, simulate=not o.cached_only)
+    points = stats.points
     out.mkdir(parents=True, exist_ok=True)
     b = setup.run.batch_size
     n_params = estimate(setup.model_name, setup.model, b).params_total
     head = [f"# dtlab-verdict: {setup.model_name} {n_params:,} params, batch {b} a worker, "
             f"held-out target {target:.4f}, budget {setup.run.steps} steps, speeds: "
             f"{speeds.describe()}",
-            f"# steps simulated at N = {', '.join(map(str, simulated))}; ~: fitted "
-            "steps = a + c / N beyond (McCandlish et al. 2018)"]
+            f"# steps simulated at N = {', '.join(map(str, simulated))} (stored in "
+            f"{store.path}); ~: extrapolated beyond N = {simulated[-1]}, steps fitted "
+            "a + c / N on the simulated N, not measured (McCandlish et al. 2018)"]
     md = ["## At scale: each method's time to target (dtlab-verdict)", "", *head, "",
           "### Steps to target, simulated in one process", "",
           *verdict_report.markdown(verdict_report.steps_table(points, b))]
     print("\n".join(head + verdict_report.steps_table(points, b)))
     record = {"target": target, "speeds": asdict(speeds), "batch_size": b,
               "simulated": simulated, "sizes": sizes, "points": points,
-              "runs": stats["runs"], "tables": []}
+              "runs": stats.runs, "tables": []}
     for model_name, model_cfg in models:
         for c in names:
             table = {m.label: cells(m, points.get(m.same_steps_as or m.label, {}), sizes,

@@ -7,6 +7,10 @@ runs' async workers saw.
         --eval-every 10 --out runs/val2          # and --ranks 4 --out runs/val4
     python -m dtlab.lab.simulate.verdict_check runs/val2 runs/val4 \
         [--calibration runs/calibration.json] [--json runs/verdict-check.json]
+    python -m dtlab.lab.simulate.verdict_check --measure 8 --hosts 8 --link-gbit 1 \
+        --config transformer --runs sync-ring,async-asp,sync-local8 --steps 600 \
+        --eval-every 10 --out runs/val8 --calibration runs/calibration.json
+                                                 # runs the comparison first (verdict_runs.py)
 
 For each run the comparison made (its name read as a verdict method: sync-ring, -auto,
 -naive, -mpi, -zeroS and async-bsp as sync; async-asp, async-sspS [-div]; sync-localH,
@@ -15,8 +19,9 @@ For each run the comparison made (its name read as a verdict method: sync-ring, 
     steps    statistical.steps_to_target with the folder's config, target and --eval-every,
              the async workers' speeds as the run measured them (each worker's mean step
              over all workers' mean; the spread of log(step / its worker's mean) as jitter)
-    step     with --calibration, the cost model's step of that run on this host
-             (simulate/validate.py predict_run: plain sync and async runs); otherwise, and
+    step     with --calibration, the cost model's step of that run on this host, or across
+             the emulated hosts the folder ran on (simulate/validate.py predict_run,
+             simulate/emulated.py: plain sync and async runs); otherwise, and
              for the other methods, the run's own measured seconds a step (then the row
              checks the statistical half only, and says so)
     error    predicted / measured - 1, of the steps, of the step and of their product,
@@ -42,7 +47,8 @@ from pathlib import Path
 import numpy as np
 
 from dtlab.lab.compare.analysis import staleness as measured_staleness
-from dtlab.lab.simulate import calibration_fit, validate
+from dtlab.lab.presets import config_path
+from dtlab.lab.simulate import calibration_fit, validate, verdict_runs
 from dtlab.lab.simulate.arrivals import Speeds, Trace, trace
 from dtlab.lab.simulate.statistical import Method, steps_to_target
 from dtlab.lab.simulate.step import Host
@@ -116,6 +122,9 @@ def staleness_row(name: str, n: int, records, speeds: Speeds) -> dict:
 def check_folder(folder: Path, cal: dict | None, host: Host) -> tuple[list[dict], list[dict]]:
     summary = json.loads((folder / "summary.json").read_text())
     n, shards = summary["ranks"], summary.get("shards") or 1
+    emulated = validate.cluster_of(summary)
+    where = "this host" if emulated is None else \
+        f"{emulated.hosts} emulated hosts at {emulated.gbit:g} Gbit/s"
     config = str(folder / "config.json")
     setup = parse(["--config", config], "verdict_check")
     if not setup.run.eval_every:
@@ -142,12 +151,12 @@ def check_folder(folder: Path, cal: dict | None, host: Host) -> tuple[list[dict]
             step, _ = validate.predict_run(run["name"], validate.workload(config), n, shards,
                                            cal, host, BUCKET_BYTES,
                                            validate.cluster_of(summary))
-            pred_step, source = step.step_s, "cost model"
+            pred_step, source = step.step_s, f"cost model, {where}"
         else:
             pred_step, source = meas_step, "measured (statistics checked only)"
         meas_steps = stats.get("eval_steps_to_target")
         rows.append({
-            "run": run["name"], "method": method.label, "n": n,
+            "run": run["name"], "method": method.label, "n": n, "where": where,
             "pred_steps": sim.steps, "meas_steps": meas_steps, "replayed_steps": replayed,
             "pred_step_s": pred_step, "meas_step_s": meas_step, "step_from": source,
             "pred_ttt_s": None if sim.steps is None else sim.steps * pred_step,
@@ -164,7 +173,12 @@ def error(pred, meas) -> str:
 def table(rows: list[dict], stale: list[dict]) -> list[str]:
     lines = [f"{'run':<22}{'N':>4}{'steps sim/meas':>17}{'err':>7}{'step s pred/meas':>22}"
              f"{'err':>7}{'time to target pred/meas':>28}{'err':>7}  step from"]
+    group = None
     for r in rows:
+        if (r["n"], r.get("where")) != group:
+            group = (r["n"], r.get("where"))
+            lines.append(f"# N = {r['n']} on {r.get('where', 'this host')}")
+
         def pair(a, b, fmt):
             return f"{'-' if a is None else fmt.format(a)}/{'-' if b is None else fmt.format(b)}"
         lines.append(
@@ -190,15 +204,31 @@ def table(rows: list[dict], stale: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="verdict_check", description=__doc__.split("\n\n")[0])
-    p.add_argument("folders", nargs="+", help="dtlab-compare output folders")
+    p.add_argument("folders", nargs="*", help="dtlab-compare output folders")
+    g = p.add_argument_group("run the comparisons first (simulate/verdict_runs.py)")
+    g.add_argument("--measure", default="", help="N of the comparisons, a comma list")
+    g.add_argument("--hosts", type=int, default=1, help="emulated hosts (one process each)")
+    g.add_argument("--link-gbit", type=float, default=1.0, help="the emulated links' rate")
+    g.add_argument("--config", default="transformer")
+    g.add_argument("--runs", default="sync-ring,async-asp,sync-local8")
+    g.add_argument("--steps", type=int, default=600)
+    g.add_argument("--eval-every", type=int, default=10)
+    g.add_argument("--out", default="runs/verdict-check")
     p.add_argument("--calibration", default=None, help="this host's dtlab-simulate "
                    "calibration: the step from the cost model (else the measured step)")
     p.add_argument("--json", default=None, help="write the rows here")
     o = p.parse_args(argv)
     cal = calibration_fit.load(o.calibration) if o.calibration else None
     host = Host(os.cpu_count() or 1)
+    folders = [f for x in o.folders for f in validate.measured_dirs(x)]
+    for n in (int(x) for x in o.measure.split(",") if x.strip()):
+        config = str(config_path(o.config))
+        folders.append(verdict_runs.compare_at(n, config, o.runs, o.steps, o.eval_every,
+                                               Path(o.out) / f"n{n}", o.hosts, o.link_gbit))
+    if not folders:
+        raise ConfigError("give dtlab-compare folders or --measure N")
     rows, stale = [], []
-    for folder in [f for x in o.folders for f in validate.measured_dirs(x)]:
+    for folder in folders:
         r, s = check_folder(folder, cal, host)
         rows += r
         stale += s

@@ -47,6 +47,9 @@ def time_table(table: dict[str, list[Cell]]) -> list[str]:
         best = min(timed)[1] if timed else "-"
         lines.append(f"{n:>6}" + "".join(
             f"{mark(c) + number(c.time_s):>{w}}" for c in row) + f"  {best}")
+    if any(mark(c) for row in table.values() for c in row):
+        lines.append("(~: extrapolated, its steps fitted beyond the simulated N; -: the "
+                     "target not reached)")
     return lines
 
 
@@ -81,9 +84,13 @@ def plot(table: dict[str, list[Cell]], title: str, path: Path) -> Path | None:
             start = max(0, tail[0] - 1)
             ax.plot(xs[start:], ys[start:], linestyle="--", color=line.get_color())
     missed = [label for label, row in table.items() if all(c.time_s is None for c in row)]
-    if missed:
-        ax.text(0.01, 0.01, "target not reached: " + ", ".join(missed), fontsize=8,
-                transform=ax.transAxes)
+    notes = ["target not reached: " + ", ".join(missed)] if missed else []
+    fitted_from = [c.n for row in table.values() for c in row if mark(c) == "~"]
+    if fitted_from:
+        notes.append(f"dashed: extrapolated (steps fitted a + c/N) from N = "
+                     f"{min(fitted_from)}, not simulated")
+    if notes:
+        ax.text(0.01, 0.01, "\n".join(notes), fontsize=8, transform=ax.transAxes)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("workers N")

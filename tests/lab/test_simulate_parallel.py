@@ -48,15 +48,25 @@ def test_free_communication_uniform_stages_give_the_bubble_formula(schedule, p, 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v",
                                       "dualpipev"])
 def test_uniform_model_stages_with_free_links_give_the_bubble_formula(schedule):
-    # an MLP of equal square layers: one Linear per stage, F = B = W = 2 B d^2 FLOPs
+    """An MLP of equal square layers, one Linear per stage (F = B = W = 2 B d^2 FLOPs),
+    except that the first computes no input gradient (its input is data): with free links
+    the step is the schedule's replay of those pass times, and with the first stage's
+    backward as long as the others' it is the bubble formula."""
     c, b, p, m = MLPConfig(d_in=16, d_hidden=16, n_layers=3, n_classes=16), 4, 4, 8
     bounds = tuple(pipeline.stage_bounds("mlp", c, b, p))
     work = parallel.Work("mlp", c, b, m, schedule, 4, bounds, estimate("mlp", c, b).flops_step)
     free = Link("free", 0.0, 0.0)
     row = parallel.parallel_step(work, parallel.Layout(1, p, 1, 1),
                                  parallel.Fabric(Network(free, free, 8)), 1e-9, Host(0), 25e6)
-    assert row["bubble"] == pytest.approx(bubble_formula(schedule, p, m), abs=1e-12)
     assert row["p2p_s"] == row["tp_s"] == row["a2a_s"] == row["allreduce_s"] == 0.0
+    flops = pipeline.stage_flops("mlp", c, b, list(bounds))
+    assert all(f == flops[1] for f in flops[1:])
+    assert flops[0]["F"] == flops[0]["W"] == flops[1]["F"] and flops[0]["B"] == 0
+    times = [{k: v * 1e-9 for k, v in f.items()} for f in flops]
+    ops = make(schedule, p, m)
+    assert row["bubble"] == pytest.approx(pipeline.pipeline_step(ops, times).bubble, abs=1e-12)
+    uniform = pipeline.pipeline_step(ops, [times[1]] * p).bubble
+    assert uniform == pytest.approx(bubble_formula(schedule, p, m), abs=1e-12)
 
 
 def test_interleaved_receives_one_message_per_chunk():

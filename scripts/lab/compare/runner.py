@@ -251,10 +251,17 @@ def run_sync(spec: RunSpec, ctx: RunContext, procs: Processes, watch: Watch,
                                     ctx.out, spec.name)
     else:
         cmd = [ctx.mpiexec, *mpiexec_args(ctx), "-n", str(n), *prog]
-    outcome = Outcome(spec, [metrics], [cmd])
-    main = procs.start(cmd, log, env)
+    return one_process_tree(Outcome(spec, [metrics], [cmd]), ctx, procs, watch, deadline,
+                            log, env)
+
+
+def one_process_tree(outcome: Outcome, ctx: RunContext, procs: Processes, watch: Watch,
+                     deadline: float, log: Path, env: dict | None = None) -> Outcome:
+    """Start the run's one command (mpiexec, or a single program), wait for its metrics
+    until it ends or the deadline, stop what is left; a failure keeps the log's tail."""
+    main = procs.start(outcome.commands[0], log, env)
     try:
-        outcome.error = _wait(procs, main, [], deadline, ctx.timeout_s, [metrics], watch)
+        outcome.error = _wait(procs, main, [], deadline, ctx.timeout_s, outcome.metrics, watch)
     finally:
         procs.stop([main])
     if outcome.error:
@@ -301,15 +308,7 @@ def run_simulated(spec: RunSpec, ctx: RunContext, procs: Processes, watch: Watch
     metrics, log = ctx.out / f"{spec.name}.jsonl", ctx.out / f"{spec.name}.log"
     cmd = [*program("dtlab-train"), "--config", str(ctx.config), "--simulate-workers",
            str(ctx.ranks), "--staleness-lr", spec.staleness_lr, "--metrics", str(metrics)]
-    outcome = Outcome(spec, [metrics], [cmd])
-    main = procs.start(cmd, log)
-    try:
-        outcome.error = _wait(procs, main, [], deadline, ctx.timeout_s, [metrics], watch)
-    finally:
-        procs.stop([main])
-    if outcome.error:
-        outcome.tail = tail(log)
-    return outcome
+    return one_process_tree(Outcome(spec, [metrics], [cmd]), ctx, procs, watch, deadline, log)
 
 
 def run_job(spec: RunSpec, ctx: RunContext, procs: Processes, watch: Watch,
@@ -336,16 +335,8 @@ def run_job(spec: RunSpec, ctx: RunContext, procs: Processes, watch: Watch,
     cmd, env = hosts.line([(ctx.shards, server), (workers, worker)],
                           async_hosts(ctx.shards, workers, ctx.grid.tp, len(hosts.names)),
                           out, name)
-    outcome = Outcome(spec, metrics, [cmd])
-    log = out / f"{name}.log"
-    main = procs.start(cmd, log, env)
-    try:
-        outcome.error = _wait(procs, main, [], deadline, ctx.timeout_s, metrics, watch)
-    finally:
-        procs.stop([main])
-    if outcome.error:
-        outcome.tail = tail(log)
-    return outcome
+    return one_process_tree(Outcome(spec, metrics, [cmd]), ctx, procs, watch, deadline,
+                            out / f"{name}.log", env)
 
 
 def run_async(spec: RunSpec, ctx: RunContext, procs: Processes, watch: Watch,

@@ -45,7 +45,7 @@ def test_tiny_rounds_benchmark(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0] == "# median of 2 launches"
-    assert lines[1].startswith("# size:") and "wrong" in lines[1]  # the legend
+    assert lines[1].startswith("# legend: size:") and "wrong" in lines[1]
     assert lines[2].split()[:3] == ["#", "size", "path"]
     data = json.loads(out.read_text())
     check_shape(data, "pserver")

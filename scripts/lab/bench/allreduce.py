@@ -90,8 +90,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"need 0 < --min-bytes <= --max-bytes, got {args.min_bytes}, {args.max_bytes}")
     if args.rounds < 1 or args.warmup < 0 or args.launches < 0:
         p.error("--rounds must be >= 1, --warmup and --launches >= 0")
-    if not all(r.isdigit() and int(r) >= 1 for r in args.ranks):
-        p.error(f"--ranks must be positive integers, not {','.join(args.ranks)}")
     args.algos = [a for a in ALGOS if a in {"ring", "mpi", *args.algos}]
     return args
 
@@ -146,40 +144,38 @@ def measure(comm, args) -> list[dict]:
 
 
 def table(rows: list[dict], n: int, algos: list[str]) -> str:
+    """One line per size: each algorithm's time, algbw, busbw, #wrong (ring: and via), then
+    the busbw ratios; a column's title names its algorithm (nccl-tests' groups)."""
     by_size: dict[int, dict[str, dict]] = {}
     for r in rows:
         by_size.setdefault(r["bytes"], {})[r["algo"]] = r
-    group = "{:>9} {:>7} {:>7} {:>6} {:>6}"
-    width = {a: 43 if a == "ring" else 36 for a in algos}
-    ratios = "   ring/mpi" + ("  ring/naive" if "naive" in algos else "")
-    head1 = (f"# n={n}  float SUM in place; time = best round's mean, slowest rank; GB = 1e9 B\n"
-             "# legend: ring = our all-reduce, via = the algorithm it took (rd recursive "
-             "doubling, shm1/shm2 shared-memory one-/two-shot, hd halving-doubling, ring); "
-             "naive = reduce to rank 0 + broadcast; mpi = MPI_Allreduce; algbw = bytes/time; "
-             "busbw = algbw * 2(n-1)/n; #wrong = elements unlike the exact sum; ring/mpi, "
-             "ring/naive = busbw ratios (> 1 favours ours)\n")
-    head2 = (f"# {'':>10} {'':>10} {'':>7}  "
-             + "  ".join(f"{a + ('(via)' if a == 'ring' else ''):^{width[a]}}" for a in algos)
-             + ratios + "\n")
-    cols = group.format("time(us)", "algbw", "busbw", "#wrong", "via")
-    head3 = (f"# {'size':>10} {'count':>10} {'type':>7}  "
-             + "  ".join(cols if a == "ring" else cols[:-7] for a in algos)
-             + "      busbw" + ("       busbw" if "naive" in algos else "") + "\n")
-    lines = [head1, head2, head3]
-    for size, got in sorted(by_size.items()):
-        first = next(iter(got.values()))
-        cells = []
-        for a in algos:
-            r = got[a]
-            cell = group.format(f"{r['time_us']:.1f}", f"{r['algbw']:.2f}", f"{r['busbw']:.2f}",
-                                r["wrong"], f"({r['via']})")
-            cells.append(cell if a == "ring" else cell[:-7])
-        line = f"  {size:>10} {first['count']:>10} {first['dtype']:>7}  " + "  ".join(cells)
-        line += f"   {got['ring']['busbw'] / got['mpi']['busbw']:8.2f}"
-        if "naive" in got:
-            line += f"   {got['ring']['busbw'] / got['naive']['busbw']:9.2f}"
-        lines.append(line + "\n")
-    return "".join(lines)
+    columns = [harness.Column("size", 10, lambda g: g["size"]),
+               harness.Column("count", 10, lambda g: next(iter(g["algos"].values()))["count"]),
+               harness.Column("type", 7, lambda g: next(iter(g["algos"].values()))["dtype"])]
+    for a in algos:
+        def of(key, a=a):
+            return lambda g: g["algos"][a][key]
+        columns += [harness.Column(f"{a} time(us)", len(a) + 9, of("time_us"), ".1f"),
+                    harness.Column("algbw", 7, of("algbw"), ".2f"),
+                    harness.Column("busbw", 7, of("busbw"), ".2f"),
+                    harness.Column("#wrong", 6, of("wrong"))]
+        if a == "ring":
+            columns.append(harness.Column("via", 6, lambda g: f"({g['algos']['ring']['via']})"))
+    for other in ("mpi", "naive"):
+        if other in algos:
+            columns.append(harness.Column(
+                f"ring/{other}", 10, lambda g, o=other: g["algos"]["ring"]["busbw"]
+                / g["algos"][o]["busbw"], ".2f"))
+    t = harness.Table(
+        "ring = our all-reduce, via = the algorithm it took (rd recursive doubling, shm1/shm2 "
+        "shared-memory one-/two-shot, hd halving-doubling, ring); naive = reduce to rank 0 + "
+        "broadcast; mpi = MPI_Allreduce; algbw = bytes/time; busbw = algbw * 2(n-1)/n; "
+        "#wrong = elements unlike the exact sum; ring/mpi, ring/naive = busbw ratios (> 1 "
+        "favours ours)", columns)
+    lines = [f"# n={n}  float SUM in place; time = best round's mean, slowest rank; GB = 1e9 B",
+             t.head(), *(t.line({"size": size, "algos": got})
+                         for size, got in sorted(by_size.items()))]
+    return "\n".join(lines) + "\n"
 
 
 def summary(rows: list[dict]) -> str:
@@ -248,32 +244,40 @@ def median_rows(launches: list[list[dict]]) -> list[dict]:
     return out
 
 
+MEDIAN_TABLE = harness.Table(
+    "ours = Communicator.allreduce (via: rd recursive doubling, shm1/shm2 shared-memory "
+    "one-/two-shot, hd halving-doubling, ring); mpi = MPI_Allreduce; time o/m = ours/mpi "
+    "time (< 1 favours ours); busbw = bytes/time * 2(n-1)/n, GB/s; busbw o/m = ours/mpi "
+    "busbw (> 1 favours ours); spread = min..max of the per-launch time o/m; gap/step = "
+    "(ours - mpi) / 2(n-1) us, what each of the ring's 2(n-1) steps costs beyond MPI's whole "
+    "call (via ring only)",
+    [harness.Column("size", 10, lambda p: p["ours"]["bytes"]),
+     harness.Column("ours(us)", 9, lambda p: p["ours"]["time_us"], ".1f"),
+     harness.Column("via", 5, lambda p: p["ours"]["via"]),
+     harness.Column("mpi(us)", 9, lambda p: p["mpi"]["time_us"], ".1f"),
+     harness.Column("time o/m", 9, lambda p: p["ours"]["time_us"] / p["mpi"]["time_us"], ".2f"),
+     harness.Column("busbw ours", 10, lambda p: p["ours"]["busbw"], ".2f"),
+     harness.Column("busbw mpi", 10, lambda p: p["mpi"]["busbw"], ".2f"),
+     harness.Column("busbw o/m", 9, lambda p: p["ours"]["busbw"] / p["mpi"]["busbw"], ".2f"),
+     harness.Column("spread", 11, lambda p: f"{min(p['each']):.2f}..{max(p['each']):.2f}"),
+     harness.Column("gap/step", 8, lambda p: p["gap_step"], ".1f"),
+     harness.Column("#wrong", 6, lambda p: p["ours"]["wrong"] + p["mpi"]["wrong"])])
+
+
 def median_table(rows: list[dict], n: int, k: int) -> str:
     by = {(r["algo"], r["bytes"]): r for r in rows}
     sizes = sorted({r["bytes"] for r in rows})
     lines = [f"# n={n}: median over {k} launches of each launch's time (its best round's mean, "
-             f"slowest rank)\n",
-             "# legend: ours = Communicator.allreduce (via: rd recursive doubling, shm1/shm2 "
-             "shared-memory one-/two-shot, hd halving-doubling, ring); mpi = MPI_Allreduce; "
-             "time o/m = ours/mpi time (< 1 favours ours); busbw = bytes/time * 2(n-1)/n, "
-             "GB/s; busbw o/m = ours/mpi busbw (> 1 favours ours); spread = min..max of the "
-             "per-launch time o/m; gap/step = (ours - mpi) / 2(n-1) us, what each of the "
-             "ring's 2(n-1) steps costs beyond MPI's whole call (via ring only)\n",
-             f"# {'size':>10} {'ours(us)':>9} {'via':>5} {'mpi(us)':>9} {'time o/m':>9} "
-             f"{'busbw ours':>10} {'busbw mpi':>10} {'busbw o/m':>9} {'spread':>11} "
-             f"{'gap/step':>8} {'#wrong':>6}\n"]
+             "slowest rank)", MEDIAN_TABLE.head()]
     for s in sizes:
         ours, mpi = by["ring", s], by["mpi", s]
         each = [o / m for o, m in zip(ours["time_us_launches"], mpi["time_us_launches"],
                                       strict=True)]
-        step = (f"{(ours['time_us'] - mpi['time_us']) / (2 * (n - 1)):8.1f}"
-                if ours["via"] == "ring" else f"{'-':>8}")
-        lines.append(
-            f"  {s:>10} {ours['time_us']:>9.1f} {ours['via']:>5} {mpi['time_us']:>9.1f} "
-            f"{ours['time_us'] / mpi['time_us']:>9.2f} {ours['busbw']:>10.2f} "
-            f"{mpi['busbw']:>10.2f} {ours['busbw'] / mpi['busbw']:>9.2f} "
-            f"{min(each):>5.2f}..{max(each):<5.2f} {step} {ours['wrong'] + mpi['wrong']:>6}\n")
-    return "".join(lines) + floors(by, sizes) + "\n"
+        gap = (ours["time_us"] - mpi["time_us"]) / (2 * (n - 1)) if ours["via"] == "ring" \
+            else None
+        lines.append(MEDIAN_TABLE.line({"ours": ours, "mpi": mpi, "each": each,
+                                        "gap_step": gap}))
+    return "\n".join(lines) + "\n" + floors(by, sizes) + "\n"
 
 
 def floors(by: dict, sizes: list[int]) -> str:
@@ -293,8 +297,8 @@ def floors(by: dict, sizes: list[int]) -> str:
 
 def many_launches(args, argv: list[str]) -> int:
     passed = launch_args(argv)
-    launches: dict[int, list[list[dict]]] = {int(n): [] for n in args.ranks}
-    metas: dict[int, list[dict]] = {int(n): [] for n in args.ranks}
+    launches: dict[int, list[list[dict]]] = {n: [] for n in args.ranks}
+    metas: dict[int, list[dict]] = {n: [] for n in args.ranks}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.launches):

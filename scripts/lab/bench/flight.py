@@ -150,18 +150,24 @@ LEGEND = ("# legend: off = Communicator.allreduce with the recorder off (flight=
           "exact sum\n")
 
 
+TABLE = harness.Table(
+    LEGEND.removeprefix("# legend: ").rstrip("\n"),
+    [harness.Column("size", 10, lambda r: r["bytes"]),
+     harness.Column("count", 10, lambda r: r["count"]),
+     harness.Column("type", 7, lambda r: r["dtype"]),
+     harness.Column("via", 5, lambda r: r["via"]),
+     harness.Column("off(us)", 10, lambda r: r["time_off_us"], ".2f"),
+     harness.Column("on(us)", 10, lambda r: r["time_on_us"], ".2f"),
+     harness.Column("overhead(us)", 12, lambda r: r["overhead_us"], ".3f"),
+     harness.Column("rec(us)", 8, lambda r: r["recorder_us"], ".3f"),
+     harness.Column("ratio", 8, lambda r: r["ratio"], ".4f"),
+     harness.Column("#wrong", 6, lambda r: r["wrong"])])
+
+
 def table(rows: list[dict], n: int, reps: int) -> str:
     lines = [f"# n={n}  float32 SUM in place; medians over {reps} repetitions; us = "
-             "microseconds\n", LEGEND,
-             f"# {'size':>10} {'count':>10} {'type':>7} {'via':>5} {'off(us)':>10} "
-             f"{'on(us)':>10} {'overhead(us)':>12} {'rec(us)':>8} {'ratio':>8} "
-             f"{'#wrong':>6}\n"]
-    for r in rows:
-        lines.append(f"  {r['bytes']:>10} {r['count']:>10} {r['dtype']:>7} {r['via']:>5} "
-                     f"{r['time_off_us']:>10.2f} {r['time_on_us']:>10.2f} "
-                     f"{r['overhead_us']:>12.3f} {r['recorder_us']:>8.3f} {r['ratio']:>8.4f} "
-                     f"{r['wrong']:>6}\n")
-    return "".join(lines)
+             "microseconds", TABLE.head(), *map(TABLE.line, rows)]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:

@@ -2,7 +2,9 @@
 its operation and its baseline, the harness the rest.
 
     flags         --tiny and --json PATH on every benchmark (`common_flags`), --launches K
-                  and --ranks LIST where a benchmark launches itself several times
+                  and --ranks LIST where a benchmark launches itself several times or over
+                  several world sizes (`launch_flags`, the one parser of both: a test checks
+                  that no benchmark declares them by hand)
     environment   one record of where and how it ran: host, CPU model and cores, Python,
                   NumPy, BLAS, the MPI library where MPI is used, the command line, the date
     JSON          {"meta": environment + the run's settings, "rows": [flat dict, ...]} for
@@ -71,12 +73,32 @@ def parse_list(text: str, what: str, choices=None) -> list[str]:
     return items
 
 
-def launch_flags(p: argparse.ArgumentParser, launches: str, ranks: str | None = None) -> None:
-    """--launches K (0: one run in this process) and, with `ranks` its default, --ranks."""
-    p.add_argument("--launches", type=int, default=0, help=launches)
+def parse_ranks(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]: world sizes, each a positive integer."""
+    items = parse_list(text, "--ranks")
+    if not all(x.isdigit() and int(x) >= 1 for x in items):
+        raise argparse.ArgumentTypeError(f"--ranks must be positive integers, not {text!r}")
+    return [int(x) for x in items]
+
+
+# set on the actions `launch_flags` adds, so that a test can tell them from hand-rolled ones
+FROM_HARNESS = "dtlab_harness"
+
+
+def launch_flags(p: argparse.ArgumentParser, launches: str | None,
+                 ranks: str | None = None, default_launches: int = 0) -> None:
+    """--launches K (the median over K launches; `default_launches` when not given, 0: one
+    run in this process) where `launches` says what it does, and with `ranks` its default,
+    --ranks LIST (world sizes, `parse_ranks`). Both actions marked FROM_HARNESS."""
+    actions = []
+    if launches is not None:
+        actions.append(p.add_argument("--launches", type=int, default=default_launches,
+                                      help=f"{launches} (default {default_launches})"))
     if ranks is not None:
-        p.add_argument("--ranks", default=ranks, type=lambda t: parse_list(t, "--ranks"),
-                       help=f"world sizes, comma-separated (default: {ranks})")
+        actions.append(p.add_argument("--ranks", default=parse_ranks(ranks), type=parse_ranks,
+                                      help=f"world sizes, comma-separated (default: {ranks})"))
+    for action in actions:
+        setattr(action, FROM_HARNESS, True)
 
 
 # -- the environment record -------------------------------------------------------------------
@@ -202,12 +224,13 @@ def tables(rows: list[dict], table: str) -> list[dict]:
 @dataclass(frozen=True)
 class Column:
     """One column: its title, width, the value a row shows in it and that value's format
-    (None prints "-")."""
+    (None prints "-"), aligned right (`align` ">") or left ("<")."""
 
     title: str
     width: int
     value: Callable[[dict], object]
     spec: str = ""
+    align: str = ">"
 
 
 class Table:
@@ -217,14 +240,14 @@ class Table:
         self.legend, self.columns = legend, columns
 
     def head(self) -> str:
-        titles = " ".join(f"{c.title:>{c.width}}" for c in self.columns)
+        titles = " ".join(f"{c.title:{c.align}{c.width}}" for c in self.columns)
         return f"# legend: {self.legend}\n# {titles}"
 
     def line(self, row: dict) -> str:
         cells = []
         for c in self.columns:
             value = c.value(row)
-            cells.append(f"{'-' if value is None else format(value, c.spec):>{c.width}}")
+            cells.append(f"{'-' if value is None else format(value, c.spec):{c.align}{c.width}}")
         return "  " + " ".join(cells)
 
 

@@ -202,40 +202,49 @@ def layer_rows(twin, P, host_batch, opt, reps: int, warmup: int, name: str,
     return rows
 
 
-HEADER = (f"{'model':>12}{'size':>12}{'params':>11}{'tokens':>8}{'step(ms)':>10}"
-          f"{'GFLOP':>9}{'GFLOP/s':>9}{'mm shape':>17}{'mm GFLOP/s':>11}{'ratio':>7}"
-          f"{'act MB':>9}{'est MB':>9}{'#wrong':>7}{'torch(ms)':>10}{'torch/dtlab':>12}")
-
-
-def row_line(r: dict) -> str:
-    shape = "x".join(map(str, r["matmul_shape"]))
-    torch_cols = (f"{r['torch_step_s_median'] * 1e3:>10.2f}{r['torch_over_dtlab']:>12.2f}"
-                  if "torch_step_s_median" in r else f"{'-':>10}{'-':>12}")
-    return (f"{r['model']:>12}{r['size']:>12}{r['params'] / 1e6:>10.2f}M"
-            f"{r['tokens_per_step']:>8}{r['step_s_median'] * 1e3:>10.2f}"
-            f"{r['flops_step'] / 1e9:>9.2f}{r['gflops']:>9.1f}"
-            f"{shape:>17}{r['matmul_gflops']:>11.1f}{r['ratio']:>7.2f}"
-            f"{r['act_bytes_measured'] / 1e6:>9.2f}{r['act_bytes_estimated'] / 1e6:>9.2f}"
-            f"{r['wrong']:>7}{torch_cols}")
-
-
-LAYER_HEADER = (f"{'model':>12}{'size':>12}  {'layer':<24}{'x':>4}{'input shape':>16}"
-                f"{'dtlab ms':>10}{'torch ms':>10}{'torch/dtlab':>12}")
+TABLE = harness.Table(
+    "tokens = per step; GFLOP = matmul GFLOP per step; mm = the same-run matmul's shape and "
+    "rate; act MB = measured activation bytes kept for backward; est MB = models/cost.py's "
+    "figure; #wrong = mismatched bytes, a non-finite loss or a PyTorch twin that computes "
+    "another loss; torch: - where PyTorch does not run",
+    [harness.Column("model", 11, lambda r: r["model"]),
+     harness.Column("size", 11, lambda r: r["size"]),
+     harness.Column("params", 10, lambda r: f"{r['params'] / 1e6:.2f}M"),
+     harness.Column("tokens", 7, lambda r: r["tokens_per_step"]),
+     harness.Column("step(ms)", 9, lambda r: r["step_s_median"] * 1e3, ".2f"),
+     harness.Column("GFLOP", 8, lambda r: r["flops_step"] / 1e9, ".2f"),
+     harness.Column("GFLOP/s", 8, lambda r: r["gflops"], ".1f"),
+     harness.Column("mm shape", 16, lambda r: "x".join(map(str, r["matmul_shape"]))),
+     harness.Column("mm GFLOP/s", 10, lambda r: r["matmul_gflops"], ".1f"),
+     harness.Column("ratio", 6, lambda r: r["ratio"], ".2f"),
+     harness.Column("act MB", 8, lambda r: r["act_bytes_measured"] / 1e6, ".2f"),
+     harness.Column("est MB", 8, lambda r: r["act_bytes_estimated"] / 1e6, ".2f"),
+     harness.Column("#wrong", 6, lambda r: r["wrong"]),
+     harness.Column("torch(ms)", 9, lambda r: r["torch_step_s_median"] * 1e3
+                    if "torch_step_s_median" in r else None, ".2f"),
+     harness.Column("torch/dtlab", 11, lambda r: r.get("torch_over_dtlab"), ".2f")])
+LAYER_TABLE = harness.Table(
+    "x = times a step runs the layer; ms = median forward and backward at the step's shapes; "
+    "the last line of a size: the layers' sum, each times its x",
+    [harness.Column("model", 11, lambda r: r["model"]),
+     harness.Column("size", 11, lambda r: r["size"]),
+     harness.Column("layer", 24, lambda r: r["layer"], align="<"),
+     harness.Column("x", 3, lambda r: r["count"]),
+     harness.Column("input shape", 15, lambda r: r["input_shape"]),
+     harness.Column("dtlab ms", 9, lambda r: r["dtlab_s"] * 1e3, ".3f"),
+     harness.Column("torch ms", 9, lambda r: r["torch_s"] * 1e3, ".3f"),
+     harness.Column("torch/dtlab", 11, lambda r: r["torch_s"] / r["dtlab_s"], ".2f")])
 
 
 def layer_lines(r: dict, layers: list[dict]) -> list[str]:
     """The per-layer table of one step row, with the layers' sum (times their counts) last."""
-    lines = []
-    for x in layers:
-        shape = "x".join(map(str, x["input_shape"]))
-        lines.append(f"{r['model']:>12}{r['size']:>12}  {x['layer']:<24}{x['count']:>4}"
-                     f"{shape:>16}{x['dtlab_s'] * 1e3:>10.3f}{x['torch_s'] * 1e3:>10.3f}"
-                     f"{x['torch_over_dtlab']:>12.2f}")
-    dtlab = sum(x["count"] * x["dtlab_s"] for x in layers)
-    torch = sum(x["count"] * x["torch_s"] for x in layers)
-    lines.append(f"{r['model']:>12}{r['size']:>12}  {'sum of layers x count':<24}{'':>4}{'':>16}"
-                 f"{dtlab * 1e3:>10.3f}{torch * 1e3:>10.3f}{torch / dtlab:>12.2f}")
-    return lines
+    shown = [{"layer": x["layer"], "count": x["count"], "dtlab_s": x["dtlab_s"],
+              "torch_s": x["torch_s"], "input_shape": "x".join(map(str, x["input_shape"]))}
+             for x in layers]
+    shown.append({"layer": "sum of layers x count", "count": None, "input_shape": None,
+                  "dtlab_s": sum(x["count"] * x["dtlab_s"] for x in layers),
+                  "torch_s": sum(x["count"] * x["torch_s"] for x in layers)})
+    return [LAYER_TABLE.line({"model": r["model"], "size": r["size"], **x}) for x in shown]
 
 
 def machine_header(bench: str, device: str, threads, **fields) -> dict:
@@ -270,28 +279,24 @@ def main(argv: list[str] | None = None) -> int:
           f"{reps} after {warmup} warm-up, {threads.describe()}; {describe_blas(header['blas'])}")
     print("# GFLOP = dtlab.models.cost matmul FLOPs per step; ratio = GFLOP/s (from the best "
           "step) / same-run float32 matmul GFLOP/s")
-    print("# legend: tokens = per step; GFLOP = matmul GFLOP per step; mm = the same-run "
-          "matmul's shape and rate; act MB = measured activation bytes kept for backward; est "
-          "MB = models/cost.py's figure; #wrong = mismatched bytes, a non-finite loss or a "
-          "PyTorch twin that computes another loss")
     if torch_version:
         print(f"# PyTorch {torch_version} eager on {threads.threads} thread(s), steps taken in "
               "turn with dtlab's, each timed after an untimed one of its own: torch(ms) = its "
               "median step; torch/dtlab > 1: dtlab faster")
     else:
         print(f"# {why_not}: no comparison with PyTorch, the matmul baseline only")
-    print("#" + HEADER[1:])
+    print(TABLE.head())
     steps, layers = [], []
     for name, size, cfg, batch in TINY if args.tiny else SIZES:
         step, its_layers = bench_one(name, size, cfg, batch, reps, warmup,
                                      threads.threads if torch_version else None)
         steps.append(step)
         layers.append(its_layers)
-        print(row_line(step), flush=True)
+        print(TABLE.line(step), flush=True)
     if torch_version:
         print(f"# per layer, forward and backward at the step's shapes (the loss and the "
               f"optimizer step alone), medians of {reps} taken in turn; x = times a step runs it")
-        print("#" + LAYER_HEADER[1:])
+        print(LAYER_TABLE.head())
         for r, its_layers in zip(steps, layers, strict=True):
             print("\n".join(layer_lines(r, its_layers)), flush=True)
     return finish(steps + [x for its_layers in layers for x in its_layers], header, args.json)

@@ -145,6 +145,18 @@ def one(setting: str, tiny: bool, reps: int, warmup: int) -> list[dict]:
     return rows
 
 
+TABLE = harness.Table(
+    "torch/dtlab = median torch step / median dtlab step (> 1: dtlab is faster); dtlab ms "
+    "\"refused\": the setting is not one dtlab runs",
+    [harness.Column("model", 12, lambda r: r["model"]),
+     harness.Column("setting", 10, lambda r: r["setting"]),
+     harness.Column("dtlab ms", 9,
+                    lambda r: "refused" if r["dtlab_ms"] is None else f"{r['dtlab_ms']:.3f}"),
+     harness.Column("torch ms", 9, lambda r: r["torch_ms"], ".3f"),
+     harness.Column("torch/dtlab", 11, lambda r: r["torch_over_dtlab"]
+                    if r["dtlab_ms"] is not None else None, ".2f")])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dtlab-bench model_gpu", description=__doc__.split("\n")[0])
     harness.common_flags(p, "tiny sizes, 2 reps: a smoke run")
@@ -172,12 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{p.prog}: {setting} failed:\n{r.stderr}", file=sys.stderr)
             return 1
         rows += json.loads(r.stdout)
-    print("torch/dtlab = median torch step / median dtlab step (> 1: dtlab is faster)")
-    print(f"{'model':12}{'setting':>11}{'dtlab ms':>10}{'torch ms':>10}{'torch/dtlab':>12}")
+    print(TABLE.head())
     for r in rows:
-        dt = "refused" if r["dtlab_ms"] is None else f"{r['dtlab_ms']:.3f}"
-        ratio = "" if r["dtlab_ms"] is None else f"{r['torch_over_dtlab']:.2f}"
-        print(f"{r['model']:12}{r['setting']:>11}{dt:>10}{r['torch_ms']:>10.3f}{ratio:>12}")
+        print(TABLE.line(r))
     if args.json:
         import torch
 

@@ -134,19 +134,29 @@ def bench_balance(method: str, d: int, n: int, steps: int) -> dict:
             "wrong": int(method != "none" and not last < imbalance[0])}
 
 
-HEADER = (f"{'kind':>7}{'d':>5}{'d_ff':>6}{'N':>4}{'k':>3}{'rows':>7}{'MoE ms':>9}"
-          f"{'dense ms':>10}{'ratio':>7}{'floor':>7}"
-          + "".join(f"{p + ' p50/95/99 ms':>26}" for p in PHASES) + f"{'#wrong':>7}")
+def floor_word(r: dict) -> str:
+    return "-" if r["floor"] is None else ("ok" if r["ratio"] <= r["floor"] else "over")
 
 
-def row_line(r: dict) -> str:
-    def ms(phase):
-        return "/".join(f"{r[f'{phase}_{q}_s'] * 1e3:.2f}" for q in QUANTILES)
-    floor = "-" if r["floor"] is None else ("ok" if r["ratio"] <= r["floor"] else "over")
-    return (f"{r['kind']:>7}{r['d']:>5}{r['d_ff']:>6}{r['experts']:>4}{r['top_k']:>3}"
-            f"{r['rows']:>7}{r['moe_step_s'] * 1e3:>9.2f}{r['dense_step_s'] * 1e3:>10.2f}"
-            f"{r['ratio']:>7.2f}{floor:>7}"
-            + "".join(f"{ms(p):>26}" for p in PHASES) + f"{r['wrong']:>7}")
+def phase_ms(phase: str):
+    """A row's p50/p95/p99 of `phase` in ms, as one cell."""
+    return lambda r: "/".join(f"{r[f'{phase}_{q}_s'] * 1e3:.2f}" for q in QUANTILES)
+
+
+TABLE = harness.Table(
+    "step = zero grads + forward + backward of one layer on `rows` tokens; MoE dropless; "
+    "phases = the MoE forward's router / dispatch / expert compute / combine, p50/p95/p99 "
+    "over the timed steps; #wrong = non-finite outputs",
+    [harness.Column("kind", 6, lambda r: r["kind"]), harness.Column("d", 4, lambda r: r["d"]),
+     harness.Column("d_ff", 5, lambda r: r["d_ff"]),
+     harness.Column("N", 3, lambda r: r["experts"]), harness.Column("k", 2, lambda r: r["top_k"]),
+     harness.Column("rows", 6, lambda r: r["rows"]),
+     harness.Column("MoE ms", 8, lambda r: r["moe_step_s"] * 1e3, ".2f"),
+     harness.Column("dense ms", 9, lambda r: r["dense_step_s"] * 1e3, ".2f"),
+     harness.Column("ratio", 6, lambda r: r["ratio"], ".2f"),
+     harness.Column("floor", 6, floor_word),
+     *(harness.Column(f"{p} p50/95/99 ms", 25, phase_ms(p)) for p in PHASES),
+     harness.Column("#wrong", 6, lambda r: r["wrong"])])
 
 
 def run_ep(ranks: int, nbytes: list[int], layer: tuple[int, int, int], chunks: int, reps: int,
@@ -164,28 +174,48 @@ def run_ep(ranks: int, nbytes: list[int], layer: tuple[int, int, int], chunks: i
         return harness.read(out)[1]
 
 
-EP_HEADER = (f"{'ranks':>6}{'bytes':>11}{'ours us':>10}{'busbw GB/s':>12}{'pairwise us':>13}"
-             f"{'busbw GB/s':>12}{'MPI us':>10}{'busbw GB/s':>12}{'ours/MPI':>10}{'floor':>7}"
-             f"{'#wrong':>7}")
-LAYER_HEADER = (f"{'ranks':>6}{'d':>5}{'d_ff':>6}{'N':>4}{'rows':>7}{'k':>3}"
-                f"{'ours 1 ms':>11}{'ours k ms':>11}{'speedup':>9}{'MPI 1 ms':>10}"
-                f"{'MPI k ms':>10}{'speedup':>9}{'#wrong':>7}")
+def ep_floor_word(r: dict) -> str:
+    return "-" if r["bytes"] < EP_FLOOR_BYTES else ("ok" if r["ratio"] >= EP_FLOOR else "under")
 
 
-def ep_line(r: dict) -> str:
-    floor = "-" if r["bytes"] < EP_FLOOR_BYTES else ("ok" if r["ratio"] >= EP_FLOOR else
-                                                       "under")
-    return (f"{r['ranks']:>6}{r['bytes']:>11}{r['ours_s'] * 1e6:>10.1f}{r['ours_busbw']:>12.3f}"
-            f"{r['pairwise_s'] * 1e6:>13.1f}{r['pairwise_busbw']:>12.3f}"
-            f"{r['mpi_s'] * 1e6:>10.1f}{r['mpi_busbw']:>12.3f}{r['ratio']:>10.2f}{floor:>7}"
-            f"{r['wrong']:>7}")
-
-
-def layer_line(r: dict) -> str:
-    return (f"{r['ranks']:>6}{r['d']:>5}{r['d_ff']:>6}{r['experts']:>4}{r['rows']:>7}"
-            f"{r['chunks']:>3}{r['ours_chunks1_s'] * 1e3:>11.2f}{r['ours_chunksk_s'] * 1e3:>11.2f}"
-            f"{r['overlap_speedup_ours']:>9.2f}{r['mpi_chunks1_s'] * 1e3:>10.2f}"
-            f"{r['mpi_chunksk_s'] * 1e3:>10.2f}{r['overlap_speedup_mpi']:>9.2f}{r['wrong']:>7}")
+EP_TABLE = harness.Table(
+    "us = median time of one all-to-all; busbw = all-to-all bytes per rank / time x (n-1)/n; "
+    "ours/MPI = the busbw ratio; floor: - below its size",
+    [harness.Column("ranks", 5, lambda r: r["ranks"]),
+     harness.Column("bytes", 10, lambda r: r["bytes"]),
+     harness.Column("ours us", 9, lambda r: r["ours_s"] * 1e6, ".1f"),
+     harness.Column("busbw GB/s", 11, lambda r: r["ours_busbw"], ".3f"),
+     harness.Column("pairwise us", 12, lambda r: r["pairwise_s"] * 1e6, ".1f"),
+     harness.Column("busbw GB/s", 11, lambda r: r["pairwise_busbw"], ".3f"),
+     harness.Column("MPI us", 9, lambda r: r["mpi_s"] * 1e6, ".1f"),
+     harness.Column("busbw GB/s", 11, lambda r: r["mpi_busbw"], ".3f"),
+     harness.Column("ours/MPI", 9, lambda r: r["ratio"], ".2f"),
+     harness.Column("floor", 6, ep_floor_word),
+     harness.Column("#wrong", 6, lambda r: r["wrong"])])
+LAYER_TABLE = harness.Table(
+    "N experts, k chunks; 1 / k ms = one step with 1 chunk / k chunks, speedup = their "
+    "ratio, by ours / MPI's all-to-all",
+    [harness.Column("ranks", 5, lambda r: r["ranks"]), harness.Column("d", 4, lambda r: r["d"]),
+     harness.Column("d_ff", 5, lambda r: r["d_ff"]),
+     harness.Column("N", 3, lambda r: r["experts"]),
+     harness.Column("rows", 6, lambda r: r["rows"]),
+     harness.Column("k", 2, lambda r: r["chunks"]),
+     harness.Column("ours 1 ms", 10, lambda r: r["ours_chunks1_s"] * 1e3, ".2f"),
+     harness.Column("ours k ms", 10, lambda r: r["ours_chunksk_s"] * 1e3, ".2f"),
+     harness.Column("speedup", 8, lambda r: r["overlap_speedup_ours"], ".2f"),
+     harness.Column("MPI 1 ms", 9, lambda r: r["mpi_chunks1_s"] * 1e3, ".2f"),
+     harness.Column("MPI k ms", 9, lambda r: r["mpi_chunksk_s"] * 1e3, ".2f"),
+     harness.Column("speedup", 8, lambda r: r["overlap_speedup_mpi"], ".2f"),
+     harness.Column("#wrong", 6, lambda r: r["wrong"])])
+BALANCE_TABLE = harness.Table(
+    "imbalance = max/mean pairs per expert, dropped = pairs over capacity, first step and "
+    "last (mean of the last tenth); #wrong = a method that does not lower the imbalance",
+    [harness.Column("method", 7, lambda r: r["method"]),
+     harness.Column("imbalance first", 16, lambda r: r["imbalance_first"], ".2f"),
+     harness.Column("last", 6, lambda r: r["imbalance_last"], ".2f"),
+     harness.Column("dropped first", 14, lambda r: r["dropped_first"], ".0f"),
+     harness.Column("last", 6, lambda r: r["dropped_last"], ".0f"),
+     harness.Column("#wrong", 6, lambda r: r["wrong"])])
 
 
 def bench_ep(args, reps: int, warmup: int) -> tuple[list, list]:
@@ -199,46 +229,43 @@ def bench_ep(args, reps: int, warmup: int) -> tuple[list, list]:
           f"{reps} after {warmup}; busbw = B/t (n-1)/n (nccl-tests); floor: ours/MPI >= "
           f"{EP_FLOOR} at B >= {EP_FLOOR_BYTES:,} bytes; #wrong = results that differ from the "
           "blocks sent")
-    print("#" + EP_HEADER[1:])
+    print(EP_TABLE.head())
     a2a, layers = [], []
     for n in ranks:
         got = run_ep(n, nbytes, layer, args.ep_chunks, reps, warmup)
         for r in harness.tables(got, "alltoall"):
             a2a.append(r)
-            print(ep_line(r), flush=True)
+            print(EP_TABLE.line(r), flush=True)
         layers += harness.tables(got, "ep_layer")
     print("\n# expert-parallel MoE layer step (zero grads, forward, backward) over n ranks: "
           "dropless top-2 of 2n experts, `rows` tokens per rank; ours / MPI's all-to-all, 1 "
           "chunk and k chunks (one chunk's all-to-all overlapping another's experts); speedup "
           "= 1 chunk / k chunks; #wrong = outputs that differ between the four")
-    print("#" + LAYER_HEADER[1:])
+    print(LAYER_TABLE.head())
     for r in layers:
-        print(layer_line(r), flush=True)
+        print(LAYER_TABLE.line(r), flush=True)
     return a2a, layers
 
 
 def single_process_rows(args, reps: int, warmup: int, steps: int) -> tuple[list, list]:
     """The timing rows and the balance rows (one process)."""
-    print("#" + HEADER[1:])
+    print(TABLE.head())
     rows = []
     for kind, d, d_ff, N, k, n in TINY if args.tiny else SIZES:
         rows.append(bench_layer(kind, d, d_ff, N, k, n, reps, warmup))
-        print(row_line(rows[-1]), flush=True)
+        print(TABLE.line(rows[-1]), flush=True)
     d, n = (16, 256) if args.tiny else (128, 4096)
     print(f"\n# balance: top-2 of 8 experts, capacity factor 1.25, {n} rows of width {d} "
           f"favouring experts 0 and 1; the router trained {steps} steps by the balancing "
           "term alone; imbalance = max/mean pairs per expert, last = mean of the last tenth of "
           "the steps; dropped = pairs over capacity; "
           "#wrong = a method that does not lower the imbalance")
-    print(f"#{'method':>7}{'imbalance first':>17}{'last':>7}{'dropped first':>15}{'last':>7}"
-          f"{'#wrong':>7}")
+    print(BALANCE_TABLE.head())
     balance = []
     for method in METHODS:
         b = bench_balance(method, d, n, steps)
         balance.append(b)
-        print(f"{method:>8}{b['imbalance_first']:>17.2f}{b['imbalance_last']:>7.2f}"
-              f"{b['dropped_first']:>15.0f}{b['dropped_last']:>7.0f}{b['wrong']:>7}",
-              flush=True)
+        print(BALANCE_TABLE.line(b), flush=True)
     return rows, balance
 
 
@@ -275,10 +302,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# dtlab MoE layer benchmark on {device}: median of {reps} after {warmup} warm-up, "
           f"{threads.describe()}; ratio = MoE step / dense FFN step (hidden k d_ff: the "
           f"same active expert parameters); floor: ratio <= {FLOOR} for top-2 of 8")
-    print("# legend: step = zero grads + forward + backward of one layer on `rows` tokens; "
-          "MoE dropless; phases = the MoE forward's router / dispatch / expert compute / "
-          "combine, p50/p95/p99 over the timed steps; #wrong = non-finite outputs; ep rows: "
-          "busbw = all-to-all bytes per rank / time x (n-1)/n, ours/MPI its ratio")
     rows, balance = ([], []) if args.only_ep else single_process_rows(args, reps, warmup, steps)
     a2a, layers = bench_ep(args, reps, warmup)
     under = [r for r in a2a if r["bytes"] >= EP_FLOOR_BYTES and r["ratio"] < EP_FLOOR]

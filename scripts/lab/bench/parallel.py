@@ -82,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--microbatches", default="4,8", help="comma-separated m values")
     p.add_argument("--steps", type=int, default=3, help="timed steps per case")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per case first")
-    p.add_argument("--launches", type=int, default=1, help="launches per grid; medians")
+    harness.launch_flags(p, "launches per grid; medians", default_launches=1)
     harness.common_flags(p, "a seconds-long run (the test suite)")
     p.add_argument("--worker", nargs=3, metavar=("SIZE", "TPxPP", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -132,10 +132,36 @@ def medians(launches: list[list[dict]]) -> list[dict]:
 def table(rows: list[dict], cores: int, launches: int) -> str:
     base = {(r["size"], r["microbatches"]): r["step_ms"] for r in rows
             if r["tp"] == 1 and r["pp"] == 1}
-    lines = [
-        f"# model parallelism: transformer, dp 1, {cores} cores, median over {launches} "
-        "launch(es); step = slowest rank, median over steps",
-        "# legend: vs 1x1 = step / tp1 pp1 step (same size, m); comm = bytes handed to the "
+
+    def vs(r: dict) -> float:
+        return r["step_ms"] / base[r["size"], r["microbatches"]] \
+            if (r["size"], r["microbatches"]) in base else float("nan")
+
+    mb = 1e6
+    columns = [
+        ("size", 6, lambda r: ("*" if r["world"] > cores else "") + r["size"], ""),
+        ("tp", 2, lambda r: r["tp"], ""), ("pp", 2, lambda r: r["pp"], ""),
+        ("sched", 11, lambda r: r["schedule"], ""), ("m", 2, lambda r: r["microbatches"], ""),
+        ("step(ms)", 9, lambda r: r["step_ms"], ".1f"), ("vs 1x1", 6, vs, ".2f"),
+        ("comm(MB)", 9, lambda r: r["comm_bytes"] / mb, ".3f"),
+        ("form", 9, lambda r: r["comm_bytes_formula"] / mb, ".3f"),
+        ("ratio", 6, lambda r: r["comm_bytes"] / r["comm_bytes_formula"]
+         if r["comm_bytes_formula"] else 1.0, ".3f"),
+        ("bubble", 6, lambda r: r["bubble"], ".3f"),
+        ("form", 6, lambda r: r["bubble_formula"], ".3f"),
+        ("exp", 6, lambda r: r["bubble_expected"], ".3f"),
+        ("+p2p", 6, lambda r: r["bubble_p2p"], ".3f"), ("ovh", 5, lambda r: r["overhead"], ".3f"),
+        ("p2p us", 6, lambda r: r.get("p2p_us", 0.0), ".1f"),
+        ("send", 5, lambda r: r.get("send_us", 0.0), ".1f"),
+        ("ovh/op", 6, lambda r: r.get("overhead_us_per_op", 0.0), ".1f"),
+        ("mem(MB)", 8, lambda r: r["state_bytes_per_rank"] / mb, ".3f"),
+        ("est", 8, lambda r: r["state_bytes_estimate"] / mb, ".3f"),
+        ("ratio", 6, lambda r: r["memory_ratio"], ".3f"),
+        ("act(MB)", 8, lambda r: r["activation_bytes_per_rank"] / mb, ".3f"),
+        ("est", 8, lambda r: r["activation_bytes_estimate"] / mb, ".3f"),
+        ("ratio", 6, lambda r: r["activation_ratio"], ".3f")]
+    t = harness.Table(
+        "vs 1x1 = step / tp1 pp1 step (same size, m); comm = bytes handed to the "
         "communicators per step (p2p sends + tp all-reduce payload x 2(t-1)/t, nccl-tests "
         "busbw convention), form = from the config; bubble = idle fraction, form = "
         "uniform-stage formula, exp = replay with measured per-stage pass times, +p2p = the "
@@ -145,28 +171,10 @@ def table(rows: list[dict], cores: int, launches: int) -> str:
         "time per op; mem = params "
         "+ grads + optimizer MB of the largest rank, est = models.cost; act = peak in-flight "
         "activation MB; * = tp*pp > cores (oversubscribed: waits poll and yield, idle inflated)",
-        f"# {'size':>5} {'tp':>2} {'pp':>2} {'sched':>11} {'m':>2} {'step(ms)':>9} "
-        f"{'vs 1x1':>6} "
-        f"{'comm(MB)':>9} {'form':>9} {'ratio':>6} {'bubble':>6} {'form':>6} {'exp':>6} "
-        f"{'+p2p':>6} {'ovh':>5} {'p2p us':>6} {'send':>5} {'ovh/op':>6} "
-        f"{'mem(MB)':>8} {'est':>8} {'ratio':>6} {'act(MB)':>8} {'est':>8} {'ratio':>6}"]
-    for r in rows:
-        ratio = r["comm_bytes"] / r["comm_bytes_formula"] if r["comm_bytes_formula"] else 1.0
-        vs = r["step_ms"] / base[r["size"], r["microbatches"]] \
-            if (r["size"], r["microbatches"]) in base else float("nan")
-        star = "*" if r["world"] > cores else " "
-        lines.append(
-            f" {star}{r['size']:>5} {r['tp']:>2} {r['pp']:>2} {r['schedule']:>11} "
-            f"{r['microbatches']:>2} {r['step_ms']:>9.1f} {vs:>6.2f} "
-            f"{r['comm_bytes'] / 1e6:>9.3f} {r['comm_bytes_formula'] / 1e6:>9.3f} {ratio:>6.3f} "
-            f"{r['bubble']:>6.3f} {r['bubble_formula']:>6.3f} {r['bubble_expected']:>6.3f} "
-            f"{r['bubble_p2p']:>6.3f} {r['overhead']:>5.3f} "
-            f"{r.get('p2p_us', 0.0):>6.1f} "
-            f"{r.get('send_us', 0.0):>5.1f} {r.get('overhead_us_per_op', 0.0):>6.1f} "
-            f"{r['state_bytes_per_rank'] / 1e6:>8.3f} {r['state_bytes_estimate'] / 1e6:>8.3f} "
-            f"{r['memory_ratio']:>6.3f} {r['activation_bytes_per_rank'] / 1e6:>8.3f} "
-            f"{r['activation_bytes_estimate'] / 1e6:>8.3f} {r['activation_ratio']:>6.3f}")
-    return "\n".join(lines)
+        [harness.Column(title, width, value, spec) for title, width, value, spec in columns])
+    return "\n".join([
+        f"# model parallelism: transformer, dp 1, {cores} cores, median over {launches} "
+        "launch(es); step = slowest rank, median over steps", t.head(), *map(t.line, rows)])
 
 
 def floors(rows: list[dict], cores: int, timing: bool = True) -> list[str]:

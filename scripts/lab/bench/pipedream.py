@@ -178,21 +178,27 @@ def launch(args, config: list[str], workdir: str) -> list[dict]:
     return harness.read(out)[1]
 
 
+TABLE = harness.Table(
+    "ms = wall time of the K steps (slowest rank), vs flush = over the flushed steps'; "
+    "bubble measured, formula (equal passes), expected (replay with measured passes); kept = "
+    "MB of weight versions beyond the parameters, per rank; versions = held at once",
+    [harness.Column("method", 6, lambda r: r["method"]),
+     harness.Column("pp", 3, lambda r: r["pp"]),
+     harness.Column("m", 3, lambda r: r["microbatches"]),
+     harness.Column("K", 3, lambda r: r["window"]),
+     harness.Column("ms", 9, lambda r: r["ms"], ".2f"),
+     harness.Column("vs flush", 8, lambda r: r["vs_flush"], ".2f"),
+     harness.Column("bubble", 7, lambda r: r["bubble"], ".3f"),
+     harness.Column("formula", 7, lambda r: r["bubble_formula"], ".3f"),
+     harness.Column("expect", 7, lambda r: r["bubble_expected"], ".3f"),
+     harness.Column("kept MB", 14,
+                    lambda r: ",".join(f"{b / 1e6:.3g}" for b in r["version_bytes"])),
+     harness.Column("versions", 8, lambda r: r["versions"])])
+
+
 def table(rows: list[dict]) -> list[str]:
-    lines = [f"# PipeDream-Flush vs PipeDream-2BW, K steps, {os.cpu_count()} cores",
-             "# legend: ms = wall time of the K steps (slowest rank), vs flush = over the "
-             "flushed steps'; bubble measured, formula (equal passes), expected (replay with "
-             "measured passes); kept = MB of weight versions beyond the parameters, per rank; "
-             "versions = held at once",
-             f"# {'method':>6} {'pp':>3} {'m':>3} {'K':>3} {'ms':>9} {'vs flush':>8} "
-             f"{'bubble':>7} {'formula':>7} {'expect':>7} {'kept MB':>14} {'versions':>8}"]
-    for r in rows:
-        kept = ",".join(f"{b / 1e6:.3g}" for b in r["version_bytes"])
-        lines.append(f"  {r['method']:>6} {r['pp']:>3} {r['microbatches']:>3} {r['window']:>3} "
-                     f"{r['ms']:>9.2f} {r['vs_flush']:>8.2f} {r['bubble']:>7.3f} "
-                     f"{r['bubble_formula']:>7.3f} {r['bubble_expected']:>7.3f} "
-                     f"{kept:>14} {r['versions']:>8}")
-    return lines
+    return [f"# PipeDream-Flush vs PipeDream-2BW, K steps, {os.cpu_count()} cores",
+            TABLE.head(), *map(TABLE.line, rows)]
 
 
 def main(argv: list[str]) -> int:

@@ -103,22 +103,37 @@ def bench_one(name: str, flags: list[str], precision: str, steps: int,
     return row
 
 
-HEADER = (f"{'model':>12}{'prec':>6}{'params':>10}{'step(ms)':>10}{'x fp32':>8}"
-          f"{'act MB':>9}{'est':>8}{'grad MB':>9}{'est':>8}{'+f32 grad':>10}{'weight MB':>10}"
-          f"{'master':>8}{'opt MB':>8}{'loss':>8}{'d fp32':>8}{'gap':>7}{'skipped':>8}"
-          f"{'#wrong':>7}")
-
-
-def row_line(r: dict, fp32_s: float) -> str:
+def columns(fp32_s: float) -> list[harness.Column]:
+    """The table's columns; `fp32_s` the fp32 step of the same model, the baseline."""
     mb = 1e6
-    gap = r["loss"] - r["floor"] if r["floor"] is not None else math.nan
-    return (f"{r['model']:>12}{r['precision']:>6}{r['params'] / 1e6:>9.2f}M"
-            f"{r['step_s_median'] * 1e3:>10.2f}{r['step_s_median'] / fp32_s:>8.2f}"
-            f"{r['act_bytes'] / mb:>9.3f}{r['act_bytes_est'] / mb:>8.3f}"
-            f"{r['grad_bytes'] / mb:>9.3f}{r['grad_bytes_est'] / mb:>8.3f}"
-            f"{r['f32_grad_bytes'] / mb:>10.3f}{r['weight_bytes'] / mb:>10.3f}"
-            f"{r['master_bytes'] / mb:>8.3f}{r['opt_bytes'] / mb:>8.3f}{r['loss']:>8.4f}"
-            f"{r['d_fp32']:>+8.4f}{gap:>+7.3f}{r['skipped_steps']:>8}{r['wrong']:>7}")
+
+    def gap(r: dict) -> float:
+        return r["loss"] - r["floor"] if r["floor"] is not None else math.nan
+
+    return [harness.Column("model", 11, lambda r: r["model"]),
+            harness.Column("prec", 5, lambda r: r["precision"]),
+            harness.Column("params", 9, lambda r: f"{r['params'] / 1e6:.2f}M"),
+            harness.Column("step(ms)", 9, lambda r: r["step_s_median"] * 1e3, ".2f"),
+            harness.Column("x fp32", 7, lambda r: r["step_s_median"] / fp32_s, ".2f"),
+            harness.Column("act MB", 8, lambda r: r["act_bytes"] / mb, ".3f"),
+            harness.Column("est", 7, lambda r: r["act_bytes_est"] / mb, ".3f"),
+            harness.Column("grad MB", 8, lambda r: r["grad_bytes"] / mb, ".3f"),
+            harness.Column("est", 7, lambda r: r["grad_bytes_est"] / mb, ".3f"),
+            harness.Column("+f32 grad", 9, lambda r: r["f32_grad_bytes"] / mb, ".3f"),
+            harness.Column("weight MB", 9, lambda r: r["weight_bytes"] / mb, ".3f"),
+            harness.Column("master", 7, lambda r: r["master_bytes"] / mb, ".3f"),
+            harness.Column("opt MB", 7, lambda r: r["opt_bytes"] / mb, ".3f"),
+            harness.Column("loss", 7, lambda r: r["loss"], ".4f"),
+            harness.Column("d fp32", 7, lambda r: r["d_fp32"], "+.4f"),
+            harness.Column("gap", 6, gap, "+.3f"),
+            harness.Column("skipped", 7, lambda r: r["skipped_steps"]),
+            harness.Column("#wrong", 6, lambda r: r["wrong"])]
+
+
+LEGEND = ("x fp32 = step time / fp32's; act, grad, weight, master, opt MB measured, est = "
+          "models/cost.py for the precision; +f32 grad = the float32 unscaled gradient (mixed "
+          "only); loss = mean of the last 10% of steps; d fp32 = loss - fp32's; gap = loss - "
+          f"the data's floor; #wrong = a byte mismatch, a non-finite loss or d fp32 > {WORSE_NATS}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,12 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     header = machine_header("precision", device, threads, steps=steps, timing="median step after 5")
     print(f"# dtlab mixed-precision benchmark on {device}: {steps} steps per run, AdamW, "
           f"{threads.describe()}; fp32 trained in the same run is the baseline")
-    print("# legend: x fp32 = step time / fp32's; act, grad, weight, master, opt MB measured, "
-          "est = models/cost.py for the precision; +f32 grad = the float32 unscaled gradient "
-          "(mixed only); loss = mean of the last 10% of steps; d fp32 = loss - fp32's; gap = "
-          "loss - the data's floor; #wrong = a byte mismatch, a non-finite loss or d fp32 > "
-          f"{WORSE_NATS}")
-    print("#" + HEADER[1:])
+    print(harness.Table(LEGEND, columns(1.0)).head())
     rows = []
     for name, flags in TINY if args.tiny else RUNS:
         base = None
@@ -153,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             row = bench_one(name, flags, precision, steps, base and base["loss"])
             base = base or row
             rows.append(row)
-            print(row_line(row, base["step_s_median"]), flush=True)
+            print(harness.Table(LEGEND, columns(base["step_s_median"])).line(row), flush=True)
     return finish(rows, header, args.json)
 
 

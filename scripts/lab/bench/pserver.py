@@ -106,15 +106,11 @@ class BenchConfig:
     optimizers: str = described("sgd,adam", "sweep mode: server optimizers (sgd, adam, adamw)")
     rounds: int = described(0, "timed rounds per row (0: by size, 20 at 1 MB down to 11 at 64 MB)")
     warmup: int = described(1, "untimed rounds first")
-    launches: int = described(1, "rounds mode: run it this many times in fresh processes and "
-                                 "report the median over them")
     quiet: bool = described(False, "with --launches: print only the table of medians")
 
     def validate(self):
         for name in ("sizes_mb", "workers", "shards", "round_sizes_kb"):
             positive_list(self, name)
-        if self.launches < 1:
-            raise ConfigError(f"--launches {self.launches}: must be at least 1")
         unknown = set(self.optimizers.split(",")) - {"sgd", "adam", "adamw"}
         if unknown:
             raise ConfigError(f"--optimizers: unknown {', '.join(sorted(unknown))} "
@@ -301,18 +297,31 @@ def row(op, nbytes, width, shards, optimizer, times, server: dict | None, rounds
             "updates_per_s": width / times[0], "rounds": rounds}
 
 
-HEADER = (f"#{'op':>5} {'size':>10} {'W':>2} {'S':>2} {'opt':>5} {'time(ms)':>9} "
-          f"{'GB/s':>7} {'ceil GB/s':>9} {'%ceil':>6} {'xport GB/s':>10} {'%xport':>7} "
-          f"{'recv(ms)':>8} {'check(ms)':>9} {'apply(ms)':>9} {'upd/s':>8}")
+def ms_or_dash(key: str, spec: str = ".2f"):
+    """A row's `key` as a cell: None (not measured on this path) prints "-"."""
+    return lambda r: None if r[key] is None else format(r[key], spec)
 
 
-def show(r: dict) -> str:
-    recv, check, apply = ("-" if r[k] is None else f"{r[k]:.2f}" for k in SERVER_TIMES)
-    return (f" {r['op']:>5} {r['bytes']:>10} {r['workers']:>2} {r['shards']:>2} "
-            f"{r['optimizer']:>5} {r['time_ms']:>9.2f} {r['gbps']:>7.3f} "
-            f"{r['ceiling_gbps']:>9.3f} {100 * r['ratio']:>5.0f}% "
-            f"{r['transport_gbps']:>10.3f} {100 * r['transport_ratio']:>6.0f}% "
-            f"{recv:>8} {check:>9} {apply:>9} {r['updates_per_s']:>8.1f}")
+SWEEP_TABLE = harness.Table(
+    "W workers, S shards, opt the servers' optimizer; time = median of the rounds; GB/s = "
+    "bytes / time; ceil = a plain gRPC stream of the same tensor in the same run (chunks made "
+    "by tobytes); xport = the same stream of prebuilt messages (gRPC's own limit); %ceil, "
+    "%xport = GB/s over them; recv, check, apply = the shards' own clocks for a push; upd/s "
+    "= pushes applied per second",
+    [harness.Column("op", 4, lambda r: r["op"]),
+     harness.Column("size", 10, lambda r: r["bytes"]),
+     harness.Column("W", 2, lambda r: r["workers"]),
+     harness.Column("S", 2, lambda r: r["shards"]),
+     harness.Column("opt", 5, lambda r: r["optimizer"]),
+     harness.Column("time(ms)", 9, lambda r: r["time_ms"], ".2f"),
+     harness.Column("GB/s", 7, lambda r: r["gbps"], ".3f"),
+     harness.Column("ceil GB/s", 9, lambda r: r["ceiling_gbps"], ".3f"),
+     harness.Column("%ceil", 6, lambda r: f"{100 * r['ratio']:.0f}%"),
+     harness.Column("xport GB/s", 10, lambda r: r["transport_gbps"], ".3f"),
+     harness.Column("%xport", 7, lambda r: f"{100 * r['transport_ratio']:.0f}%"),
+     *(harness.Column(title, width, ms_or_dash(key)) for title, width, key in
+       zip(("recv(ms)", "check(ms)", "apply(ms)"), (8, 9, 9), SERVER_TIMES, strict=True)),
+     harness.Column("upd/s", 8, lambda r: r["updates_per_s"], ".1f")])
 
 
 def sweep(cfg: BenchConfig) -> list[dict]:
@@ -321,12 +330,7 @@ def sweep(cfg: BenchConfig) -> list[dict]:
     optimizers = [o.strip() for o in cfg.optimizers.split(",") if o.strip()]
     workers = Workers(widths)
     rows = []
-    print("# legend: W workers, S shards, opt the servers' optimizer; time = median of the "
-          "rounds; GB/s = bytes / time; ceil = a plain gRPC stream of the same tensor in the "
-          "same run (chunks made by tobytes); xport = the same stream of prebuilt messages "
-          "(gRPC's own limit); %ceil, %xport = GB/s over them; recv, check, apply = the "
-          "shards' own clocks for a push; upd/s = pushes applied per second", flush=True)
-    print(HEADER, flush=True)
+    print(SWEEP_TABLE.head(), flush=True)
     try:
         with tempfile.TemporaryDirectory(prefix="bench-pserver-") as tmp:
             for nbytes in sizes:
@@ -354,12 +358,12 @@ def run_one(workers: Workers, cfg: BenchConfig, nbytes: int, width: int, shards:
     after = workers.ask(1, "stats")[0]
     out = [row("push", nbytes, width, shards, optimizer, times, server_times(before, after),
                rounds)]
-    print(show(out[-1]), flush=True)
+    print(SWEEP_TABLE.line(out[-1]), flush=True)
     if optimizer == _first_optimizer(cfg):  # a pull does not involve the optimizer
         warm_up(workers, "pull", width, cfg.warmup)
         times = measure(workers, "pull", width, rounds)
         out.append(row("pull", nbytes, width, shards, optimizer, times, None, rounds))
-        print(show(out[-1]), flush=True)
+        print(SWEEP_TABLE.line(out[-1]), flush=True)
     return out
 
 
@@ -445,8 +449,7 @@ def round_count(nbytes: int, cfg: BenchConfig) -> int:
 def rounds_mode(cfg: BenchConfig) -> list[dict]:
     keep_freed_memory()  # this process runs the workers' clients: as pserver's worker does
     rows = []
-    print(ROUNDS_LEGEND)
-    print(ROUNDS_HEADER, flush=True)
+    print(ROUNDS_TABLE.head(), flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-pserver-") as tmp:
         for kb in positive_list(cfg, "round_sizes_kb"):
             nbytes = int(kb * 1024)
@@ -493,7 +496,7 @@ def rounds_at(nbytes: int, cfg: BenchConfig, tmp: Path) -> list[dict]:
                     **_codec(medians, path == "session"),
                     "wire_bytes_per_round": moved[path], "error": checks[path][1],
                     "rounds": len(times[path]), "wrong": wrong})
-        print(show_round(out[-1]), flush=True)
+        print(ROUNDS_TABLE.line(out[-1]), flush=True)
     return out
 
 
@@ -507,68 +510,73 @@ def _codec(medians: dict, session: bool) -> dict:
             for i, key in enumerate(CODEC_KEYS)}
 
 
-ROUNDS_LEGEND = ("# size: tensor bytes; path: see --help; round/pull/push: median ms (fused "
-                 "and shm: one push_pull per round); rounds/s = 1/round; x calls: rounds/s "
-                 "over the calls path of the same run; x base: shm over fused, session over "
-                 "generated (the hand codec's gain; pull and push ratios in cdc pull/push), "
-                 "fp16 and bf16 over fused (--wire: what half the bytes buy); MB/rnd: tensor "
-                 "bytes a round moved, pushed and pulled (1e6 B); error: the final pull's "
-                 "largest relative difference from the exact float32 parameters (a half "
-                 "wire's rounding); wrong: paths with wrong final parameters")
-ROUNDS_HEADER = (f"#{'size':>9} {'path':>9} {'round':>9} {'pull':>8} {'push':>8} "
-                 f"{'rounds/s':>9} {'x calls':>7} {'x base':>6} {'cdc pull':>8} "
-                 f"{'cdc push':>8} {'MB/rnd':>8} {'error':>8} {'wrong':>5}")
+ROUNDS_TABLE = harness.Table(
+    "size: tensor bytes; path: see --help; round/pull/push: median ms (fused and shm: one "
+    "push_pull per round); rounds/s = 1/round; x calls: rounds/s over the calls path of the "
+    "same run; x base: shm over fused, session over generated (the hand codec's gain; pull "
+    "and push ratios in cdc pull/push), fp16 and bf16 over fused (--wire: what half the "
+    "bytes buy); MB/rnd: tensor bytes a round moved, pushed and pulled (1e6 B); error: the "
+    "final pull's largest relative difference from the exact float32 parameters (a half "
+    "wire's rounding); wrong: paths with wrong final parameters",
+    [harness.Column("size", 8, lambda r: r["bytes"]),
+     harness.Column("path", 9, lambda r: r["path"]),
+     harness.Column("round", 9, lambda r: r["round_ms"], ".3f"),
+     harness.Column("pull", 8, ms_or_dash("pull_ms", ".3f")),
+     harness.Column("push", 8, ms_or_dash("push_ms", ".3f")),
+     harness.Column("rounds/s", 9, lambda r: r["rounds_per_s"], ".1f"),
+     harness.Column("x calls", 7, lambda r: r["x_calls"], ".2f"),
+     harness.Column("x base", 6, ms_or_dash("x_base")),
+     harness.Column("cdc pull", 8, ms_or_dash(CODEC_KEYS[0])),
+     harness.Column("cdc push", 8, ms_or_dash(CODEC_KEYS[1])),
+     harness.Column("MB/rnd", 8, lambda r: r["wire_bytes_per_round"] / 1e6, ".3f"),
+     harness.Column("error", 8, lambda r: r["error"], ".1e"),
+     harness.Column("wrong", 5, lambda r: r["wrong"])])
 
 
-def show_round(r: dict) -> str:
-    base = "-" if r["x_base"] is None else f"{r['x_base']:.2f}"
-    pull, push = ("-" if r[k] is None else f"{r[k]:.2f}" for k in CODEC_KEYS[:2])
-    pull_ms, push_ms = ("-" if r[k] is None else f"{r[k]:.3f}" for k in ("pull_ms", "push_ms"))
-    return (f" {r['bytes']:>9} {r['path']:>9} {r['round_ms']:>9.3f} {pull_ms:>8} "
-            f"{push_ms:>8} {r['rounds_per_s']:>9.1f} {r['x_calls']:>7.2f} {base:>6} "
-            f"{pull:>8} {push:>8} {r['wire_bytes_per_round'] / 1e6:>8.3f} {r['error']:>8.1e} "
-            f"{r['wrong']:>5}")
-
-
-def launches(cfg: BenchConfig, argv: list[str]) -> list[dict]:
-    """The rounds measurement run cfg.launches times, each in a fresh process; rows of the
-    median of every number over the launches (`wrong`: the most of any launch)."""
+def launches(cfg: BenchConfig, k: int, argv: list[str]) -> list[dict]:
+    """The rounds measurement run `k` times, each in a fresh process; rows of the median
+    of every number over the launches (`wrong`: the most of any launch)."""
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-pserver-") as tmp:
-        for i in range(cfg.launches):
+        for i in range(k):
             out = Path(tmp) / f"launch-{i}.json"
             subprocess.run([sys.executable, "-m", "dtlab.lab.bench.pserver", *argv,
                             "--launches", "1", "--no-quiet", "--json", str(out)], check=True,
                            stdout=subprocess.DEVNULL if cfg.quiet else None)
             runs.append(harness.read(out)[1])
-    print(f"# median of {cfg.launches} launches")
-    print(ROUNDS_LEGEND)
-    print(ROUNDS_HEADER, flush=True)
+    print(f"# median of {k} launches")
+    print(ROUNDS_TABLE.head(), flush=True)
     rows = []
     for same in zip(*runs, strict=True):
-        row = {**same[0], "launches": cfg.launches, "wrong": max(r["wrong"] for r in same)}
+        row = {**same[0], "launches": k, "wrong": max(r["wrong"] for r in same)}
         for key in ("round_ms", "pull_ms", "push_ms", "rounds_per_s", "x_calls", "x_base",
                     *CODEC_KEYS):
             if row[key] is not None:
                 row[key] = statistics.median(r[key] for r in same)
         rows.append(row)
-        print(show_round(row), flush=True)
+        print(ROUNDS_TABLE.line(row), flush=True)
     return rows
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_flags(parser, BenchConfig, "benchmark")
-    cfg = from_namespace(BenchConfig, parser.parse_args(argv))
+    harness.launch_flags(parser, "rounds mode: run it this many times in fresh processes "
+                         "and report the median over them", default_launches=1)
+    ns = parser.parse_args(argv)
+    if ns.launches < 1:
+        parser.error(f"--launches {ns.launches}: must be at least 1")
+    cfg = from_namespace(BenchConfig, ns)
     if cfg.tiny:
         cfg.sizes_mb, cfg.workers, cfg.shards, cfg.rounds = "0.25", "1,2", "2", cfg.rounds or 2
         cfg.round_sizes_kb = "64,256"
-    if cfg.launches > 1 and cfg.mode == "rounds":
-        rows = launches(cfg, [a for a in argv if a not in ("--quiet",)])
+    if ns.launches > 1 and cfg.mode == "rounds":
+        rows = launches(cfg, ns.launches, [a for a in argv if a not in ("--quiet",)])
     else:
         rows = sweep(cfg) if cfg.mode == "sweep" else rounds_mode(cfg)
     if cfg.json:
-        harness.write(cfg.json, "pserver", rows, grpcio=grpc.__version__, **asdict(cfg))
+        harness.write(cfg.json, "pserver", rows, grpcio=grpc.__version__, **asdict(cfg),
+                      launches=ns.launches)
     return 0
 
 

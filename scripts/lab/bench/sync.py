@@ -87,14 +87,14 @@ def main() -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", default="1,2,4", help="comma-separated world sizes")
+    harness.launch_flags(p, None, ranks="1,2,4")
     p.add_argument("--allreduce", default="ring,mpi", help="comma-separated algorithms")
     p.add_argument("--wire", default="fp32", help="comma-separated gradient wire dtypes "
                                                   "(fp32, fp16, bf16)")
     p.add_argument("--steps", type=int, default=30)
     harness.common_flags(p, "a seconds-long run (for the test suite)")
     args = p.parse_args(own)
-    ranks = [int(n) for n in args.ranks.split(",")]
+    ranks = args.ranks
     config = (TINY if args.tiny else CONFIG) + extra
     rows = []
     with tempfile.TemporaryDirectory() as workdir:

@@ -56,19 +56,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", default="1,2,4", help="comma-separated dp sizes")
+    harness.launch_flags(p, None, ranks="1,2,4")
     p.add_argument("--steps", type=int, default=30, help="steps per stage")
     harness.common_flags(p, "a seconds-long run (the test suite)")
     p.add_argument("--worker", nargs=2, metavar=("DIR", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(own)
     if args.tiny:
-        args.ranks, args.steps = "1,2", 5
-    try:
-        args.ranks = [int(n) for n in args.ranks.split(",")]
-    except ValueError:
-        p.error(f"--ranks takes comma-separated integers, not {args.ranks!r}")
-    if min(args.ranks) < 1 or args.steps < 2:
-        p.error("--ranks must be positive and --steps at least 2")
+        args.ranks, args.steps = [1, 2], 5
+    if args.steps < 2:
+        p.error("--steps must be at least 2")
     # a worker is handed the whole config after --
     return args, extra if args.worker else (TINY if args.tiny else CONFIG) + extra
 
@@ -145,28 +141,34 @@ def within(r: dict) -> bool:
     return abs(r["memory_ratio"] - 1) <= TOLERANCE and abs(r["sent_ratio"] - 1) <= TOLERANCE
 
 
+TABLE = harness.Table(
+    "vs DP = step ms / stage 0's in the same launch; params grads optim = persistent bytes; "
+    "formula = the paper's total, ratio = measured / formula; working = ZeRO 2/3's unit "
+    "buffer pools; sent = bytes sent per step vs (N-1)/N x 2 (stages 0-2) or 3 (stage 3) "
+    "parameter volumes; wait = blocked on communication",
+    [harness.Column("N", 3, lambda r: r["n"]),
+     harness.Column("stage", 5, lambda r: r["stage"]),
+     harness.Column("step ms", 8, lambda r: r["step_ms"], ".2f"),
+     harness.Column("vs DP", 6, lambda r: r["vs_dp"], ".2f"),
+     harness.Column("params", 8, lambda r: r["param_bytes"] / 1e6, ".4f"),
+     harness.Column("grads", 8, lambda r: r["grad_bytes"] / 1e6, ".4f"),
+     harness.Column("optim", 8, lambda r: r["optimizer_bytes"] / 1e6, ".4f"),
+     harness.Column("formula", 8, lambda r: r["formula_bytes"] / 1e6, ".4f"),
+     harness.Column("ratio", 6, lambda r: r["memory_ratio"], ".3f"),
+     harness.Column("working", 8, lambda r: r["working_bytes"] / 1e6, ".4f"),
+     harness.Column("sent", 8, lambda r: r["sent_bytes"] / 1e6, ".4f"),
+     harness.Column("formula", 8, lambda r: r["sent_formula"] / 1e6, ".4f"),
+     harness.Column("wait ms", 8, lambda r: r["wait_ms"], ".2f")])
+
+
 def table(rows: list[dict]) -> list[str]:
+    """The title, TABLE's head and a line per row (each row's vs_dp set)."""
     base = {r["n"]: r["step_ms"] for r in rows if r["stage"] == 0}
-    lines = [f"# ZeRO vs plain data parallelism, {rows[0]['params']:,} parameters, "
-             f"{os.cpu_count()} cores; per rank 0, bytes in MB",
-             "# legend: vs DP = step ms / stage 0's in the same launch; params grads optim = "
-             "persistent bytes; formula = the paper's total, ratio = measured / formula; "
-             "working = ZeRO 2/3's unit buffer pools; sent = bytes sent per step vs "
-             "(N-1)/N x 2 (stages 0-2) or 3 (stage 3) parameter volumes; wait = blocked "
-             "on communication",
-             f"# {'N':>3} {'stage':>5} {'step ms':>8} {'vs DP':>6} {'params':>8} {'grads':>8} "
-             f"{'optim':>8} {'formula':>8} {'ratio':>6} {'working':>8} {'sent':>8} "
-             f"{'formula':>8} {'wait ms':>8}"]
     for r in rows:
         r["vs_dp"] = r["step_ms"] / base[r["n"]]
-        lines.append(
-            f"  {r['n']:>3} {r['stage']:>5} {r['step_ms']:>8.2f} {r['vs_dp']:>6.2f} "
-            f"{r['param_bytes'] / 1e6:>8.4f} {r['grad_bytes'] / 1e6:>8.4f} "
-            f"{r['optimizer_bytes'] / 1e6:>8.4f} {r['formula_bytes'] / 1e6:>8.4f} "
-            f"{r['memory_ratio']:>6.3f} {r['working_bytes'] / 1e6:>8.4f} "
-            f"{r['sent_bytes'] / 1e6:>8.4f} {r['sent_formula'] / 1e6:>8.4f} "
-            f"{r['wait_ms']:>8.2f}")
-    return lines
+    return [f"# ZeRO vs plain data parallelism, {rows[0]['params']:,} parameters, "
+            f"{os.cpu_count()} cores; per rank 0, bytes in MB", TABLE.head(),
+            *map(TABLE.line, rows)]
 
 
 def main(argv: list[str]) -> int:

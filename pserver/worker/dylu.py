@@ -19,8 +19,10 @@ wall time:
 
 A worker's first round has H steps (nothing measured yet); each push's answer sets the
 next round's H_i. The fastest worker has t_fast = t_i exactly, so its H_i is H; so has a
-worker alone (bit for bit the fixed-H run: tests/pserver/test_pserver_dylu.py). A round
-also ends at an evaluation step, which reads the servers' parameters.
+worker alone (bit for bit the fixed-H run: tests/pserver/test_pserver_dylu.py). An
+evaluation inside a round reads the servers' parameters without ending it (`OuterPushPull.
+refresh`): a round cut at every evaluation step made --eval-every, not speed, set the
+rounds' lengths (at --eval-every 10 even the fastest workers pushed 1-step rounds).
 """
 
 from __future__ import annotations

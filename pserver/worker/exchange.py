@@ -44,7 +44,6 @@ import numpy as np
 from dtlab.models import backend
 from dtlab.models.outer import outer_gradient, round_ends
 from dtlab.models.run.exchange import Single
-from dtlab.models.run.loop import eval_due
 from dtlab.models.run.session import Session
 from dtlab.models.run.trace import Trace
 from dtlab.protos import dtlab_ps_pb2 as pb
@@ -84,15 +83,18 @@ class PushPull(Single):
         if changed and self.on_device:
             self.params.load(self.host)
 
-    def refresh(self) -> None:
+    def pull_unless_brought(self) -> None:
         """The servers' parameters here, unless the last push brought them."""
         if not self.pulled:
             self.loaded(self.client.pull(self.host))
             self.pulled = True
 
+    def refresh(self) -> None:
+        self.pull_unless_brought()
+
     def begin(self, step: int) -> dict:
         t = time.perf_counter()
-        self.refresh()
+        self.pull_unless_brought()
         pulled = time.perf_counter()
         self.trace.span("pull", t, pulled, "comm")
         if self.experts is not None:
@@ -161,21 +163,45 @@ class OuterPushPull(PushPull):
                  speed_aware: bool = False):
         super().__init__(session, client, trace)
         self.H, self.rounds = local_steps, 0
-        self.eval_every = session.setup.run.eval_every
         # this round's first step (None: this launch's first, a rejoining worker's too), H_i
         self.round_start, self.round_steps = None, local_steps
         self.step_times = RecentStepTimes(local_steps) if speed_aware else None
         if not self.on_device:
             self.host = np.empty(self.params.size, self.params.dtype)  # (n,) the pulled global
         self.outer_grad = np.empty_like(self.host)  # (n,) pulled - local
+        self.at_round_start = True  # the parameters are the pulled ones: no inner step since
+        self.kept = None  # (n,) the local weights while an evaluation inside a round reads
 
     def ends_round(self, step: int) -> bool:
         """Whether inner step `step` ends a round: after H steps (--dylu: this round's
-        H_i, or at an evaluation step, which reads the servers' parameters), and the last."""
+        H_i), and the last."""
         if self.step_times is None:
             return round_ends(step, self.H, self.steps)
-        return (step + 1 - self.round_start >= self.round_steps or step + 1 == self.steps
-                or eval_due(step + 1, self.eval_every, self.steps))
+        return step + 1 - self.round_start >= self.round_steps or step + 1 == self.steps
+
+    def begin(self, step: int) -> dict:
+        """PushPull's (the launch's first step pulls), the local weights an evaluation
+        inside the round set aside put back first."""
+        if self.kept is not None:
+            self.params.load(self.kept)
+            self.kept = None
+        return super().begin(step)
+
+    def refresh(self) -> None:
+        """The servers' parameters for an evaluation. At a round's end its pull brought
+        them (after the last round: pulled now). Inside a --dylu round, whose end follows
+        this worker's H_i and not the evaluation cadence, the local weights are set aside
+        until the next step's `begin`, and the round's start and the versions it was read
+        at are put back after the pull: the round goes on as if nobody had looked."""
+        if not self.pulled or self.at_round_start:
+            self.pull_unless_brought()
+            return
+        self.kept = backend.to_host(self.params.data).copy()  # (n,) the local weights
+        start, read = self.host.copy(), list(self.client.versions)  # the round's start
+        self.client.pull(self.host)
+        self.params.load(self.host)
+        self.host[...] = start
+        self.client.versions = read  # what `host` holds again: the outer push's versions
 
     def settled(self, record: dict) -> list[dict]:
         if self.step_times is not None:
@@ -206,7 +232,9 @@ class OuterPushPull(PushPull):
         sent = (self.client.pushed_bytes, self.client.pulled_bytes)
         if self.round_start is None:
             self.round_start = step
-        if self.ends_round(step):
+        ended = self.ends_round(step)
+        self.at_round_start = ended
+        if ended:
             own = None if self.step_times is None else self.step_times.median()
             if own is not None:
                 self.client.report_step_s(own)  # carried by this push (--dylu)

@@ -56,7 +56,8 @@ def runs(tmp_path_factory):
             fixed, fast = (f.result() for f in alone)
         after_fast = {"fixed params": params(fixed_servers),
                       "dylu params": params(dylu_servers)}
-        slow = one_worker(addresses(dylu_servers), tmp, "slow", SLOW, ["--dylu"])
+        slow = one_worker(addresses(dylu_servers), tmp, "slow", SLOW,
+                          ["--dylu", "--eval-every", str(H)])
     return {"fixed": fixed, "fast": fast, "slow": slow, **after_fast}
 
 
@@ -79,7 +80,9 @@ def test_a_straggler_k_times_slower_takes_about_h_over_k_steps(runs):
     """Worker 1 slowed K = 4 x, H = 8: after its first round (H: nothing measured yet)
     each of its rounds takes H_i = round(H t_fast / t_i) steps by its own recorded
     times, within one step of H / K = 2 (the measured ratio is not exactly K: the
-    straggler's own overhead, and its compute after each sleep in a cold cache)."""
+    straggler's own overhead, and its compute after each sleep in a cold cache). Its
+    evaluations every H steps do not cut its rounds: where one falls inside a round, the
+    round goes on to its H_i."""
     slow = rounds(runs["slow"])
     assert slow[0]["round_steps"] == H and len(slow) >= 4
     fast_s = rounds(runs["fast"])[-1]["step_time_s"]
@@ -87,6 +90,8 @@ def test_a_straggler_k_times_slower_takes_about_h_over_k_steps(runs):
         assert before["fastest_step_s"] == fast_s < before["step_time_s"]
         want = speed_aware_steps(H, before["fastest_step_s"], before["step_time_s"])
         assert r["round_steps"] == want and abs(want - round(H / K)) <= 1, (before, r)
+    evaluated = [r["step"] for r in runs["slow"] if r.get("eval_loss") is not None]
+    assert evaluated == list(range(H, STEPS + 1, H)), evaluated
 
 
 def test_the_rule_and_its_flags():

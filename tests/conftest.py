@@ -10,6 +10,7 @@ import os
 import stat
 
 import pytest
+from support import emulated_runs
 
 from dtlab.models.run.launcher_env import mpiexec_path
 
@@ -21,7 +22,7 @@ exit 97
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if "mpiexec" in getattr(item, "fixturenames", ()):
+        if {"mpiexec", "emulated_validation"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.mpi)
 
 
@@ -29,6 +30,13 @@ def pytest_collection_modifyitems(items):
 def mpiexec() -> str:
     """The mpiexec this test's jobs run under; marks the test `mpi`."""
     return mpiexec_path()
+
+
+@pytest.fixture(scope="session")
+def emulated_validation(tmp_path_factory) -> emulated_runs.Validation:
+    """dtlab-simulate --validate across 2 emulated hosts at 1 and 0.1 Gbit/s, run once for
+    every test that asks (support/emulated_runs.py); such a test asks for `mpiexec` too."""
+    return emulated_runs.validate(tmp_path_factory.mktemp("emulated"))
 
 
 @pytest.fixture(autouse=True)

@@ -22,22 +22,24 @@ MLP = ["--model", "mlp", "--d-in", "8", "--n-classes", "4", "--d-hidden", "32", 
 STEPS = 3
 
 
-def scalar_calls(tmp_path, ranks: int, *flags: str) -> dict:
-    out, metrics = tmp_path / f"{'-'.join(flags) or 'one'}.json", tmp_path / "m.jsonl"
-    r = mpirun(ranks, PROG, str(out), *flags, *MLP, "--steps", str(STEPS), "--metrics",
+def scalar_calls(tmp_path, ranks: int, *flags: str, modes: str = "one") -> dict:
+    """Per mode (a comma list, trained one after the other in one MPI job): the run's
+    losses and every rank's MPI all-reduces."""
+    out, metrics = tmp_path / f"{modes}{'-'.join(flags)}.json", tmp_path / "m.jsonl"
+    r = mpirun(ranks, PROG, str(out), modes, *flags, *MLP, "--steps", str(STEPS), "--metrics",
                str(metrics), timeout=120)
     assert r.rc == 0, r
     return json.loads(out.read_text())
 
 
 def test_one_scalar_allreduce_a_step_with_the_losses_bit_for_bit(tmp_path):
-    one = scalar_calls(tmp_path, 3)
+    got = scalar_calls(tmp_path, 3, modes="one,apart")  # both trainers, one launch
+    one, apart = got["one"], got["apart"]
     assert one["calls"] == [[["dp", 24, "float64"]] * STEPS] * 3
-    apart = scalar_calls(tmp_path, 3, "apart")
     assert apart["calls"] == [[["dp", 8, "float64"], ["world", 16, "int64"]] * STEPS] * 3
     assert len(one["losses"]) == STEPS and one["losses"] == apart["losses"]
 
 
 def test_a_pipeline_grid_averages_over_dp_and_agrees_over_the_world(tmp_path):
-    got = scalar_calls(tmp_path, 2, "--pp", "2")
+    got = scalar_calls(tmp_path, 2, "--pp", "2")["one"]
     assert got["calls"] == [[["dp", 8, "float64"], ["world", 16, "int64"]] * STEPS] * 2

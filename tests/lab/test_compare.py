@@ -18,7 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import emulated_runs
 
+from dtlab.lab.compare import cli as compare_cli
 from dtlab.lab.compare import cluster
 from dtlab.models.run.metrics import read_metrics
 
@@ -41,10 +43,14 @@ STATS_KEYS = {"steps", "time_s", "s_per_step", "steps_to_target", "time_to_targe
 ONCE = ["--tune", "none", "--seeds", "1"]  # each method once, as configured: no study
 
 
-def compare(*args: str, env: dict | None = None, timeout: float = 120):
-    """dtlab-compare; without --tune or --seeds each method runs once, into OUT itself."""
+def compare(*args: str, env: dict | None = None, timeout: float = 120, plots: bool = False):
+    """dtlab-compare; without --tune or --seeds each method runs once, into OUT itself.
+    Without `plots` it draws none (--no-plots: a second of matplotlib a comparison that
+    only the test that checks the plots needs)."""
     once = [] if {"--tune", "--seeds"} & set(args) else ONCE
-    return subprocess.run([sys.executable, "-m", "dtlab.lab.compare", *once, *args], cwd=ROOT,
+    drawn = [] if plots else ["--no-plots"]
+    return subprocess.run([sys.executable, "-m", "dtlab.lab.compare", *once, *drawn, *args],
+                          cwd=ROOT,
                           text=True, capture_output=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
 
@@ -73,7 +79,7 @@ def rows(report: str, name: str) -> list[str]:
 def test_tiny_comparison_writes_everything_and_bsp_equals_sync(tmp_path):
     out, steps = tmp_path / "out", 40
     r = compare(*TINY, *FAST, "--steps", str(steps), "--runs", "sync-ring,async-bsp",
-                "--eval-every", "10", "--out", str(out))
+                "--eval-every", "10", "--out", str(out), plots=True)
     assert r.returncode == 0, r.stderr
     assert f"report: {out / 'report.md'}" in r.stdout
     assert not left_behind(tmp_path)
@@ -338,20 +344,18 @@ def test_bad_sweep_sizes_are_named(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-EMULATED = ["--model", "mlp", "--d-in", "16", "--d-hidden", "1024", "--n-layers", "2",
-            "--n-classes", "4", "--n-samples", "4096", "--batch-size", "8", "--steps", "12",
-            "--runs", "sync-ring,async-bsp", "--hosts", "2"]
-
-
 @pytest.mark.skipif(bool(cluster.check()), reason=cluster.check() or "-")
-def test_an_emulated_cluster_runs_both_topologies_over_its_shaped_links(tmp_path):
+def test_an_emulated_cluster_runs_both_topologies_over_its_shaped_links(emulated_validation):
     """At a tenth of the link rate the all-reduce time grows by what the rate predicts for
-    the bytes it moves; the bytes crossed the shaped links; nothing is left behind."""
+    the bytes it moves; the bytes crossed the shaped links; nothing is left behind. The
+    comparisons are those dtlab-simulate --validate ran across the emulated hosts
+    (support/emulated_runs.py: dtlab-compare --hosts 2 --link-gbit 1, then 0.1), checked
+    here instead of a second pair of the same runs."""
+    assert compare_cli.parse_args([*TINY, "--hosts", "2"])[0].extra.tcp_cc == "reno"  # default
     comm_ms, sent = {}, {}
-    for gbit in (1.0, 0.1):
-        out = tmp_path / f"g{gbit}"
-        r = compare(*EMULATED, "--link-gbit", str(gbit), "--out", str(out), timeout=180)
-        assert r.returncode == 0, r.stderr
+    for gbit in emulated_runs.RATES:
+        out = emulated_validation.comparison(gbit)
+        assert (out / "summary.json").exists(), emulated_validation.done.stderr
         summary = json.loads((out / "summary.json").read_text())
         assert "2 emulated hosts" in summary["cluster"]
         # read back from a host: the namespaces run the congestion control compare.py set
@@ -367,9 +371,9 @@ def test_an_emulated_cluster_runs_both_topologies_over_its_shaped_links(tmp_path
         comm_ms[gbit] = 1e3 * float(np.median(comm))  # after the connections' warm-up
         sent[gbit] = sync["link_bytes"]
         assert all(b > 0 for b in bsp["link_bytes"])  # gRPC crossed the links too
-    grad_bytes = 4 * (16 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 4 + 4)
+    grad_bytes, steps = emulated_runs.GRAD_BYTES, emulated_runs.STEPS
     for gbit, per_host in sent.items():  # ring, 2 ranks: each host sends the gradient a step
-        assert all(b >= 12 * grad_bytes for b in per_host), (gbit, per_host)
+        assert all(b >= steps * grad_bytes for b in per_host), (gbit, per_host)
     # ring, 2 ranks: each host sends one gradient per step over its link
     slow = grad_bytes * 8 / 0.1e9 * 1e3  # ms for one gradient at 0.1 Gbit/s
     predicted = grad_bytes * 8 * (1 / 0.1e9 - 1 / 1.0e9) * 1e3  # ms more per step
@@ -381,7 +385,7 @@ def test_an_emulated_cluster_runs_both_topologies_over_its_shaped_links(tmp_path
     made = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout + \
         subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert not re.search(r"\bdtl\d+-", made), made  # namespaces, bridge, veths: all gone
-    assert not left_behind(tmp_path)
+    assert not left_behind(emulated_validation.out)
 
 
 @pytest.mark.skipif(bool(cluster.check()), reason=cluster.check() or "-")

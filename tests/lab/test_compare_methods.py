@@ -39,8 +39,12 @@ MLP = ["--model", "mlp", "--d-in", "8", "--d-hidden", "32", "--n-layers", "1",
 ONCE = ["--tune", "none", "--seeds", "1"]
 
 
-def compare(*args: str, timeout: float = 300):
-    return subprocess.run([sys.executable, "-m", "dtlab.lab.compare", *args], cwd=ROOT,
+def compare(*args: str, timeout: float = 300, plots: bool = False):
+    """dtlab-compare; without `plots` it draws none (--no-plots: a second of matplotlib a
+    comparison that only the test that checks a plot needs)."""
+    drawn = [] if plots else ["--no-plots"]
+    return subprocess.run([sys.executable, "-m", "dtlab.lab.compare", *drawn, *args],
+                          cwd=ROOT,
                           text=True, capture_output=True, timeout=timeout, env=dict(os.environ))
 
 
@@ -170,7 +174,8 @@ def test_the_study_report_shows_loss_against_bytes_and_rounds(tmp_path):
     of what the metrics say; async local SGD's bytes are its workers' pushes and pulls."""
     out = tmp_path / "out"
     r = compare(*MLP, "--runs", "sync-local5,async-local5", "--steps", "20", "--eval-every",
-                "5", "--lr", "0.01", "--tune", "none", "--seeds", "2", "--out", str(out))
+                "5", "--lr", "0.01", "--tune", "none", "--seeds", "2", "--out", str(out),
+                plots=True)
     assert r.returncode == 0, r.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert "heldout_vs_bytes.png" in summary["plots"]

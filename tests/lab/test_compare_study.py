@@ -30,7 +30,10 @@ TINY = ["--model", "mlp", "--d-in", "4", "--d-hidden", "8", "--n-layers", "1",
 
 
 def compare(*args: str, timeout: float = 300):
-    return subprocess.run([sys.executable, "-m", "dtlab.lab.compare", *args], cwd=ROOT,
+    """dtlab-compare drawing no plots (none is checked here: --no-plots saves a second of
+    matplotlib a comparison)."""
+    return subprocess.run([sys.executable, "-m", "dtlab.lab.compare", "--no-plots", *args],
+                          cwd=ROOT,
                           text=True, capture_output=True, timeout=timeout, env=dict(os.environ))
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import emulated_runs
+from support.synthetic_bench import synthetic_bench
 
 from dtlab.lab.compare import cluster
 from dtlab.lab.simulate import calibration_fit, validate
@@ -225,49 +226,6 @@ def test_emulated_cluster_by_hand():
         sync_step_on(c, "ring", w, 3, cal, 0.01, 25e6, Host(2))
 
 
-def synthetic_bench(tmp: Path) -> list[str]:
-    """bench_allreduce, bench_pserver and bench_model JSON made from known constants on a host
-    of this one's cores."""
-    alpha, beta = 20e-6, 1 / 5e9
-    rows = []
-    for n in (2, 3, 4):
-        for size in (1 << 20, 4 << 20, 16 << 20):
-            for algo, via in (("ring", "ring"), ("naive", None)):
-                a, b, c = terms("naive" if algo == "naive" else "ring", n)
-                # ranks beyond the host's cores take turns on them (calibration_fit.fit_allreduce)
-                t = max(1.0, n / (os.cpu_count() or 1)) * (a * alpha + (b + c) * size * beta)
-                rows.append({"algo": algo, "n": n, "bytes": size, "time_us": t * 1e6,
-                             "via": via})
-    (tmp / "ar.json").write_text(json.dumps({"meta": {"bench": "allreduce", "n": 4},
-                                             "rows": rows}))
-    ps = [{"mode": "rounds", "path": path, "bytes": b, "pull_ms": 1e3 * (3e-4 + b / 2e9),
-           "push_ms": 1e3 * (4e-4 + b / 1e9)} for b in (1 << 16, 1 << 20, 1 << 24)
-          for path in ("shm", "session")]
-    # paths timed by the whole round only, as bench_pserver writes them: half the round
-    # each way
-    ps += [{"mode": "rounds", "path": path, "bytes": b, "pull_ms": None, "push_ms": None,
-            "round_ms": 1e3 * (6e-4 + b / 5e8)} for b in (1 << 16, 1 << 20)
-           for path in ("fused", "bf16")]
-    ps += [{"op": "push", "bytes": 1 << 20, "shards": 2, "optimizer": o,
-            "apply_ms": 1e3 * (1 << 19) * g} for o, g in (("sgd", 1e-10), ("adam", 3e-10))]
-    # bench_fanout's rows: hot ones (gap 0, left out of the fit) and cold ones
-    ps += [{"mode": "fanout", "path": "shm", "bytes": b, "shards": s, "gap_ms": gap,
-            "round_ms": 1e3 * (5e-4 + (s - 1) * 2e-4 + b / 4e9) * (1 if gap else 0.5),
-            "client_cpu_ms": 1e3 * (4e-4 + (s - 1) * 3e-4 + b / 8e9),
-            "server_cpu_ms": 1e3 * (2e-4 + (s - 1) * 1e-4 + b / 8e9)}
-           for b in (1 << 16, 1 << 20) for s in (1, 2) for gap in (0.0, 5.0)]
-    # rows measured beside co-runners are not fitted: these would spoil the fit if they were
-    ps += [{**r, "round_ms": 10 * r["round_ms"], "co_runners": 1} for r in ps[-8:]]
-    (tmp / "ps.json").write_text(json.dumps({"meta": {"bench": "pserver"}, "rows": ps}))
-    model = [{"table": "step", "model": "transformer", "config.d": k, "batch_size": 4,
-              "flops_step": f, "step_s_median": 2e-3 + f / 50e9}
-             for k, f in enumerate((1e8, 1e9, 1e10))]
-    (tmp / "model.json").write_text(json.dumps({"meta": {"bench": "model",
-                                                         "threads": {"threads": 1}},
-                                                "rows": model}))
-    return [str(tmp / f) for f in ("ar.json", "ps.json", "model.json")]
-
-
 def test_calibration_recovers_known_constants(tmp_path):
     out = tmp_path / "cal.json"
     done = simulate("--calibrate", "--bench", *synthetic_bench(tmp_path),
@@ -365,29 +323,21 @@ def test_tiny_validation_against_real_runs(tmp_path):
     assert again.stdout.count("sync-ring") == done.stdout.count("sync-ring")
 
 
-EMULATED_MLP = ["--model", "mlp", "--d-in", "16", "--d-hidden", "1024", "--n-layers", "2",
-                "--n-classes", "4", "--batch-size", "8"]
-
-
 @pytest.mark.usefixtures("mpiexec")
 @pytest.mark.skipif(bool(cluster.check()), reason=cluster.check() or "-")
-def test_emulated_validation_at_two_link_rates(tmp_path):
+def test_emulated_validation_at_two_link_rates(emulated_validation):
     """dtlab-compare across 2 emulated hosts at 1 and 0.1 Gbit/s, predicted with their links:
-    one row per run and rate, the link's time in the 0.1 Gbit/s prediction."""
-    cal = tmp_path / "cal.json"
-    assert simulate("--calibrate", "--bench", *synthetic_bench(tmp_path),
-                    "--calibration", str(cal)).returncode == 0
-    out, report = tmp_path / "val", tmp_path / "val.json"
-    done = simulate("--validate", *EMULATED_MLP, "--calibration", str(cal), "--hosts", "2",
-                    "--link-gbit", "1,0.1", "--ranks", "2", "--val-runs", "sync-ring,async-bsp",
-                    "--val-steps", "10", "--launches", "1", "--out", str(out),
-                    "--json", str(report), timeout=240)
+    one row per run and rate, the link's time in the 0.1 Gbit/s prediction. (The validation
+    is support/emulated_runs.py's, whose comparisons test_compare.py checks too.)"""
+    v = emulated_validation
+    assert v.calibrated.returncode == 0, v.calibrated.stderr
+    cal, out, report, done = v.calibration, v.out, v.report, v.done
     assert done.returncode in (0, 1), done.stderr
     assert "# emulated: 2 emulated hosts at 0.1 Gbit/s" in done.stdout
     rows = json.loads(report.read_text())["rows"]
     assert [(r["run"], r["link_gbit"]) for r in rows] == [
         ("sync-ring", 1.0), ("async-bsp", 1.0), ("sync-ring", 0.1), ("async-bsp", 0.1)]
-    grad_bytes = 4 * (16 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 4 + 4)
+    grad_bytes = emulated_runs.GRAD_BYTES
     for r in rows:
         assert r["hosts"] == 2 and r["n"] == 2 and r["meas_step_s"] > 0
         assert r["rel_err"] == pytest.approx((r["pred_step_s"] - r["meas_step_s"])

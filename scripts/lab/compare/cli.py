@@ -93,6 +93,7 @@ DEFAULT_SEEDS = 3
 EVALS = 20  # held-out evaluations a run makes when --eval-every is not given
 EVAL_SAMPLES = 256  # ... on this many examples unless --eval-samples says otherwise
 PROBE_TIMEOUT_S = 120.0  # the link probe at the start (compare/probe.py)
+NO_PLOTS = "no plots: --no-plots"
 
 
 def add_compare_flags(p: argparse.ArgumentParser) -> None:
@@ -147,6 +148,9 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", action="store_true",
                    help="every process of every run writes a Chrome trace into OUT; after "
                         "each run they are merged into OUT/NAME.trace.json (opens in Perfetto)")
+    g.add_argument("--no-plots", action="store_true",
+                   help="write no PNG plots (about a second of matplotlib a comparison); the "
+                        "report says so")
     g.add_argument("--calibration", metavar="FILE", default="",
                    help="a dtlab-simulate --calibrate JSON: benchmark the model first and set "
                         "the cost model's predicted step beside each run's measured one")
@@ -532,7 +536,8 @@ def run_single(lab: Lab, out: Path, specs: list[RunSpec], load_before) -> int:
         print("benchmarking the model for --calibration", file=sys.stderr)
         predict.bench_compute(opts.cal, (out / "config.json").resolve(), opts.ranks, out)
     results = run_folder(lab, out, {}, setup.run.seed, specs)
-    plots, note = report.plot(out, results, lab.floor, lab.target)
+    plots, note = ([], NO_PLOTS) if opts.no_plots else \
+        report.plot(out, results, lab.floor, lab.target)
     if note:
         print(note, file=sys.stderr)
     data["load_avg"] = {"before": list(load_before), "after": list(os.getloadavg())}
@@ -583,8 +588,8 @@ def run_study(lab: Lab, out: Path, specs: list[RunSpec], grid: study.Grid,
                               f"seed {seed}, {study.label(point)}:"))
     data["load_avg"] = {"before": list(load_before), "after": list(os.getloadavg())}
     summary = study_report.summary(data, specs, grid, best, seeds, trials, results)
-    summary["plots"], summary["plots_note"] = study_report.plot(out, summary, results,
-                                                                lab.floor, lab.target)
+    summary["plots"], summary["plots_note"] = ([], NO_PLOTS) if setup.extra.no_plots else \
+        study_report.plot(out, summary, results, lab.floor, lab.target)
     report.write_summary(out, summary)
     study_report.write(out, summary, results, describe(setup, data))
     check_reproduction(lab, out, summary)

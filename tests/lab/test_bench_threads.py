@@ -16,7 +16,7 @@ def test_tiny_run_times_every_example_both_ways(tiny_bench):
     assert r.rc == 0, r
     assert "# legend: wall: seconds from launch to exit" in r.stdout
     rows = r.data["rows"]
-    assert [row["example"] for row in rows] == ["sync-2", "sync-4", "async"]
+    assert [row["example"] for row in rows] == ["sync-2", "async"]  # --tiny spares sync-4
     for row in rows:
         assert row["shared_s"] > 0 and row["all_cores_s"] > 0
         assert row["ratio"] == row["all_cores_s"] / row["shared_s"]

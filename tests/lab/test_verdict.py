@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from dtlab.lab.bench import harness
 from dtlab.lab.simulate import clusters, verdict, verdict_check, verdict_runs, verdict_stats
 from dtlab.lab.simulate.arrivals import Speeds, round_time, throughput, trace
 from dtlab.lab.simulate.statistical import AsyncPushes, Method, Run, steps_to_target
@@ -258,3 +259,14 @@ def test_check_on_emulated_hosts_predicts_time_to_target_with_their_links(tmp_pa
     assert [s["run"] for s in stale] == ["async-asp"] and stale[0]["n"] == 2
     text = "\n".join(verdict_check.table(rows, stale))
     assert "# N = 2 on 2 emulated hosts at 1 Gbit/s" in text
+
+
+def test_on_host_compute_is_n_processes_stepping_together_kept_in_the_folder(tmp_path):
+    """On this host the check's step uses bench together's figures (N processes of one
+    thread each), read from the folder where they are (measured there first otherwise)."""
+    rows = [{"role": "rank", "ranks": 2, "wall_s_samples": [0.016, 0.018, 0.017],
+             "makespan_s_samples": [0.019, 0.020, 0.021], "cpu_s_samples": [0.015] * 3}]
+    harness.save(tmp_path / "together-rank-n2.json", {"bench": "together"}, rows)
+    got = verdict_check.on_host_compute(tmp_path, "unused.json", 2,
+                                        {"runs": [{"name": "sync-ring"}]})
+    assert got[("rank", 2)].own_s == 0.017 and got[("rank", 2)].spread_s == pytest.approx(0.003)

@@ -19,9 +19,11 @@ For each run the comparison made (its name read as a verdict method: sync-ring, 
     steps    statistical.steps_to_target with the folder's config, target and --eval-every,
              the async workers' speeds as the run measured them (each worker's mean step
              over all workers' mean; the spread of log(step / its worker's mean) as jitter)
-    step     with --calibration, the cost model's step of that run on this host, or across
-             the emulated hosts the folder ran on (simulate/validate.py predict_run,
-             simulate/emulated.py: plain sync and async runs); otherwise, and
+    step     with --calibration, the cost model's step of that run on this host (its
+             compute that of N processes stepping at once: bench together, measured into
+             the folder first, `on_host_compute`), or across the emulated hosts the folder
+             ran on (simulate/validate.py predict_run, simulate/emulated.py: plain sync
+             and async runs); otherwise, and
              for the other methods, the run's own measured seconds a step (then the row
              checks the statistical half only, and says so)
     error    predicted / measured - 1, of the steps, of the step and of their product,
@@ -119,6 +121,18 @@ def staleness_row(name: str, n: int, records, speeds: Speeds) -> dict:
             "meas_mean": got["mean"], "pred_p95": pred["p95"], "meas_p95": got["p95"]}
 
 
+def on_host_compute(folder: Path, config: str, n: int, summary: dict) -> dict:
+    """The compute of N processes stepping at once on this host (bench together, as
+    `dtlab-simulate --validate` measures it: one process's rate over its share of the cores
+    misses what N processes of one thread each cost), kept in FOLDER/together-*.json and
+    measured there first if the folder has none."""
+    paths = sorted(folder.glob("together-*.json"))
+    if not paths:
+        runs = ",".join(r["name"] for r in summary["runs"])
+        paths = validate.bench_together(config, [n], validate.roles_of(runs), folder)
+    return validate.together_rows(paths)
+
+
 def check_folder(folder: Path, cal: dict | None, host: Host) -> tuple[list[dict], list[dict]]:
     summary = json.loads((folder / "summary.json").read_text())
     n, shards = summary["ranks"], summary.get("shards") or 1
@@ -131,6 +145,8 @@ def check_folder(folder: Path, cal: dict | None, host: Host) -> tuple[list[dict]
         raise ConfigError(f"{folder}: the comparison ran without --eval-every; the held-out "
                           "target needs it")
     target = summary["target_loss"]
+    together = on_host_compute(folder, config, n, summary) if cal is not None and \
+        emulated is None else None
     rows, stale = [], []
     for run in summary["runs"]:
         method = method_of(run["name"])
@@ -150,7 +166,7 @@ def check_folder(folder: Path, cal: dict | None, host: Host) -> tuple[list[dict]
         if cal is not None and CALIBRATED.fullmatch(run["name"]):
             step, _ = validate.predict_run(run["name"], validate.workload(config), n, shards,
                                            cal, host, BUCKET_BYTES,
-                                           validate.cluster_of(summary))
+                                           validate.cluster_of(summary), together)
             pred_step, source = step.step_s, f"cost model, {where}"
         else:
             pred_step, source = meas_step, "measured (statistics checked only)"

@@ -215,6 +215,20 @@ class PSClient:
 
         return sum(self._map(one, range(len(self.shards))))
 
+    def pull_whole(self, flat: np.ndarray) -> np.ndarray:
+        """Every shard's parameters into `flat`, each sent whole, the versions this client
+        keeps for its own buffer left as they are: a look at the servers' state (an
+        evaluation inside a local-SGD round); returns `flat`."""
+        sent = self._on_wire(flat, "params")
+
+        def one(k: int) -> None:
+            s = self.shards[k]
+            _, changed = s.pull_into(self._slice(s, sent), self.worker, None)
+            self._landed(s, changed, flat, sent)
+
+        self._map(one, range(len(self.shards)))
+        return flat
+
     def _grad_on_wire(self, flat_grad: np.ndarray) -> np.ndarray:
         """The gradient as it travels: itself, or rounded to the --wire dtype."""
         grad = self._on_wire(flat_grad, "grad")

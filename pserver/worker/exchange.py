@@ -191,17 +191,13 @@ class OuterPushPull(PushPull):
         """The servers' parameters for an evaluation. At a round's end its pull brought
         them (after the last round: pulled now). Inside a --dylu round, whose end follows
         this worker's H_i and not the evaluation cadence, the local weights are set aside
-        until the next step's `begin`, and the round's start and the versions it was read
-        at are put back after the pull: the round goes on as if nobody had looked."""
+        until the next step's `begin` and the servers' read whole beside the round's start
+        (`PSClient.pull_whole`): the round goes on as if nobody had looked."""
         if not self.pulled or self.at_round_start:
             self.pull_unless_brought()
             return
         self.kept = backend.to_host(self.params.data).copy()  # (n,) the local weights
-        start, read = self.host.copy(), list(self.client.versions)  # the round's start
-        self.client.pull(self.host)
-        self.params.load(self.host)
-        self.host[...] = start
-        self.client.versions = read  # what `host` holds again: the outer push's versions
+        self.params.load(self.client.pull_whole(np.empty_like(self.host)))
 
     def settled(self, record: dict) -> list[dict]:
         if self.step_times is not None:

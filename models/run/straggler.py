@@ -8,7 +8,8 @@
                           exponential with mean 5 ms, seeded by (seed, rank, step)
 
 The delay is a sleep at the start of the step, before its compute (the
-factor applies to the previous step's compute time): a sync rank then
+factor applies to the previous step's compute time, read on `compute_clock`'s
+clock: see there): a sync rank then
 reaches the all-reduce late, its buckets included, and every other rank
 waits for it; an async worker pushes late and only its own updates suffer
 (plus, under SSP and BSP, whoever waits for its clock). Draws depend on
@@ -18,10 +19,12 @@ waits for it; an async worker pushes late and only its own updates suffer
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from dtlab.models.config import ConfigError
+from dtlab.models.run.threads import threads_in_use
 
 
 class Straggler:
@@ -52,6 +55,22 @@ class Straggler:
         if extra > 0:
             time.sleep(extra)
         return extra
+
+
+def compute_clock(on_device: bool) -> Callable[[], float]:
+    """The clock a rank's compute time is read on for the factor: the thread's own CPU time
+    (`time.thread_time`) where the rank computes on the host with one BLAS thread, the wall
+    clock otherwise (a device's kernels; BLAS threads of its own).
+
+    On a host whose cores the ranks share, the wall time of a compute counts the others'
+    turns on the cores as this rank's, and in a sync run the others are waiting for the
+    straggler, their communication threads polling: a factor on that wall time grew with
+    the wait it caused (a 4x rank among 1x, 1x, 2x ones on 2 cores took 8.6x a step,
+    against 4x as an async worker: scripts/RESULTS.md, stop 43). The thread's CPU time is
+    the same whoever waits, so the same factor slows every topology alike."""
+    if on_device or max(threads_in_use().values(), default=1) > 1:
+        return time.perf_counter
+    return time.thread_time
 
 
 def drawn_sigma(spec: str) -> float | None:

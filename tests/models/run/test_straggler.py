@@ -3,13 +3,15 @@ a sync run's result does not depend on them."""
 
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 from support.mpirun import mpirun
+from threadpoolctl import threadpool_limits
 
 from dtlab.models.run.metrics import read_metrics
-from dtlab.models.run.straggler import Straggler
+from dtlab.models.run.straggler import Straggler, compute_clock
 
 pytestmark = pytest.mark.usefixtures("mpiexec")
 
@@ -30,6 +32,17 @@ def test_delays_are_seeded_by_seed_rank_and_step():
     assert min(drawn) >= 1.0 and len(set(drawn)) == 64  # seeded per rank, never faster
     assert 1.2 < float(np.median(drawn)) < 1.6  # exp(0.674 x 0.5) = 1.40
     assert drawn != [Straggler("lognormal:0.5", 0.0, seed=4, rank=r).factor for r in range(64)]
+
+
+def test_the_factor_reads_the_threads_own_cpu_time_on_a_shared_host():
+    """On the host with one BLAS thread the compute is read on the thread's CPU clock, which
+    another process's turn on the cores (a waiting peer's polling) does not advance; a
+    device's kernels and BLAS threads of its own keep the wall clock."""
+    with threadpool_limits(limits=1):
+        assert compute_clock(on_device=False) is time.thread_time
+    assert compute_clock(on_device=True) is time.perf_counter
+    with threadpool_limits(limits=2):
+        assert compute_clock(on_device=False) is time.perf_counter
 
 
 def test_a_sync_run_with_a_straggler_logs_its_delays_and_ends_the_same(tmp_path):

@@ -303,7 +303,8 @@ def ran_words(ran: dict) -> str:
         steps = (f"speed-aware H (DyLU), H = {ran['local_steps']} for the fastest"
                  if ran.get("dylu") else f"{ran['local_steps']} steps a round")
         return (f"{kind}, {steps}, outer {name} lr "
-                f"{o.get('outer_lr', float('nan')):g}{period}; {ran['precision']}, {how}")
+                f"{o.get('outer_lr', float('nan')):g}{period}, momentum "
+                f"{o.get('outer_momentum', float('nan')):g}; {ran['precision']}, {how}")
     if ran.get("compress"):
         ef = "error feedback" if ran["error_feedback"] else "no error feedback"
         if "buckets" not in ran:  # async: compressed pushes

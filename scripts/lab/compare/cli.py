@@ -112,8 +112,12 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tune", action="append", default=[], metavar="NAME=V1,V2,...",
                    help="tune every method over these values of an optimizer setting "
                         "(repeat for a grid: --tune lr=0.005,0.01 --tune momentum=0.5,0.9) "
-                        "and report each at its best (compare/study.py); default: lr at "
-                        "0.5, 1 and 2 x the config's; 'none': the config as it is")
+                        "and report each at its best (compare/study.py); outer_lr and "
+                        "outer_momentum tune the outer optimizer of the methods that have "
+                        "one (local SGD, DiLoCo, Streaming DiLoCo, sync and async) in place "
+                        "of its constant, the others running once per point of the other "
+                        "axes; default: lr at 0.5, 1 and 2 x the config's; 'none': the "
+                        "config as it is")
     g.add_argument("--seeds", type=int, default=DEFAULT_SEEDS,
                    help=f"fresh seeds each method runs at its best point; the figures are "
                         f"their mean and min-max (default {DEFAULT_SEEDS})")
@@ -233,6 +237,7 @@ def parse_args(argv: list[str]) -> tuple[Setup, list[RunSpec]]:
             raise ConfigError(f"--sweep-sizes {opts.sweep_sizes!r}: needs two or more distinct "
                               "positive widths")
     specs = [RunSpec.parse(n) for n in names]
+    study.check_methods(opts.grid, specs)
     grouped = [s.name for s in specs if s.topology == "async"]
     if opts.real and grouped and opts.tp * opts.pp > 1:
         raise ConfigError(f"--launcher {opts.launcher} runs {', '.join(grouped)} as one job of "
@@ -501,10 +506,11 @@ class Lab:
 def run_folder(lab: Lab, folder: Path, point: dict, seed: int, specs: list[RunSpec],
                title: str = "") -> list[report.Result]:
     """Every run of `specs` with the shared config at grid `point` and `seed`, into
-    `folder` (its config.json, metrics and logs); their results."""
+    `folder` (its config.json, metrics and logs); their results. The point's outer lr /
+    momentum go to the methods with an outer optimizer (study.at_point)."""
     opts = lab.setup.extra
     config = dict(lab.data["config"])
-    config["optim"] = {**config["optim"], **point}
+    config["optim"] = {**config["optim"], **study.inner(point)}
     config["run"] = {**config["run"], "seed": seed}
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
@@ -517,7 +523,8 @@ def run_folder(lab: Lab, folder: Path, point: dict, seed: int, specs: list[RunSp
     results = []
     try:
         for i, spec in enumerate(specs):
-            outcome = runner.run(spec, ctx, lab.procs, board.watch(i, spec.name))
+            outcome = runner.run(study.at_point(spec, point), ctx, lab.procs,
+                                 board.watch(i, spec.name))
             if opts.trace:
                 traces.merge_run(outcome, folder)
             results.append(analyse(outcome, ctx, lab.data["global_batch"], lab.floor,
@@ -529,13 +536,14 @@ def run_folder(lab: Lab, folder: Path, point: dict, seed: int, specs: list[RunSp
 
 
 def run_single(lab: Lab, out: Path, specs: list[RunSpec], load_before) -> int:
-    """No study (--tune none --seeds 1): each method once, as configured, into OUT."""
+    """No study (one grid point, --seeds 1): each method once, as configured (at the one
+    point given, if any), into OUT."""
     setup, data, opts = lab.setup, lab.data, lab.setup.extra
     if opts.cal is not None:
         (out / "config.json").write_text(json.dumps(data["config"], indent=1) + "\n")
         print("benchmarking the model for --calibration", file=sys.stderr)
         predict.bench_compute(opts.cal, (out / "config.json").resolve(), opts.ranks, out)
-    results = run_folder(lab, out, {}, setup.run.seed, specs)
+    results = run_folder(lab, out, opts.grid.points()[0], setup.run.seed, specs)
     plots, note = ([], NO_PLOTS) if opts.no_plots else \
         report.plot(out, results, lab.floor, lab.target)
     if note:
@@ -568,12 +576,12 @@ def run_study(lab: Lab, out: Path, specs: list[RunSpec], grid: study.Grid,
             r.phase, r.point, r.seed, r.folder = phase, point, seed, trials[-1].folder
 
     points = grid.points()
-    best = {s.name: {} for s in specs}
+    best = {s.name: study.applicable(s, points[0]) for s in specs}
     if len(points) > 1:
-        for point in points:
+        for point, group in study.tuning_plan(specs, grid):
             folder = out / "tune" / study.label(point)
             record("tune", folder, point, seed0,
-                   run_folder(lab, folder, point, seed0, specs,
+                   run_folder(lab, folder, point, seed0, group,
                               f"tuning {study.label(point)}, seed {seed0}:"))
         best = {s.name: study.best_point([t for t in trials if t.spec.name == s.name])
                 for s in specs}
@@ -667,8 +675,9 @@ def main(argv: list[str]) -> int:
     out = out_dir(opts.out)
     data = setup_record(setup, argv, session, target, rule)
     trivial = len(grid.points()) == 1 and opts.seeds == 1
-    runs = len(specs) * (len(grid.points()) + opts.seeds if len(grid.points()) > 1
-                         else opts.seeds)
+    tuning = sum(len(g) for _, g in study.tuning_plan(specs, grid)) \
+        if len(grid.points()) > 1 else 0
+    runs = tuning + len(specs) * opts.seeds
     print(f"{runs} runs of {setup.model_name} into {out}"
           + ("" if trivial else f": {len(specs)} methods, tuned over {grid.describe() or '-'}, "
              f"then {opts.seeds} seed(s) each at its best"), file=sys.stderr)

@@ -37,6 +37,8 @@ class RunSpec:
     staleness_lr: str = "none"
     local_steps: int = 0  # local SGD / DiLoCo: inner steps per outer round (0: off)
     outer: str = "sgd"  # their outer optimizer: sgd (lr 1) or diloco (DILOCO)
+    outer_lr: float | None = None  # a tuned outer lr in place of outer's (compare/study.py)
+    outer_momentum: float | None = None  # ... a tuned outer momentum
     compress: str = ""  # dtlab-sync / dtlab-worker --compress (topk:F, randk:F, sign, ...)
     error_feedback: bool = True
     backups: int = 0  # async BSP: backup workers beside the --ranks N
@@ -50,6 +52,20 @@ class RunSpec:
 
     def describe(self) -> str:
         return self.what
+
+    @property
+    def has_outer(self) -> bool:
+        """Local SGD, DiLoCo and Streaming DiLoCo step an outer optimizer."""
+        return self.local_steps > 0
+
+    def outer_optimizer(self) -> tuple[str, float, float]:
+        """The outer optimizer its servers (async) or ranks (sync) run, lr and momentum:
+        outer's constants (DILOCO; sgd lr 1, momentum 0: model averaging) unless tuned."""
+        name, lr, momentum = (DILOCO if self.outer == "diloco" else ("sgd", 1.0, 0.0))
+        if self.outer == "diloco" and self.topology == "async":
+            name = "delayed-nesterov"
+        return (name, lr if self.outer_lr is None else self.outer_lr,
+                momentum if self.outer_momentum is None else self.outer_momentum)
 
 
 Build = Callable[[str, re.Match], RunSpec]
@@ -80,12 +96,35 @@ def compress_flag(name: str, text: str, sparse: str | None, percent: str | None,
     return "sign" if text.startswith("sign") else f"powersgd:{rank}"
 
 
-def _outer_words(topology: str, outer: str) -> str:
+def _outer_words(topology: str, outer: str, lr: float | None = None,
+                 momentum: float | None = None) -> str:
+    """The outer optimizer in words: its constants, or the tuned lr / momentum given."""
+    if lr is None and momentum is None:
+        if outer != "diloco":
+            return "outer SGD lr 1 (model averaging)"
+        if topology == "sync":
+            return "outer Nesterov lr 0.7, momentum 0.9 (DiLoCo)"
+        return "outer Delayed Nesterov lr 0.7, momentum 0.9, period N (Liu et al. 2024)"
+    default = DILOCO[1:] if outer == "diloco" else (1.0, 0.0)
+    lr, momentum = (default[0] if lr is None else lr,
+                    default[1] if momentum is None else momentum)
     if outer != "diloco":
-        return "outer SGD lr 1 (model averaging)"
+        return f"outer SGD lr {lr:g}, momentum {momentum:g} (tuned)"
     if topology == "sync":
-        return "outer Nesterov lr 0.7, momentum 0.9 (DiLoCo)"
-    return "outer Delayed Nesterov lr 0.7, momentum 0.9, period N (Liu et al. 2024)"
+        return f"outer Nesterov lr {lr:g}, momentum {momentum:g} (DiLoCo's, tuned)"
+    return (f"outer Delayed Nesterov lr {lr:g}, momentum {momentum:g}, period N (Liu et al. "
+            "2024, tuned)")
+
+
+def with_outer(spec: RunSpec, lr: float | None, momentum: float | None) -> RunSpec:
+    """`spec` with its outer optimizer's lr and momentum tuned (None: the constant kept)."""
+    if not spec.has_outer:
+        raise ConfigError(f"{spec.name} has no outer optimizer to take an outer lr")
+    if lr is None and momentum is None:
+        return spec
+    what = spec.what.replace(_outer_words(spec.topology, spec.outer),
+                             _outer_words(spec.topology, spec.outer, lr, momentum))
+    return replace(spec, what=what, outer_lr=lr, outer_momentum=momentum)
 
 
 def _allreduce(name: str, m: re.Match) -> RunSpec:

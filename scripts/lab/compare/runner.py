@@ -7,7 +7,8 @@ A run's name says its method (compare/registry.py: one entry per method, `dtlab-
         mpiexec -n N dtlab-sync --config CFG --allreduce ALGO --metrics OUT/NAME.jsonl
     sync-localH | sync-dilocoH                      (collective/reducers/local_sgd.py)
         ... dtlab-sync ... --local-steps H [--outer-optimizer nesterov --outer-lr 0.7
-            --outer-momentum 0.9]    (local SGD: outer SGD lr 1; DiLoCo: Douillard et al.)
+            --outer-momentum 0.9]    (local SGD: outer SGD lr 1; DiLoCo: Douillard et al.;
+            --tune outer_lr / outer_momentum: the tuned values, local SGD's flags then given)
     sync-topkP | sync-randkP | sync-sign | sync-powersgdR, each optionally with -noef
         ... dtlab-sync ... --compress topk:P/100 | randk:P/100 | sign | powersgd:R
             [--no-error-feedback]    (P: percent of the elements; R: the rank)
@@ -71,7 +72,7 @@ from pathlib import Path
 from dtlab.lab.compare.cluster import EmulatedCluster
 from dtlab.lab.compare.placement import Hosts, async_hosts, rank_hosts
 from dtlab.lab.compare.processes import Processes
-from dtlab.lab.compare.registry import DILOCO, RunSpec
+from dtlab.lab.compare.registry import RunSpec
 from dtlab.lab.programs import program
 from dtlab.models.config import ConfigError
 from dtlab.models.run.launcher_env import mpiexec_path
@@ -276,9 +277,11 @@ def method_flags(spec: RunSpec, ctx: RunContext) -> list[str]:
     if spec.local_steps:
         H = spec.local_steps
         out += ["--local-steps", str(H), "--eval-every", str(-(-ctx.eval_every // H) * H)]
-        if spec.outer == "diloco" and spec.topology == "sync":
-            out += ["--outer-optimizer", DILOCO[0], "--outer-lr", str(DILOCO[1]),
-                    "--outer-momentum", str(DILOCO[2])]
+        tuned = spec.outer_lr is not None or spec.outer_momentum is not None
+        if spec.topology == "sync" and (spec.outer == "diloco" or tuned):
+            name, lr, momentum = spec.outer_optimizer()  # local SGD untuned: the default
+            out += ["--outer-optimizer", name, "--outer-lr", str(lr),
+                    "--outer-momentum", str(momentum)]
     if spec.compress:
         out += ["--compress", spec.compress] + ([] if spec.error_feedback
                                                 else ["--no-error-feedback"])
@@ -292,8 +295,7 @@ def server_flags(spec: RunSpec, ctx: RunContext) -> list[str]:
     if spec.backups:
         out += ["--backup-workers", str(spec.backups)]
     if spec.local_steps:
-        outer = (("delayed-nesterov", *DILOCO[1:]) if spec.outer == "diloco"
-                 else ("sgd", 1.0, 0.0))
+        outer = spec.outer_optimizer()
         out += ["--outer-optimizer", outer[0], "--outer-lr", str(outer[1]),
                 "--outer-momentum", str(outer[2])]
         if spec.outer == "diloco":  # momentum once per N outer gradients: one a worker

@@ -3,6 +3,7 @@
     dtlab-compare --tune lr=0.005,0.01,0.02 --seeds 3      # what the default does
     dtlab-compare --tune lr=0.01,0.03 --tune momentum=0.5,0.9 --optimizer sgd --seeds 2
     dtlab-compare --tune none --seeds 1                    # one run per method, as given
+    dtlab-compare --runs sync-ring,async-diloco10 --tune lr=0.01,0.02 --tune outer_lr=0.35,0.7
 
 A comparison of training methods is only as good as the tuning each got
 (Shallue et al. 2019, "Measuring the effects of data parallelism on neural
@@ -13,7 +14,17 @@ suit both. The protocol:
 
 1. Tune. Every method runs at every point of the grid (the Cartesian
    product of the --tune values; default: the config's lr times 0.5, 1
-   and 2) with the tuning seed (the config's --seed).
+   and 2) with the tuning seed (the config's --seed). The axes are numeric
+   OptimConfig fields, and outer_lr / outer_momentum: the lr and momentum of
+   the outer optimizer of every method that has one (local SGD's outer SGD,
+   lr 1 momentum 0 = model averaging, as much as DiLoCo's Nesterov and the
+   async servers' Delayed Nesterov), in place of its constant (registry.py).
+   A method without an outer optimizer does not take those axes: it runs
+   once per point of the other axes (OUT/tune/ITS-POINT/), not once per
+   outer value, and its point names only those axes. Each run's record
+   (summary.json what_ran, the report's "what ran") states the outer
+   optimizer, lr and momentum its header says it ran; the protocol line
+   names each tuned method's chosen outer lr (study_report.py).
 2. Select. Each method's best point is chosen on the statistical measure:
    the fewest samples (steps of its global batch) to the target on the
    held-out loss, then the lowest final held-out loss; points that never
@@ -41,16 +52,18 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
+from dtlab.lab.compare import registry
 from dtlab.lab.compare.runner import RunSpec
 from dtlab.models.config import ConfigError
 from dtlab.models.optim import OptimConfig
 
 DEFAULT_FACTORS = (0.5, 1.0, 2.0)  # of the config's lr: the default grid
+OUTER_AXES = ("outer_lr", "outer_momentum")  # the outer optimizer's (RunSpec.outer_optimizer)
 
 
 @dataclass(frozen=True)
 class Grid:
-    """Hyperparameter values to try: name -> values (OptimConfig fields)."""
+    """Hyperparameter values to try: name -> values (OptimConfig fields and OUTER_AXES)."""
 
     axes: dict[str, tuple]
 
@@ -78,10 +91,11 @@ def parse_grid(given: list[str], optim: OptimConfig) -> Grid:
         name = name.strip().replace("-", "_")
         if not sep or not values.strip():
             raise ConfigError(f"--tune {item!r}: expected NAME=V1,V2,... (e.g. lr=0.005,0.01)")
-        if name not in fields or fields[name].type not in ("float", float):
+        if name not in OUTER_AXES and (name not in fields
+                                       or fields[name].type not in ("float", float)):
             numeric = sorted(n for n, f in fields.items() if f.type in ("float", float))
             raise ConfigError(f"--tune {item!r}: {name!r} is not a numeric optimizer setting "
-                              f"(one of {', '.join(numeric)})")
+                              f"(one of {', '.join(numeric + list(OUTER_AXES))})")
         if name in axes:
             raise ConfigError(f"--tune names {name} twice")
         try:
@@ -91,12 +105,69 @@ def parse_grid(given: list[str], optim: OptimConfig) -> Grid:
         if len(set(vals)) != len(vals):
             raise ConfigError(f"--tune {item!r}: a value is given twice")
         for v in vals:  # each point must be a valid config
+            if name in OUTER_AXES:
+                check_outer(item, name, v)
+                continue
             try:
                 dataclasses.replace(optim, **{name: v}).validate()
             except ConfigError as e:
                 raise ConfigError(f"--tune {item!r}: {e}") from None
         axes[name] = vals
     return Grid(axes)
+
+
+def check_outer(item: str, name: str, value: float) -> None:
+    """An outer lr must be positive and finite, an outer momentum in [0, 1)."""
+    if name == "outer_lr" and not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"--tune {item!r}: the outer lr must be positive (got {value:g})")
+    if name == "outer_momentum" and not 0 <= value < 1:
+        raise ConfigError(f"--tune {item!r}: the outer momentum must be in [0, 1) "
+                          f"(got {value:g})")
+
+
+def check_methods(grid: Grid, specs: list[RunSpec]) -> None:
+    """Outer axes need a method with an outer optimizer, and a Nesterov one momentum > 0."""
+    outer = [a for a in OUTER_AXES if a in grid.axes]
+    if outer and not any(s.has_outer for s in specs):
+        raise ConfigError(f"--tune {outer[0]}: none of --runs has an outer optimizer "
+                          "(local SGD, DiLoCo, Streaming DiLoCo)")
+    nesterov = [s.name for s in specs if s.has_outer and "nesterov" in s.outer_optimizer()[0]]
+    if nesterov and 0 in grid.axes.get("outer_momentum", ()):
+        raise ConfigError(f"--tune outer_momentum=0: the Nesterov outer optimizer of "
+                          f"{', '.join(nesterov)} needs a momentum above 0")
+
+
+def applicable(spec: RunSpec, point: dict) -> dict:
+    """The part of a grid point `spec` takes: all of it, or without the outer axes for a
+    method with no outer optimizer."""
+    return point if spec.has_outer else {k: v for k, v in point.items()
+                                         if k not in OUTER_AXES}
+
+
+def inner(point: dict) -> dict:
+    """A point's OptimConfig settings: what goes into the run's config."""
+    return {k: v for k, v in point.items() if k not in OUTER_AXES}
+
+
+def at_point(spec: RunSpec, point: dict) -> RunSpec:
+    """`spec` with the point's outer lr / momentum, if it has an outer optimizer."""
+    if not spec.has_outer:
+        return spec
+    return registry.with_outer(spec, point.get("outer_lr"), point.get("outer_momentum"))
+
+
+def tuning_plan(specs: list[RunSpec], grid: Grid) -> list[tuple[dict, list[RunSpec]]]:
+    """The tuning runs: per distinct applicable point (grid order), the methods that run
+    there; a method without an outer optimizer runs each of its points once, however many
+    outer values the grid has."""
+    plan: dict[str, tuple[dict, list[RunSpec]]] = {}
+    for point in grid.points():
+        for spec in specs:
+            mine = applicable(spec, point)
+            group = plan.setdefault(label(mine), (mine, []))[1]
+            if spec not in group:
+                group.append(spec)
+    return list(plan.values())
 
 
 def label(point: dict) -> str:

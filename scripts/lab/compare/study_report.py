@@ -17,7 +17,11 @@
                            other beats on both joined (compare/front.py)
 
 Each run's own files (metrics, logs, config) are in OUT/tune/POINT/ (tuning, the tuning
-seed) and OUT/seed-S/POINT/ (evaluation seeds), named after the run.
+seed) and OUT/seed-S/POINT/ (evaluation seeds), named after the run. With outer axes in
+the grid (outer_lr, outer_momentum), a method without an outer optimizer has points
+without them (study.applicable): its cells repeat across the outer values in the
+sensitivity table, "-" stands for them in the leading one, and the protocol line names
+each tuned method's chosen outer lr.
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ def summary(data: dict, specs: list[RunSpec], grid: study.Grid, best: dict, seed
         agg["bytes_to_target"] = study.spread([m["bytes_to_target"] for m in moved
                                                if m.get("bytes_to_target") is not None])
         methods.append({
-            "name": spec.name, "what": spec.describe(), "best": best[spec.name],
+            "name": spec.name, "what": study.at_point(spec, best[spec.name]).describe(),
+            "best": best[spec.name],
             "tuning": [{"point": t.point, "folder": t.folder, "status": "ok" if t.stats else
                         "failed", "time_to_target_s": study.held_time_to_target(t.stats)
                         if t.stats else None,
@@ -81,7 +86,9 @@ def summary(data: dict, specs: list[RunSpec], grid: study.Grid, best: dict, seed
                              "held-out loss (unreached points after, by that loss); time to "
                              "the target breaks exact ties only",
                 "held_out": {"every": data["config"]["run"]["eval_every"],
-                             "examples": data["config"]["run"]["eval_samples"]}}
+                             "examples": data["config"]["run"]["eval_samples"]},
+                "outer_axes": [a for a in study.OUTER_AXES if a in grid.axes],
+                "outer_methods": [s.name for s in specs if s.has_outer]}
     return {**data, "protocol": protocol, "methods": methods, "runs": runs}
 
 
@@ -95,13 +102,15 @@ def _spread(s: dict | None, fmt: str) -> str:
 
 def leading_table(data: dict) -> list[str]:
     first = data["methods"][0]["name"]
-    names = list(data["protocol"]["grid"]) or ["-"]
+    grid = list(data["protocol"]["grid"])
+    names = grid or ["-"]
     rows = [f"| method | what | best {', '.join(names)} | time to target (s) | reached "
             f"| samples to target | final held-out loss | ms/step | MB/process | MB/step "
             f"| rounds/step | MB to target | vs {first} |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in data["methods"]:
-        best = ", ".join(f"{v:g}" for v in m["best"].values()) or "as configured"
+        best = ", ".join(f"{m['best'][n]:g}" if n in m["best"] else "-"
+                         for n in grid) or "as configured"
         ms = m["s_per_step"]
         ms = None if ms is None else {k: v * 1e3 if k != "n" else v for k, v in ms.items()}
         rows.append(f"| {m['name']} | {m['what']} | {best} "
@@ -125,15 +134,20 @@ def _traffic(s: dict | None, scale: float) -> str:
 
 
 def sensitivity_table(data: dict) -> list[str]:
-    """Per method and grid point: the tuning seed's final held-out loss and time to target."""
-    points = [t["point"] for t in data["methods"][0]["tuning"]]
-    if not points:
+    """Per method and grid point: the tuning seed's final held-out loss and time to target
+    (a method without an outer optimizer: its run at the point's other axes)."""
+    if not any(m["tuning"] for m in data["methods"]):
         return []
+    points = study.Grid(data["protocol"]["grid"]).points()
     head = " | ".join(study.label(p) for p in points)
     rows = [f"| method | {head} |", "|---|" + "---|" * len(points)]
     for m in data["methods"]:
         cells = []
-        for t in m["tuning"]:
+        for point in points:
+            t = next((t for t in m["tuning"] if t["point"].items() <= point.items()), None)
+            if t is None:
+                cells.append("-")
+                continue
             loss, time_s = t["final_eval_loss"], t["time_to_target_s"]
             cell = "failed" if t["status"] != "ok" else \
                 f"{_f(loss, '.4f')} ({'-' if time_s is None else f'{time_s:.2f} s'})"
@@ -166,11 +180,12 @@ def write(out: Path, data: dict, results: list[Result], lines: list[str]) -> Non
     p = data["protocol"]
     grid = study.Grid(p["grid"]).describe() or "none"
     first = data["methods"][0]["name"]
+    outer = outer_words(data)
     text = ["# Sync vs async training, each method at its own best", "", *lines,
             f"- protocol: every method tuned over {grid} with seed {p['tuning_seed']}, then "
             f"run at its best point with seeds {', '.join(map(str, p['seeds']))}; held-out "
             f"loss every {p['held_out']['every']} steps on {p['held_out']['examples']} "
-            f"examples (the same for every run); best = {p['selection']}", "",
+            f"examples (the same for every run); best = {p['selection']}{outer}", "",
             "## Each method at its best", "", *leading_table(data), "",
             "Figures over the evaluation seeds: mean [min-max]. time to target: ms/step x the "
             "first evaluated step whose held-out loss is at or below the target, over the "
@@ -188,7 +203,9 @@ def write(out: Path, data: dict, results: list[Result], lines: list[str]) -> Non
     if sens:
         text += ["## Sensitivity to the tuned setting (tuning seed)", "", *sens, "",
                  "Each cell: final held-out loss (time to the held-out target); bold: the "
-                 "method's best point.", ""]
+                 "method's best point." + (" A method without an outer optimizer ran once "
+                 "per point of the other axes: its cell repeats across the outer values."
+                                            if p.get("outer_axes") else ""), ""]
     text += ["## What ran", "", *what_ran_table(data), "",
              "From each run's own metrics: the all-reduce each gradient bucket ran (sync), "
              "how each shard's tensors travelled (async; every path a worker recorded), "
@@ -201,6 +218,20 @@ def write(out: Path, data: dict, results: list[Result], lines: list[str]) -> Non
              "Each run's metrics, log and config are in its folder; summary.json holds every "
              "number above.", ""]
     (out / "report.md").write_text("\n".join(text) + "\n")
+
+
+def outer_words(data: dict) -> str:
+    """The protocol line's words on the outer axes: whom they apply to and what each
+    tuned method chose ("" without outer axes)."""
+    axes = data["protocol"].get("outer_axes")
+    if not axes:
+        return ""
+    tuned = set(data["protocol"]["outer_methods"])
+    chosen = [f"{m['name']} " + ", ".join(f"{a} {m['best'][a]:g}" for a in axes
+                                           if a in m["best"])
+              for m in data["methods"] if m["name"] in tuned]
+    return (f"; {' and '.join(axes)} tuned for the methods with an outer optimizer only (the "
+            f"others ran once per point of the other axes); chosen: {'; '.join(chosen)}")
 
 
 def bands(curves: list, x: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -233,7 +264,8 @@ def plot(out: Path, data: dict, results: list[Result], floor: float | None,
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for m in data["methods"]:
             pts = [(t["point"][axes[0]], t["final_eval_loss"]) for t in m["tuning"]
-                   if t["final_eval_loss"] is not None and math.isfinite(t["final_eval_loss"])]
+                   if axes[0] in t["point"]  # an outer axis: its methods only
+                   and t["final_eval_loss"] is not None and math.isfinite(t["final_eval_loss"])]
             if pts:
                 ax.plot(*zip(*sorted(pts), strict=True), "o-", label=m["name"], linewidth=1.2)
         if floor is not None:

@@ -37,7 +37,8 @@ SUMMARY_KEYS = {"command", "config", "model", "n_params", "dataset", "floor", "t
 STATS_KEYS = {"steps", "time_s", "s_per_step", "steps_to_target", "time_to_target_s",
               "measured_time_to_target_s", "samples_to_target", "final_loss", "gap",
               "samples_per_s", "updates_per_s", "split_ms", "allreduce_ms", "staleness",
-              "final_eval_loss", "eval_steps_to_target", "traffic", "pipeline"}
+              "final_eval_loss", "eval_steps_to_target", "eval_time_to_target_s", "held_out",
+              "traffic", "pipeline"}
 
 
 ONCE = ["--tune", "none", "--seeds", "1"]  # each method once, as configured: no study

@@ -265,8 +265,8 @@ def test_heterogeneous_preset_names_the_winner_the_numbers_name(tmp_path):
 
 def test_speed_aware_h_preset_judges_dylu_against_sync_local_sgd(tmp_path):
     """Liu et al.'s baseline is synchronous local SGD: the check recomputes its verdict
-    from the runs' own figures (loss at equal steps within sync DiLoCo's noise, less wall
-    time), since timing on a shared host decides half of it."""
+    from the runs' own figures (loss at equal steps within sync DiLoCo's noise, sooner
+    within it in time), since timing on a shared host decides half of it."""
     out = tmp_path / "out"
     r = compare("--preset", "speed-aware-h", *MLP, *ONCE, "--straggler", "1:2",
                 "--optimizer", "adamw", "--lr", "0.003", "--steps", "60", "--eval-every", "20",
@@ -277,7 +277,13 @@ def test_speed_aware_h_preset_judges_dylu_against_sync_local_sgd(tmp_path):
     assert set(stats) == {"sync-ring", "sync-diloco10", "async-diloco10", "async-diloco10-dylu"}
     base, dylu = stats["sync-diloco10"], stats["async-diloco10-dylu"]
     off = dylu["final_eval_loss"] - base["final_eval_loss"]
+    level = base["final_eval_loss"] * 1.02
+
+    def time_to(s):
+        c = s["held_out"]
+        return next((t for t, x in zip(c["time_s"], c["loss"], strict=True) if x <= level),
+                    s["time_s"])
     rep = summary["reproduction"]
     assert rep["held"] == (off <= 0.02 * base["final_eval_loss"]
-                           and dylu["time_s"] < base["time_s"])
+                           and time_to(dylu) < time_to(base))
     assert f"speed-aware H {off:+.4f} against sync DiLoCo" in rep["measured"]

@@ -253,9 +253,13 @@ def test_check_on_emulated_hosts_predicts_time_to_target_with_their_links(tmp_pa
     for r in rows:
         assert r["where"] == "2 emulated hosts at 1 Gbit/s"
         assert r["step_from"] == "cost model, 2 emulated hosts at 1 Gbit/s"
-        assert r["pred_steps"] == r["meas_steps"] == 2  # any loss is below 10
+        assert r["pred_steps"] == 2  # any loss is below 10: the first evaluation's
         assert r["pred_ttt_s"] == pytest.approx(2 * r["pred_step_s"])
-        assert r["meas_ttt_s"] == pytest.approx(2 * r["meas_step_s"])
+    sync, asp = rows
+    assert sync["meas_steps"] == 2 and sync["meas_ttt_s"] == pytest.approx(2 * sync["meas_step_s"])
+    # ASP's first evaluation is a point of the job's model in time: the steps the workers
+    # had made then (one may lag at the start), its time the evaluation's own
+    assert asp["meas_steps"] in (1, 2) and 0 < asp["meas_ttt_s"] < 2 * asp["meas_step_s"] * 2
     assert [s["run"] for s in stale] == ["async-asp"] and stale[0]["n"] == 2
     text = "\n".join(verdict_check.table(rows, stale))
     assert "# N = 2 on 2 emulated hosts at 1 Gbit/s" in text

@@ -24,6 +24,17 @@ over processes at each of those steps, and the held-out target is reached at
 the first of them whose held-out loss is at or below the target: a measure
 free of the mini-batch noise and of the topology's sampling.
 
+Except where the workers do not move in step (ASP, SSP, async local SGD): there
+a worker's evaluation reads the servers' parameters as they are at that moment,
+and workers of different speeds reach step k at different times, so their step-k
+losses describe different models (a 1x worker's last evaluation is of the model
+when it stopped, long before a 4x worker's last push). Each evaluation is then a
+point of the job's one model in time: its time is the evaluating worker's
+training time, its step the job's progress then (the mean over the workers of
+the steps each had finished, halves rounded up; points of one step averaged), its final
+held-out loss the last in time, and its time to the target that point's time
+(`eval_time_to_target_s`), not seconds a step x steps.
+
 What a run moves (`traffic`), from its own records, every byte on the wire counted once
 over all processes: sync, N x what rank 0 sent (`sent_bytes`: the bytes of a rank's data
 that reach the others, by each bucket's algorithm, collective/reducers/data_parallel.py
@@ -54,6 +65,7 @@ class Curve:
     samples: np.ndarray  # [K] samples seen after step k, all processes
     eval_steps: np.ndarray  # [E] steps (1-based) with a held-out loss
     eval_loss: np.ndarray  # [E] mean over processes of the held-out loss there
+    eval_time_s: np.ndarray | None = None  # [E] training seconds of each evaluation
     bytes: np.ndarray | None = None  # [K] bytes on the wire after step k, all processes
     rounds: np.ndarray | None = None  # [K] communication rounds after step k
 
@@ -62,8 +74,10 @@ def window_for(steps: int) -> int:
     return max(1, steps // 20)
 
 
-def curve(records: list[list[dict]], global_batch: int, window: int) -> Curve:
-    """records: one list of step records per rank (sync: rank 0's only) or worker."""
+def curve(records: list[list[dict]], global_batch: int, window: int,
+          in_time: bool = False) -> Curve:
+    """records: one list of step records per rank (sync: rank 0's only) or worker;
+    `in_time`: workers that do not move in step (the module docstring)."""
     k = min(len(r) for r in records)
     loss = np.array([[r[i]["loss"] for i in range(k)] for r in records]).mean(axis=0)  # [K]
     # seconds of training: each process's clock less the held-out evaluations it made
@@ -75,19 +89,54 @@ def curve(records: list[list[dict]], global_batch: int, window: int) -> Curve:
     ends = np.arange(1, k + 1)
     starts = np.maximum(0, ends - window)
     smooth = (sums[ends] - sums[starts]) / (ends - starts)  # [K]
-    steps = sorted(set.intersection(*({r[i]["step"] for i in range(k) if "eval_loss" in r[i]}
-                                      for r in records)))
-    held = [np.mean([next(x["eval_loss"] for x in r if x["step"] == s) for r in records])
-            for s in steps]
+    if in_time:
+        steps, held, when = evaluations_in_time(records, k)
+    else:
+        steps = sorted(set.intersection(*({r[i]["step"] for i in range(k)
+                                           if "eval_loss" in r[i]} for r in records)))
+        held = [np.mean([next(x["eval_loss"] for x in r if x["step"] == s) for r in records])
+                for s in steps]
+        when = elapsed[np.array(steps, dtype=int) - 1] if steps else np.zeros(0)
     return Curve(loss, smooth, elapsed, ends * global_batch, np.array(steps, dtype=int),
-                 np.array(held))
+                 np.array(held), np.asarray(when, dtype=float))
+
+
+def evaluations_in_time(records: list[list[dict]], k: int) -> tuple[list, list, list]:
+    """Every worker's held-out evaluations as points of the job's one model (the module
+    docstring): (steps [E], losses [E], training seconds [E]), in time order."""
+    clocks = []  # per worker: [K] training seconds after each of its steps
+    for r in records:
+        elapsed = np.array([x["elapsed_s"] for x in r[:k]])
+        clocks.append(elapsed - np.cumsum([x.get("eval_s", 0.0) for x in r[:k]]))
+    points = []  # (seconds, job progress, loss)
+    for w, r in enumerate(records):
+        for i in range(k):
+            if "eval_loss" in r[i]:
+                t = clocks[w][i]  # the evaluating worker's own count below is i + 1
+                done = [int(np.searchsorted(c, t, side="right")) for c in clocks]
+                step = max(1, int(np.floor(np.mean(done) + 0.5)))  # halves up
+                points.append((t, step, r[i]["eval_loss"]))
+    points.sort()  # progress never falls as time goes on: steps come in order
+    steps, held, when, count = [], [], [], []
+    for t, step, loss in points:
+        if steps and step == steps[-1]:  # one step of the job: its evaluations averaged
+            count[-1] += 1
+            held[-1] += (loss - held[-1]) / count[-1]
+            when[-1] = t
+        else:
+            steps.append(step)
+            held.append(loss)
+            when.append(t)
+            count.append(1)
+    return steps, held, when
 
 
 def measure(topology: str, records: list[list[dict]], global_batch: int, workers: int,
             consistency: str, floor: float | None, target: float) -> tuple[Curve, dict]:
     """The curve of one finished run and its numbers (see the module docstring)."""
     steps = min(len(r) for r in records)
-    c = curve(records, global_batch, window_for(steps))
+    in_time = topology == "async" and consistency != "bsp" and len(records) > 1
+    c = curve(records, global_batch, window_for(steps), in_time)
     time_s = float(c.elapsed_s[-1])
     tail = c.loss[-max(1, steps // 10):]
     final = float(tail.mean())
@@ -102,6 +151,10 @@ def measure(topology: str, records: list[list[dict]], global_batch: int, workers
         "final_eval_loss": float(c.eval_loss[-1]) if c.eval_loss.size else None,
         "eval_steps_to_target": (int(c.eval_steps[held_reached[0]]) if held_reached.size
                                  else None),
+        "eval_time_to_target_s": (float(c.eval_time_s[held_reached[0]])
+                                  if in_time and held_reached.size else None),
+        "held_out": {"steps": c.eval_steps.tolist(), "loss": c.eval_loss.tolist(),
+                     "time_s": c.eval_time_s.tolist()},  # the curve, for checks after the run
         "steps": steps,
         "time_s": time_s,
         "s_per_step": per_step,

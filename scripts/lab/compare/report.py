@@ -271,7 +271,8 @@ def plot(out: Path, results: list[Result], floor: float | None,
             (line,) = ax.plot(getattr(r.curve, x), r.curve.smooth, label=r.name, linewidth=1.2,
                               linestyle="-" if r.outcome.spec.topology == "sync" else "--")
             if r.curve.eval_steps.size:  # held-out losses: dots in the run's colour
-                at = getattr(r.curve, x)[r.curve.eval_steps - 1]
+                at = (r.curve.eval_time_s if x == "elapsed_s"  # each evaluation's own time
+                      else getattr(r.curve, x)[r.curve.eval_steps - 1])
                 ax.plot(at, r.curve.eval_loss, "o", color=line.get_color(), markersize=3)
         if floor is not None:
             ax.axhline(floor, color="black", linestyle=":", linewidth=1, label="floor")

@@ -201,9 +201,14 @@ class Trial:
 
 
 def held_time_to_target(stats: dict) -> float | None:
-    """Seconds to the first held-out evaluation at or below the target (HE x steps)."""
+    """Seconds to the first held-out evaluation at or below the target: HE x steps, or
+    that evaluation's own time where the workers do not move in step (compare/analysis.py,
+    `eval_time_to_target_s`)."""
     k = stats.get("eval_steps_to_target")
-    return None if k is None else stats["s_per_step"] * k
+    if k is None:
+        return None
+    own = stats.get("eval_time_to_target_s")
+    return stats["s_per_step"] * k if own is None else own
 
 
 def best_point(trials: list[Trial]) -> dict:

@@ -235,13 +235,18 @@ def outer_words(data: dict) -> str:
 
 
 def bands(curves: list, x: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Held-out curves of several seeds on their common evaluation steps: x (the mean of
-    the seeds' x there), mean, min and max of the held-out loss."""
-    steps = sorted(set.intersection(*(set(c.eval_steps.tolist()) for c in curves)))
-    idx = np.array(steps) - 1  # [E]
-    xs = np.mean([getattr(c, x)[idx] for c in curves], axis=0)  # [E]
-    ys = np.array([[c.eval_loss[list(c.eval_steps).index(s)] for s in steps]
-                   for c in curves])  # [seeds, E]
+    """Held-out curves of several seeds at the first seed's evaluation steps that every
+    seed's curve spans, each seed's loss and time interpolated there where its evaluations
+    fell at other steps (workers out of step: compare/analysis.py): x (the mean of the
+    seeds' x there), mean, min and max of the held-out loss."""
+    lo, hi = max(c.eval_steps[0] for c in curves), min(c.eval_steps[-1] for c in curves)
+    first = curves[0].eval_steps
+    steps = first[(first >= lo) & (first <= hi)]  # [E]
+    if x == "elapsed_s":  # the evaluations' own times
+        xs = np.mean([np.interp(steps, c.eval_steps, c.eval_time_s) for c in curves], axis=0)
+    else:
+        xs = np.mean([getattr(c, x)[steps - 1] for c in curves], axis=0)  # [E]
+    ys = np.array([np.interp(steps, c.eval_steps, c.eval_loss) for c in curves])  # [seeds, E]
     return xs, ys.mean(axis=0), ys.min(axis=0), ys.max(axis=0)
 
 

@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from dtlab.lab.compare.analysis import staleness as measured_staleness
+from dtlab.lab.compare.study import held_time_to_target
 from dtlab.lab.presets import config_path
 from dtlab.lab.simulate import calibration_fit, validate, verdict_runs
 from dtlab.lab.simulate.arrivals import Speeds, Trace, trace
@@ -176,7 +177,7 @@ def check_folder(folder: Path, cal: dict | None, host: Host) -> tuple[list[dict]
             "pred_steps": sim.steps, "meas_steps": meas_steps, "replayed_steps": replayed,
             "pred_step_s": pred_step, "meas_step_s": meas_step, "step_from": source,
             "pred_ttt_s": None if sim.steps is None else sim.steps * pred_step,
-            "meas_ttt_s": None if meas_steps is None else meas_steps * meas_step})
+            "meas_ttt_s": held_time_to_target(stats)})  # ASP, SSP: the evaluation's own time
     return rows, stale
 
 

@@ -328,13 +328,14 @@ PRESETS.update({
     "speed-aware-h": Reproduction(
         ("--runs", f"sync-ring,{SYNC_LOCAL},{DYLU[0]},{DYLU[1]}", "--ranks", "4",
          "--straggler", "2:2,3:4", "--tune", "lr=0.005,0.01,0.02",
-         "--tune", "outer_lr=0.35,0.7"),
+         "--tune", "outer_lr=0.35,0.7", "--tune", "outer_momentum=0.5,0.9"),
         "Liu et al. 2024 (asynchronous local SGD with Delayed Nesterov and dynamic local "
         "updates, DyLU): with workers 1x, 1x, 2x, 4x slow, async DiLoCo whose worker i takes "
         "H_i = round(10 t_fast / t_i) inner steps a round matches synchronous DiLoCo H = 10 "
         "(every round waiting for the slowest) in final held-out loss at equal inner steps, "
         "within its noise, in less wall time; sync SGD and async DiLoCo with fixed H = 10 "
-        "beside them; every method tuned over lr and the DiLoCo ones over the outer lr too",
+        "beside them; every method tuned over lr, the DiLoCo ones over the outer lr and "
+        "momentum too",
         _speed_aware_h),
 })
 

@@ -4,6 +4,7 @@ named before anything starts."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -156,11 +157,15 @@ def test_a_failed_run_is_reported_with_its_log_and_the_others_go_on(tmp_path):
 
 
 def test_ctrl_c_stops_every_process_it_started(tmp_path):
+    """SIGINT stops dtlab-compare and every process it started, also where it was started
+    with SIGINT ignored, as a shell starts a background job (Python would keep it ignored);
+    whatever a failure leaves behind is killed, not left to run a million steps."""
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "dtlab.lab.compare", *ONCE, *TINY,
                              "--steps", "1000000", "--runs", "async-asp", "--shards", "2",
                              "--out", str(out)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         deadline = time.monotonic() + 60
         while not (out / "async-asp.w1.jsonl").exists():  # servers and workers are up
@@ -172,6 +177,9 @@ def test_ctrl_c_stops_every_process_it_started(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+            for line in left_behind(tmp_path):
+                with contextlib.suppress(OSError):
+                    os.kill(int(line.split(":")[0]), signal.SIGKILL)
     assert proc.returncode == 130, err
     assert err.rstrip().endswith("dtlab-compare: interrupted")
     assert not left_behind(tmp_path)

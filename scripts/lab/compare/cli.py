@@ -683,7 +683,10 @@ def main(argv: list[str]) -> int:
              f"then {opts.seeds} seed(s) each at its best"), file=sys.stderr)
     load_before = os.getloadavg()
     lab = Lab(setup, data, floor, target, mpiexec, Processes())
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # cleaned up as Ctrl-C is
+    # SIGTERM cleaned up as Ctrl-C is; SIGINT too where it came ignored (a shell's
+    # background job), which Python would otherwise keep: every process it started ends
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)
     try:
         if opts.launcher == "emulated":
             lab.hosts = cluster.EmulatedCluster(opts.emulated_hosts, opts.link_gbit, out,

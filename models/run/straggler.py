@@ -30,13 +30,16 @@ from dtlab.models.run.threads import threads_in_use
 class Straggler:
     """The extra time rank `rank` spends after computing step `step`."""
 
-    def __init__(self, spec: str, delay_ms: float, seed: int, rank: int):
+    def __init__(self, spec: str, delay_ms: float, seed: int, rank: int,
+                 on_device: bool = False):
         sigma = drawn_sigma(spec)
         self.factor = (slowdown(sigma, seed, rank) if sigma is not None
                        else parse_straggler(spec).get(rank, 1.0))
         if delay_ms < 0:
             raise ConfigError(f"--delay-ms must not be negative (got {delay_ms})")
         self.delay_s, self.seed, self.rank = delay_ms / 1e3, seed, rank
+        # what the caller reads the compute time on, for the factor (`compute_clock`)
+        self.clock = compute_clock(on_device) if self.active else time.perf_counter
 
     @property
     def active(self) -> bool:

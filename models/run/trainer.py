@@ -36,7 +36,7 @@ from dtlab.models.run.metrics import MetricsLog
 from dtlab.models.run.progress import Progress
 from dtlab.models.run.session import GROUPS, Session
 from dtlab.models.run.stop import StopSignals
-from dtlab.models.run.straggler import Straggler, compute_clock
+from dtlab.models.run.straggler import Straggler
 from dtlab.models.run.trace import Trace
 
 
@@ -58,10 +58,9 @@ class Trainer:
         self.trace = trace or Trace(session.setup.run.trace, pid=rank,
                                     process=f"{role} rank {rank}")
         run = session.setup.run
-        self.straggler = Straggler(run.straggler, run.delay_ms, run.seed, rank)
+        self.straggler = Straggler(run.straggler, run.delay_ms, run.seed, rank,
+                                   on_device=array_module(session.params.data) is not np)
         self.last_compute_s = 0.0  # the factor's base, on the straggler's clock
-        self.compute_clock = (compute_clock(array_module(session.params.data) is not np)
-                              if self.straggler.active else time.perf_counter)
         self.agree = agree  # sums a small count array over every rank of the job (StopSignals)
         # (loss, stop counts) -> (the loss averaged, the counts summed over every rank of the
         # job) in one all-reduce, where the program has one (collective/reducers/exchange.py
@@ -91,10 +90,10 @@ class Trainer:
             self.trace.span("straggle", start, time.perf_counter(), "wait")
         t0 = time.perf_counter()
         begun = exchange.begin(step)
-        t1, c1 = time.perf_counter(), self.compute_clock()
+        t1, c1 = time.perf_counter(), self.straggler.clock()
         loss = s.replica.compute_grads(s.loader.next(), exchange.ready)
         t2 = time.perf_counter()
-        self.last_compute_s = self.compute_clock() - c1
+        self.last_compute_s = self.straggler.clock() - c1
         waited = exchange.wait()
         loss, self.carried = self.scalars(loss, self.stop.counts())
         loop.check_finite(loss, f"step {step}")

@@ -116,21 +116,6 @@ def test_outer_values_reach_the_flags_on_both_topologies(ctx):
     assert "outer Delayed Nesterov lr 0.35, momentum 0.9" in spec.describe()
 
 
-@pytest.mark.parametrize("given, message", [
-    (["outer_lr=0"], "outer lr must be positive"),
-    (["outer-lr=0.7,-1"], "outer lr must be positive"),
-    (["outer_lr=nan"], "outer lr must be positive"),
-    (["outer_momentum=1"], r"outer momentum must be in \[0, 1\)"),
-    (["outer_momentum=-0.1"], r"outer momentum must be in \[0, 1\)"),
-    (["outer_lr=0.5,x"], "values must be numbers"),
-    (["outer_lr=0.5", "outer_lr=0.7"], "names outer_lr twice"),
-    (["outer_period=2"], "not a numeric optimizer setting"),
-])
-def test_a_bad_outer_value_is_named(given, message):
-    with pytest.raises(ConfigError, match=message):
-        study.parse_grid(given, OptimConfig())
-
-
 @pytest.mark.parametrize("runs, tune, message", [
     ("sync-ring,async-asp", "outer_lr=0.35,0.7", "none of --runs has an outer optimizer"),
     ("sync-local4,async-diloco4", "outer_momentum=0,0.9",

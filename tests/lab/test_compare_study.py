@@ -116,6 +116,14 @@ def test_held_out_loss_is_on_by_default(tmp_path):
     (["lr=0.1,0.1"], "given twice"),
     (["lr=0.1", "lr=0.2"], "names lr twice"),
     (["lr=-1"], "--lr"),
+    (["outer_lr=0"], "outer lr must be positive"),  # the outer optimizer's axes
+    (["outer-lr=0.7,-1"], "outer lr must be positive"),
+    (["outer_lr=nan"], "outer lr must be positive"),
+    (["outer_momentum=1"], r"outer momentum must be in \[0, 1\)"),
+    (["outer_momentum=-0.1"], r"outer momentum must be in \[0, 1\)"),
+    (["outer_lr=0.5,x"], "values must be numbers"),
+    (["outer_lr=0.5", "outer_lr=0.7"], "names outer_lr twice"),
+    (["outer_period=2"], "not a numeric optimizer setting"),
 ])
 def test_a_bad_grid_is_named(given, message):
     with pytest.raises(ConfigError, match=message):

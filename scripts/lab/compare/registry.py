@@ -99,21 +99,18 @@ def compress_flag(name: str, text: str, sparse: str | None, percent: str | None,
 def _outer_words(topology: str, outer: str, lr: float | None = None,
                  momentum: float | None = None) -> str:
     """The outer optimizer in words: its constants, or the tuned lr / momentum given."""
-    if lr is None and momentum is None:
-        if outer != "diloco":
-            return "outer SGD lr 1 (model averaging)"
-        if topology == "sync":
-            return "outer Nesterov lr 0.7, momentum 0.9 (DiLoCo)"
-        return "outer Delayed Nesterov lr 0.7, momentum 0.9, period N (Liu et al. 2024)"
+    tuned = lr is not None or momentum is not None
     default = DILOCO[1:] if outer == "diloco" else (1.0, 0.0)
     lr, momentum = (default[0] if lr is None else lr,
                     default[1] if momentum is None else momentum)
     if outer != "diloco":
-        return f"outer SGD lr {lr:g}, momentum {momentum:g} (tuned)"
+        return (f"outer SGD lr {lr:g}, momentum {momentum:g} (tuned)" if tuned
+                else "outer SGD lr 1 (model averaging)")
     if topology == "sync":
-        return f"outer Nesterov lr {lr:g}, momentum {momentum:g} (DiLoCo's, tuned)"
-    return (f"outer Delayed Nesterov lr {lr:g}, momentum {momentum:g}, period N (Liu et al. "
-            "2024, tuned)")
+        source = "DiLoCo's, tuned" if tuned else "DiLoCo"
+        return f"outer Nesterov lr {lr:g}, momentum {momentum:g} ({source})"
+    source = "Liu et al. 2024, tuned" if tuned else "Liu et al. 2024"
+    return f"outer Delayed Nesterov lr {lr:g}, momentum {momentum:g}, period N ({source})"
 
 
 def with_outer(spec: RunSpec, lr: float | None, momentum: float | None) -> RunSpec:

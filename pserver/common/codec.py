@@ -70,6 +70,9 @@ _CODES = {dt: code for code, dt in DTYPES.items()}
 HALF_CODES = (pb.FLOAT16, pb.BFLOAT16)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name  # dtlab.ps.v1.ParameterServer
+# a worker's call metadata: the highest replication term of the shard it has seen (an
+# orphaned backup of a lower term does not take over: pserver.server.replication.backup)
+TERM_KEY = "dtlab-term"
 
 _LEN, _VARINT, _I32, _I64 = 2, 0, 5, 1  # protobuf wire types used here
 ADLER_START = 1  # Adler-32 of no bytes: where every running checksum starts

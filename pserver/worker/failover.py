@@ -5,19 +5,23 @@
 holds one ShardClient per daemon and sends every call to the one it takes
 for the primary: at connect, the first whose health check says SERVING (a
 backup says NOT_SERVING). A call that fails with UNAVAILABLE (the daemon is
-dead: connection refused or reset; or it is a backup, a primary that lost
-its backup, or one that was replaced, which answer workers UNAVAILABLE), or
-with DEADLINE_EXCEEDED where that daemon's health check then says anything
-but SERVING (it is frozen or cut off: its backup takes over), is sent to the
-other daemon, then back. After each round of both it waits, up to the round's
-exponential backoff, until one of them says SERVING (so a takeover is found
-within a poll, _POLL_S, of its happening). A round after which a replica
-says SERVING counts as one of --retries; one after which none does (a
-takeover or a primary's decision under way, a backup paused) does not, and
-such rounds go on for up to the call deadline or what --retries rounds of
-backoff last, whichever is longer (a paused backup stalls its shard, not the
-worker). A deadline on a primary whose health says SERVING is the call's own
-(a pull waiting on SSP/BSP) and raised as it is.
+dead: connection refused or reset; or it is a backup, or a primary that was
+replaced or stops, which answer workers UNAVAILABLE), or with
+DEADLINE_EXCEEDED where that daemon's health check then says anything but
+SERVING (it is frozen or cut off), is sent to the other daemon, then back.
+After each round of both it waits, up to the round's exponential backoff but
+no shorter than an attempt at a silent replica lasts (_PROBE_AFTER_S +
+_PROBE_TIMEOUT_S), until one of them says SERVING, or UNKNOWN: a backup whose
+primary gives it no answer, which takes over when a worker's call asks it
+(pserver.server.replication.backup); so a takeover is found within a poll,
+_POLL_S, of its being possible. A round after which a replica says SERVING
+counts as one of --retries; one after which none does (a takeover under way)
+does not, and such rounds go on for up to the call deadline or what --retries
+rounds of backoff last, whichever is longer. A deadline on a primary whose
+health says SERVING is the call's own (a pull waiting on SSP/BSP) and raised
+as it is. Every call carries the highest term the worker has seen of the shard
+(wire.TERM_KEY), by which an orphaned backup that its primary went on without
+refuses to take over.
 
 No attempt waits for the call's deadline on a replica that stopped answering
 (paused, cut off, or no longer the primary): once an attempt has run for
@@ -65,6 +69,7 @@ _FAIL_OVER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _PROBE_AFTER_S = 0.5  # an attempt running this long has its replica's health asked ...
 _PROBE_TIMEOUT_S = 0.5  # ... which must say SERVING within this, or the attempt ends
 _POLL_S = 0.05  # between health checks while no replica says SERVING
+_POLL_TIMEOUT_S = 0.1  # each of those (a silent replica is asked again in the next poll)
 
 
 class Terms:
@@ -172,13 +177,17 @@ class ReplicatedShard:
     def _serves(self, replica, timeout: float | None = None) -> bool:
         """Whether `replica`'s health check says SERVING now (within `timeout` s, by default
         the smaller of 2 s and the call deadline)."""
+        return self._status(replica, timeout) == health_pb2.HealthCheckResponse.SERVING
+
+    def _status(self, replica, timeout: float | None = None) -> int | None:
+        """`replica`'s health status now (None: no answer within `timeout` s, by default
+        the smaller of 2 s and the call deadline)."""
         try:
-            reply = health_pb2_grpc.HealthStub(replica.channel).Check(
+            return health_pb2_grpc.HealthStub(replica.channel).Check(
                 health_pb2.HealthCheckRequest(service=SERVICE),
-                timeout=timeout or min(2.0, self.cfg.rpc_timeout_s))
+                timeout=timeout or min(2.0, self.cfg.rpc_timeout_s)).status
         except grpc.RpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+            return None
 
     def _watch(self) -> None:
         """Ends an attempt whose replica, asked while it runs, does not say SERVING."""
@@ -193,14 +202,16 @@ class ReplicatedShard:
                               "longer the primary)")
 
     def _await_serving(self, limit: float) -> bool:
-        """Up to `limit` s (at least _POLL_S) until a replica's health says SERVING: that
-        one is taken for the primary (True); False if none did."""
+        """Up to `limit` s (at least _POLL_S) until a replica's health says SERVING, or
+        UNKNOWN (a backup whose primary gives it no answer: it takes over when a worker's
+        call asks it): that one is taken for the primary (True); False if none did."""
         end = time.monotonic() + max(limit, _POLL_S)
         n = len(self.replicas)
+        ready = (health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.UNKNOWN)
         while True:
             for k in range(n):
                 i = (self.current + k) % n
-                if self._serves(self.replicas[i], _PROBE_TIMEOUT_S):
+                if self._status(self.replicas[i], _POLL_TIMEOUT_S) in ready:
                     self.current = i
                     time.sleep(max(0.0, min(_POLL_S, end - time.monotonic())))
                     return True
@@ -233,8 +244,9 @@ class ReplicatedShard:
                 self.failovers += 1
                 log.warning("%s %s: %s; trying %s", replica.address, what, e.details(),
                             self.address)
-                if tried % n == 0:
-                    wait = min(_MAX_BACKOFF_S, delay) * random.uniform(0.5, 1)
+                if tried % n == 0:  # polled no shorter than a silent replica's attempt lasts
+                    wait = max(min(_MAX_BACKOFF_S, delay) * random.uniform(0.5, 1),
+                               _PROBE_AFTER_S + _PROBE_TIMEOUT_S)
                     rounds += self._await_serving(wait)  # a replica serves: a round counts
                     delay *= 2
             finally:

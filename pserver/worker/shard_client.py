@@ -78,7 +78,7 @@ class ShardClient:
         self.pushed_bytes = self.pulled_bytes = 0  # tensor bytes this shard's values took
         # a pulled tensor up to this size may come in one message (room for its header)
         self.whole_bytes = max_message_bytes - 1024
-        self._metadata = auth.call_metadata(auth.read_token(cfg.token_file, cfg.token_env))
+        self._auth = auth.call_metadata(auth.read_token(cfg.token_file, cfg.token_env))
         # reconnect within ~0.1-2 s (gRPC's default backoff starts at 1 s, grows to 120 s),
         # so that retries find a restarted shard
         options = [*wire.transport_options(max_message_bytes),
@@ -111,6 +111,14 @@ class ShardClient:
         self.registration, self.partition = registration, partition
         self.step_s: float | None = None  # PushHeader.step_s of the pushes (--dylu)
         self.terms = None  # a replicated shard's highest term seen (pserver.worker.failover)
+
+    @property
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        """Every call's metadata: the token, and a replicated shard's highest term seen
+        (wire.TERM_KEY: an orphaned backup of a lower term does not take over for it)."""
+        if self.terms is None:
+            return self._auth
+        return (*self._auth, (wire.TERM_KEY, str(self.terms.highest)))
 
     def _named(self, message):
         """`message` with this rank's partition id set (a group's rank), else as it is."""

@@ -43,6 +43,9 @@ class Follower:
         self._call = None
         self._heard = time.monotonic()  # when the primary's last message came
         self._silence = ""  # why the watch cancelled the stream
+        self.orphaned = False  # the primary gives no answer: a worker's call may promote
+        self._asking = threading.Lock()  # one question to the primary, and its decision
+        self._asked: tuple[float, pb.ReplicaStatusReply | str] = (0.0, peer.SILENT)
         self._thread = threading.Thread(target=self._run, name="ps-follower", daemon=True)
         cfg = r.cfg
         token = auth.read_token(cfg.token_file, cfg.token_env)
@@ -105,29 +108,92 @@ class Follower:
 
     def _decide(self, why: str) -> None:
         """The primary's stream is over: a primary that answers keeps its role (this backup
-        was dropped: it leaves); one that stops or was replaced, or nothing on its port, is
-        taken over from at once; silence, once the primary's lease has run out."""
+        was dropped: it leaves); one that stops or was replaced is taken over from at once,
+        and so is one with nothing on its port if this backup ran all along since it last
+        heard from it (else that primary may have gone on alone meanwhile); otherwise this
+        backup is an orphan (`_orphan`)."""
         r, primary, shard = self.r, self.r.cfg.replica_of, self.store.layout.shard
         log.warning("shard %d: lost the primary %s (%s): asking it", shard, primary, why)
-        answer = peer.ask(primary, self._metadata, r.ask_timeout)
+        answer = self._ask()
+        if not self._act(answer, why, takes_gone=r.pauses.ran_since(self._heard)):
+            self._orphan(why)
+        if r.role == "dropped":
+            self._leave(why)
+
+    def _ask(self) -> pb.ReplicaStatusReply | str:
+        answer = peer.ask(self.r.cfg.replica_of, self._metadata, self.r.ask_timeout)
+        self._asked = (time.monotonic(), answer)
+        return answer
+
+    def _act(self, answer: pb.ReplicaStatusReply | str, why: str, takes_gone: bool) -> bool:
+        """On the primary's answer: one that is primary (or isolated) drops this backup; one
+        that stops or was replaced is taken over from; nothing on its port is, if
+        `takes_gone`. False: no decision (silence, or gone and not `takes_gone`)."""
+        r = self.r
         if isinstance(answer, pb.ReplicaStatusReply):
             if answer.role in ("primary", "isolated"):
-                r.dropped(f"{why}; the primary answers as {answer.role}")
-                self._leave(why)
-                return
-            found = f"it answers as {answer.role}"
-        elif answer == peer.GONE:
-            found = "nothing listens on its port"
-        else:
-            found = "it gives no answer"
-            wait = self._heard + r.cfg.replica_timeout_s - time.monotonic()
-            if wait > 0:
-                log.info("shard %d: the primary %s gives no answer: taking over once its "
-                         "lease has run out, in %.2f s", shard, primary, wait)
-                if self._stopped.wait(wait):
-                    return
-        if not r.promote(f"{why}; {found}"):
-            self._leave(why)
+                r.dropped(f"{why}; the primary answers as {answer.role} (term {answer.term})")
+            else:
+                r.promote(f"{why}; it answers as {answer.role}")
+            return True
+        if answer == peer.GONE and takes_gone:
+            r.promote(f"{why}; nothing listens on its port")
+            return True
+        return False
+
+    def _orphan(self, why: str) -> None:
+        """The primary gives no answer (paused, or cut off from this backup), or is gone
+        after this backup was paused: this backup takes over only when a worker asks it
+        (`take_over`: the worker found the primary silent too), and is dropped once the
+        primary answers (it goes on alone, or will). Until then it asks the primary every
+        quarter of the timeout. Nothing listening on the primary's port changes nothing
+        here: a primary that went on alone before it died holds pushes this backup lacks,
+        which a worker's term tells (`take_over`)."""
+        r, shard = self.r, self.store.layout.shard
+        self.orphaned = True
+        r.orphaned()
+        found = "gives no answer" if self._asked[1] == peer.SILENT else \
+            "is gone, and this backup was paused since it last heard from it"
+        log.warning("shard %d: the primary %s %s (%s): this backup takes over when a "
+                    "worker asks it", shard, r.cfg.replica_of, found, why)
+        while not self._stopped.wait(r.cfg.replica_timeout_s / 4) and r.role == "backup":
+            with self._asking:
+                if r.role == "backup":
+                    self._act(self._ask(), why, takes_gone=False)
+        self.orphaned = False
+
+    def take_over(self, worker_term: int) -> str:
+        """A worker asks this orphaned backup to take over: "" once it did (or the
+        question is moot: it was dropped meanwhile); else why not now. It does once it has
+        heard nothing from its primary for --replica-timeout-s (the primary's lease), the
+        primary still gives no answer, and the worker has seen no term of this shard above
+        this backup's (a higher one: its primary went on without it, so acknowledged
+        pushes are missing here)."""
+        r = self.r
+        term = r.journal.term
+        if worker_term > term:
+            return (f"the worker saw term {worker_term} of this shard, this backup holds "
+                    f"term {term}: its primary went on without it, so acknowledged pushes "
+                    "are missing here; it does not take over")
+        quiet = time.monotonic() - self._heard
+        if quiet < r.cfg.replica_timeout_s:
+            return f"it heard its primary {quiet:.2f} s ago, within the primary's lease"
+        if not self._asking.acquire(timeout=4 * r.ask_timeout):
+            return "it is asking its primary"
+        try:
+            if r.role != "backup" or not self.orphaned:
+                return ""
+            when, answer = self._asked
+            if time.monotonic() - when > r.cfg.replica_timeout_s / 4:
+                answer = self._ask()
+            if not self._act(answer, "a worker asks it to take over", takes_gone=False):
+                found = ("it gives no answer" if answer == peer.SILENT
+                         else "nothing listens on its port")
+                r.promote(f"no word from it for {quiet:.1f} s, {found}, and a worker asks "
+                          "this backup to take over")
+            return ""
+        finally:
+            self._asking.release()
 
     def _leave(self, why: str) -> None:
         """Dropped: stay (answering "dropped" to the primary) until the primary goes on in a

@@ -111,7 +111,8 @@ class Journal:
     A backup that is lost (its stream broke, or its lease ran out) is handed to
     `on_lost(link, why)`, which decides: `drop` (it never takes over: this primary goes
     on alone, in a new term) or `refuse` (it took over, or this primary stops: no reply
-    that waits goes out, ever). Until then nothing goes out either."""
+    that waits goes out, ever). Until then nothing goes out either: the replies wait
+    (`wait_all`), for a second or so."""
 
     def __init__(self, timeout: float, on_lost: Callable[[int, str], None]):
         self.timeout, self.on_lost = timeout, on_lost
@@ -258,29 +259,34 @@ class Journal:
 
     def wait_all(self) -> bool:
         """Until the backup has applied every change made so far and this primary may
-        answer: True. False at once where the reply must not go out now: this primary
-        stops or was replaced (refusing), or its lease ran out first, with changes the
-        backup has not applied or a lost backup not yet decided on (it may be taking
-        over). So no reply waits past the lease, `timeout` after the last heartbeat the
-        backup answered: the worker is refused (UNAVAILABLE) and tries the other replica,
-        and a push it sends again is applied once, by its (worker, step)."""
+        answer: True. While the backup's lease has run out, until on_lost decided (the
+        reply waits: it goes out once this primary goes on alone). False where the reply
+        must never go out: this primary stops or was replaced (refusing); the worker is
+        refused (UNAVAILABLE) and tries the other replica, and a push it sends again is
+        applied once, by its (worker, step)."""
         with self._cond:
             target = self.seq
             while not self.refusing:
                 if self.acked >= target and self.answering():
                     return True
-                if self.backup and not self.leased():
-                    link = self.link
-                    if self.attached(link):
-                        self._cond.release()  # on_lost may take time; let others record
-                        try:
-                            self.expire(link)
-                        finally:
-                            self._cond.acquire()
-                    return False
-                left = self._lease - time.monotonic()
-                self._cond.wait(max(1e-3, min(self.timeout / 4, left + 1e-3)))
+                link = self.link
+                if self.backup and not self.leased() and self.attached(link):
+                    self._cond.release()  # on_lost may take time; let others record
+                    try:
+                        self.expire(link)
+                    finally:
+                        self._cond.acquire()
+                    continue
+                left = self._lease - time.monotonic() if self.attached(link) else 0.0
+                self._cond.wait(max(1e-3, min(self.timeout / 4, left + 1e-3)) if left > 0
+                                else self.timeout / 4)
             return False
+
+    @property
+    def lease_end(self) -> float:
+        """Until when (monotonic) the backup has surely not taken over: `timeout` after
+        the heartbeat it answered last was sent."""
+        return self._lease
 
 
 def entry_messages(entry: Entry, layout_shard: int, meta: pb.TensorMeta,

@@ -32,37 +32,50 @@ with --replicas 2 refuses workers (UNAVAILABLE) and its health says
 NOT_SERVING, so no push is ever acknowledged with one copy at the start.
 
 One primary (the rule). Every takeover, and every primary that goes on
-without its backup, starts a new term (Journal.term, in ReplicaStatus), and
-two things make two primaries impossible, with no outside arbiter:
+without its backup, starts a new term (Journal.term, in ReplicaStatus). Two
+replicas cannot tell a silent peer that is paused from one cut off from them;
+the workers, which reach both, are the third party that breaks the tie: the
+replica they can still reach serves.
 
 - A lease. The backup answers each heartbeat with its beat (when the primary
   sent it) and takes over only after it heard nothing for
   --replica-timeout-s; so until beat + --replica-timeout-s of the last
-  heartbeat answered the backup has not taken over, and the primary answers
-  workers (a reply goes out, its health says SERVING, ReplicaStatus says
-  "primary") only within that lease. A primary whose lease ran out is
-  "isolated": it answers no worker until it knows what its backup did, and
-  refuses at once (UNAVAILABLE) every reply it still held, so that its workers
-  try the backup, which may be taking over, without waiting for their deadline.
-- Dropping is asked, never assumed. A primary that lost its backup (its
-  stream broke, or its lease ran out) goes on alone, in a new term, only once
-  the backup answered ReplicaStatus(term) with "dropped" (a backup answering
-  that request never takes over: the two are one decision under its lock;
-  it rejoins, see below), or once nothing listens on
-  the backup's port while the lease still runs (it died before it could
-  take over), or when the backup never held the whole snapshot. If the
-  backup answers that it took over, this primary was replaced: it sends none
-  of the replies it still holds and rejoins. Silence changes nothing: the
-  primary keeps asking, answering no worker meanwhile.
+  heartbeat answered the backup has not taken over, and the primary
+  acknowledges nothing and serves no pull after that lease until it knows
+  what its backup did: its replies wait (for a second or so), its health still
+  says SERVING (a primary that runs keeps its workers), and ReplicaStatus says
+  "isolated".
+- A backup takes over only when a worker asks it. A backup that hears nothing
+  from its primary asks it (ReplicaStatus): an answer as primary drops it
+  (it rejoins, below); one that stops or was replaced, or nothing on its port,
+  lets it take over at once (the primary's process is gone, or acknowledges
+  nothing more); silence makes it an orphan, whose health says UNKNOWN and
+  which takes over only when a worker's call asks it (Follower.take_over: the
+  worker found the primary silent too, as happens when the primary is paused or
+  cut off from its workers), and only if that worker has seen no term of the
+  shard above the backup's (the primary went on alone, so acknowledged pushes
+  are missing here).
+- Dropping is asked, or read from silence that only a running primary hears. A
+  primary that lost its backup (its stream broke, or its lease ran out) goes on
+  alone, in a new term, once the backup answered ReplicaStatus(term) with
+  "dropped" (a backup answering that request never takes over: the two are one
+  decision under its lock), or once nothing listens on the backup's port while
+  the lease still runs, or when the backup never held the whole snapshot, or
+  once the backup has answered nothing for the lease while this primary ran all
+  along (PauseWatch: no pause of its own since the backup's last answer). Then no
+  worker has asked the backup to take over: none leaves a primary that runs and
+  says SERVING. If the backup answers that it took over, this primary was
+  replaced: it sends none of the replies it still holds and rejoins.
 
-So a paused or cut-off primary is replaced (its backup takes over after
---replica-timeout-s of silence plus one unanswered ReplicaStatus) and, once
-it runs again, learns that from the backup before it answers anyone; a
-paused or cut-off backup stops its primary's replies until it answers (or
-its port is closed), then is dropped or has taken over, never both. (A
-paused backup and one cut off that takes over look alike to the primary:
-silence. Only the backup can end that wait, so the shard acknowledges
-nothing for the pause; no third party breaks the tie.)
+So a paused primary is replaced (its workers find it silent and ask the
+backup, which has heard nothing for the lease) and, once it runs again, learns
+that from the backup before it answers anyone (its own pause keeps it from
+reading the backup's silence as the backup's); a paused or cut-off backup is
+dropped at the lease's end, and its shard acknowledges again within about
+--replica-timeout-s + 0.5 s. The rule assumes a single fault: a primary cut off
+from its backup and from a worker at once (two faults), or cut off from its
+backup and too loaded to answer a worker's health check within half a second,
+can be taken over by that worker's call while it goes on alone for the others.
 
 Rejoining (chain replication's recovery: van Renesse and Schneider 2004, section
 3; Li et al. 2014, section 4.3). A backup that was dropped (once its primary went
@@ -79,13 +92,14 @@ heartbeat, for --replica-timeout-s; it then asks the primary's
 ReplicaStatus (pserver.server.replication.peer): a primary that answers
 (alive: it was dropped) keeps it, so it rejoins; one that stops or was
 replaced, or nothing listening on its port, lets it take over at once; no
-answer lets it take over once its lease has run out. It then serves workers
+answer makes it an orphan, which takes over at a worker's call. It then serves workers
 as primary (alone, until its old primary rejoins it, or a restarted daemon
 joins it with --replica-of). A primary that stops (SIGTERM) sends no held
 reply either: its workers get UNAVAILABLE and retry at the backup, which
 takes over. Workers list each shard as PRIMARY|BACKUP and switch to the
 other address on UNAVAILABLE, or where the replica does not say SERVING to a
-health check during a call that takes long (pserver.worker.failover); a push
+health check during a call that takes long, and try a replica whose health says
+UNKNOWN (an orphan) when none says SERVING (pserver.worker.failover); a push
 retried after a failover is applied once, by its (worker, step): if it
 reached the backup before the primary died, the new primary answers it as a
 duplicate.
@@ -122,6 +136,7 @@ from dtlab.pserver.server.replication.journal import (
     pack,
     same_run,
 )
+from dtlab.pserver.server.replication.pauses import PauseWatch
 from dtlab.pserver.server.store import ShardStore
 
 log = logging.getLogger(__name__)
@@ -171,6 +186,8 @@ class Replication:
         # the backup's takeover waits for it (after a lease of silence, so the primary
         # answers no worker by then: a live one that answers late costs a takeover, no more)
         self.ask_timeout = min(0.5, cfg.replica_timeout_s / 4)
+        # a primary goes on without a silent backup only if it ran all along meanwhile
+        self.pauses = PauseWatch(cfg.replica_timeout_s / 8, cfg.replica_timeout_s / 2)
         lay, params = store.layout, store.params
         self.meta = pb.TensorMeta(dtype=wire.dtype_code(params.dtype), shape=[lay.length],
                                   offset=lay.offset)
@@ -179,6 +196,7 @@ class Replication:
               rejoin: Callable[[str, str], None]) -> None:
         """Begin (a backup: join the primary), setting `health` from now on."""
         self.address, self.fail, self.rejoin = address, fail, rejoin
+        self.pauses.start()
         with self._health_lock:
             self.health = health
         self._set_health()
@@ -190,9 +208,18 @@ class Replication:
                      "joins", self.store.layout.shard, self.cfg.replicas)
 
     def serving(self) -> int:
-        ok = self.role == "primary" and not self.awaiting_backup and self.journal.answering()
-        return (health_pb2.HealthCheckResponse.SERVING if ok
-                else health_pb2.HealthCheckResponse.NOT_SERVING)
+        """SERVING: a primary with a backup (or alone after one), deciding about a lost
+        one included (its replies wait); UNKNOWN: an orphaned backup, which takes over
+        when a worker asks it (Follower.take_over); else NOT_SERVING."""
+        if self.role == "primary" and not self.awaiting_backup and not self.journal.refusing:
+            return health_pb2.HealthCheckResponse.SERVING
+        if self.role == "backup" and self.follower is not None and self.follower.orphaned:
+            return health_pb2.HealthCheckResponse.UNKNOWN
+        return health_pb2.HealthCheckResponse.NOT_SERVING
+
+    def orphaned(self) -> None:
+        """The follower lost a silent primary: the health says so (UNKNOWN)."""
+        self._set_health()
 
     def _set_health(self) -> None:
         """The health service says what the role says now (none before start)."""
@@ -208,9 +235,17 @@ class Replication:
             return "isolated"
         return role
 
-    def refusal(self) -> str:
-        """Why this daemon answers no worker now ("" if it does)."""
-        shard, role = self.store.layout.shard, self.role
+    def refusal(self, worker_term: int = 0) -> str:
+        """Why this daemon answers no worker now ("" if it does); an orphaned backup takes
+        over first where the worker (which saw at most `worker_term`) asks it to."""
+        shard = self.store.layout.shard
+        follower = self.follower
+        if self.role == "backup" and follower is not None and follower.orphaned:
+            why = follower.take_over(worker_term)
+            if why:
+                return (f"shard {shard} at {self.address} is the backup of {self.primary}, "
+                        f"which gives it no answer, and does not take over now: {why}")
+        role = self.role
         if role in ("joining", "backup"):
             return (f"shard {shard} at {self.address} is a backup (of {self.primary}): "
                     "send to the primary")
@@ -219,10 +254,6 @@ class Replication:
         if self.awaiting_backup:
             return (f"shard {shard} at {self.address} waits for its backup to join "
                     f"(--replicas {self.cfg.replicas})")
-        if not self.journal.answering():
-            return (f"shard {shard} at {self.address} lost its backup {self.journal.backup} "
-                    "and answers no worker until it knows whether that backup took over: "
-                    "try the other")
         return ""
 
     def joined(self, term: int) -> bool:
@@ -283,20 +314,33 @@ class Replication:
 
     def _decide(self, link: int, why: str) -> None:
         """The backup of `link` is lost: ask it until it answers that it was dropped (go on
-        alone) or that it took over (this primary was replaced), or it is gone."""
-        j = self.journal
+        alone) or that it took over (this primary was replaced), or it is gone; or until
+        its silence has outlasted the lease with this primary running all along (go on
+        alone: a backup takes over only when a worker asks it, and no worker leaves a
+        primary that runs and says SERVING)."""
+        j, timeout = self.journal, self.cfg.replica_timeout_s
         backup, term, asked = j.backup, j.term, 0
+        silent_from = j.lease_end - timeout  # its last answer: the silence, if unpaused
         while self.role == "primary" and j.deciding(link):
             if not j.whole:
                 self._alone(link, backup, f"{why}; it never held the whole snapshot")
                 return
+            began = time.monotonic()
             answer = peer.ask(backup, self.metadata, self.ask_timeout, term=term)
             asked += 1
             if answer == peer.SILENT:
+                if not self.pauses.ran_since(silent_from):  # paused: count from now on
+                    silent_from = began
+                if not j.leased() and self.pauses.ran_since(silent_from) \
+                        and time.monotonic() - silent_from >= timeout:
+                    self._alone(link, backup, f"{why}; it answers nothing, and this primary "
+                                              f"ran all along for {timeout:g} s of silence")
+                    return
                 if asked == 1:
-                    log.info("shard %d: backup %s gives no answer: asking until it does, "
-                             "answering no worker", self.store.layout.shard, backup)
-                time.sleep(self.cfg.replica_timeout_s / 4)
+                    log.info("shard %d: backup %s gives no answer: asking until it answers "
+                             "or has been silent for the lease while this primary ran, its "
+                             "replies waiting", self.store.layout.shard, backup)
+                time.sleep(timeout / 4)
                 continue
             if isinstance(answer, pb.ReplicaStatusReply):
                 if answer.role in PRIMARY_ROLES or answer.term > term:
@@ -486,7 +530,7 @@ class Gate(grpc.ServerInterceptor):
             self._stream(h.stream_stream), h.request_deserializer, h.response_serializer)
 
     def _admit(self, context) -> None:
-        why = self.r.refusal()
+        why = self.r.refusal(worker_term(context))
         if why:
             context.abort(grpc.StatusCode.UNAVAILABLE, why)
 
@@ -516,16 +560,25 @@ class Gate(grpc.ServerInterceptor):
         return call
 
     def _held(self, context) -> None:
-        """Wait until the backup holds every change made so far; UNAVAILABLE if it does not
-        within this primary's lease, or never will (it stops, or was replaced): the worker
-        retries at the other replica."""
-        journal = self.r.journal
-        if not journal.wait_all():
-            why = "no longer the primary" if journal.refusing else \
-                f"its backup {journal.backup or '(lost)'} did not confirm within the lease"
+        """Wait until the backup holds every change made so far (or this primary goes on
+        without it); UNAVAILABLE if that never comes (it stops, or was replaced): the
+        worker retries at the other replica."""
+        if not self.r.journal.wait_all():
             context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"shard {self.r.store.layout.shard} at {self.r.address}: {why}; "
-                          "try the other replica")
+                          f"shard {self.r.store.layout.shard} at {self.r.address}: no longer "
+                          "the primary; try the other replica")
+
+
+def worker_term(context) -> int:
+    """The highest term of this shard the calling worker has seen (its wire.TERM_KEY
+    metadata, pserver.worker.shard_client; 0 if it sends none)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == wire.TERM_KEY:
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0
 
 
 def _names_partition(raw: bytes) -> bool:

@@ -287,6 +287,7 @@ class Replication:
             if self.role not in ("joining", "backup"):
                 return self.role == "dropped"
             self.role, self.drop_reason = "dropped", why
+        self._set_health()
         log.warning("shard %d: dropped as the backup of %s (%s): it never takes over",
                     self.store.layout.shard, self.primary, why)
         if self.follower is not None:
@@ -302,6 +303,7 @@ class Replication:
                 self.role = "stopping"
             elif self.role in ("joining", "backup"):
                 self.role = "dropped"
+        self.pauses.stop()
         if self.follower is not None:
             self.follower.stop()
 

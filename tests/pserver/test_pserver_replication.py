@@ -98,6 +98,8 @@ class Chain:
 
     def close(self) -> None:
         for d in self.daemons:
+            if d.proc.poll() is None:  # one a test left paused ends too
+                os.kill(d.proc.pid, signal.SIGCONT)
             d.close()
 
 
@@ -424,9 +426,6 @@ def test_a_push_waits_for_the_backup_and_a_paused_backup_is_dropped_at_the_lease
     finally:
         if client is not None:
             client.close()
-        for d in chain.daemons:
-            if d.proc.poll() is None:
-                os.kill(d.proc.pid, signal.SIGCONT)
         chain.close()
 
 
@@ -469,9 +468,6 @@ def test_a_backup_whose_primary_went_on_without_it_never_takes_over_for_a_worker
     finally:
         if client is not None:
             client.close()
-        for d in chain.daemons:
-            if d.proc.poll() is None:
-                os.kill(d.proc.pid, signal.SIGCONT)
         chain.close()
 
 
@@ -544,9 +540,6 @@ def test_a_primary_paused_past_the_deadline_is_replaced_and_its_workers_fail_ove
         if t is not None:
             t.resume()
             t.close()
-        for d in chain.daemons:
-            if d.proc.poll() is None:
-                os.kill(d.proc.pid, signal.SIGCONT)
         chain.close()
 
 
@@ -605,9 +598,6 @@ def test_a_backup_paused_twice_never_makes_two_primaries(tmp_path):
         if t is not None:
             t.resume()
             t.close()
-        for d in chain.daemons:
-            if d.proc.poll() is None:
-                os.kill(d.proc.pid, signal.SIGCONT)
         chain.close()
 
 

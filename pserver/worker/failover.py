@@ -202,19 +202,20 @@ class ReplicatedShard:
                               "longer the primary)")
 
     def _await_serving(self, limit: float) -> bool:
-        """Up to `limit` s (at least _POLL_S) until a replica's health says SERVING, or
-        UNKNOWN (a backup whose primary gives it no answer: it takes over when a worker's
-        call asks it): that one is taken for the primary (True); False if none did."""
+        """Up to `limit` s (at least _POLL_S) until a replica's health says SERVING (True),
+        or UNKNOWN (False: a backup whose primary gives it no answer, which takes over when
+        a worker's call asks it); that one is taken for the primary. False if none did."""
         end = time.monotonic() + max(limit, _POLL_S)
         n = len(self.replicas)
         ready = (health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.UNKNOWN)
         while True:
             for k in range(n):
                 i = (self.current + k) % n
-                if self._status(self.replicas[i], _POLL_TIMEOUT_S) in ready:
+                status = self._status(self.replicas[i], _POLL_TIMEOUT_S)
+                if status in ready:
                     self.current = i
                     time.sleep(max(0.0, min(_POLL_S, end - time.monotonic())))
-                    return True
+                    return status == health_pb2.HealthCheckResponse.SERVING
             if time.monotonic() >= end:
                 return False
             time.sleep(_POLL_S)

@@ -109,13 +109,15 @@ class Follower:
     def _decide(self, why: str) -> None:
         """The primary's stream is over: a primary that answers keeps its role (this backup
         was dropped: it leaves); one that stops or was replaced is taken over from at once,
-        and so is one with nothing on its port if this backup ran all along since it last
-        heard from it (else that primary may have gone on alone meanwhile); otherwise this
+        and so is one with nothing on its port if this backup ran all along since a lease
+        before it last heard from it (else that primary may have gone on alone while this
+        backup was paused: what it heard after a pause was sent before it); otherwise this
         backup is an orphan (`_orphan`)."""
         r, primary, shard = self.r, self.r.cfg.replica_of, self.store.layout.shard
         log.warning("shard %d: lost the primary %s (%s): asking it", shard, primary, why)
         answer = self._ask()
-        if not self._act(answer, why, takes_gone=r.pauses.ran_since(self._heard)):
+        unpaused = r.pauses.ran_since(self._heard - r.cfg.replica_timeout_s)
+        if not self._act(answer, why, takes_gone=unpaused):
             self._orphan(why)
         if r.role == "dropped":
             self._leave(why)
@@ -164,20 +166,17 @@ class Follower:
 
     def take_over(self, worker_term: int) -> str:
         """A worker asks this orphaned backup to take over: "" once it did (or the
-        question is moot: it was dropped meanwhile); else why not now. It does once it has
-        heard nothing from its primary for --replica-timeout-s (the primary's lease), the
-        primary still gives no answer, and the worker has seen no term of this shard above
-        this backup's (a higher one: its primary went on without it, so acknowledged
-        pushes are missing here)."""
+        question is moot: it was dropped meanwhile); else why not now. It does where the
+        worker has seen no term of this shard above this backup's (a higher one: its
+        primary went on without it, so acknowledged pushes are missing here) and the
+        primary, asked again, is gone (nothing on its port) or still gives no answer after
+        --replica-timeout-s of silence (the primary's lease)."""
         r = self.r
         term = r.journal.term
         if worker_term > term:
             return (f"the worker saw term {worker_term} of this shard, this backup holds "
                     f"term {term}: its primary went on without it, so acknowledged pushes "
                     "are missing here; it does not take over")
-        quiet = time.monotonic() - self._heard
-        if quiet < r.cfg.replica_timeout_s:
-            return f"it heard its primary {quiet:.2f} s ago, within the primary's lease"
         if not self._asking.acquire(timeout=4 * r.ask_timeout):
             return "it is asking its primary"
         try:
@@ -186,6 +185,9 @@ class Follower:
             when, answer = self._asked
             if time.monotonic() - when > r.cfg.replica_timeout_s / 4:
                 answer = self._ask()
+            quiet = time.monotonic() - self._heard
+            if answer == peer.SILENT and quiet < r.cfg.replica_timeout_s:
+                return f"it heard its primary {quiet:.2f} s ago, within the primary's lease"
             if not self._act(answer, "a worker asks it to take over", takes_gone=False):
                 found = ("it gives no answer" if answer == peer.SILENT
                          else "nothing listens on its port")

@@ -19,14 +19,16 @@ import time
 
 class PauseWatch:
     """`ran_since(t)`: whether this process has run without a pause of more than `stall`
-    s since monotonic time `t`."""
+    s since monotonic time `t` (or since the watch began, if later: a pause before this
+    daemon's replica existed is none of its concern)."""
 
     def __init__(self, period: float, stall: float):
         if not 0 < period < stall:
             raise ValueError(f"a pause watch ticks more often than a pause lasts "
                              f"(period {period}, stall {stall})")
         self.period, self.stall = period, stall
-        self._last = self._awake_since = time.monotonic()
+        self._last = time.monotonic()
+        self._awake_since = 0.0  # the end of the last pause seen (none yet: before any t)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._tick, name="ps-pause-watch", daemon=True)
 

@@ -13,6 +13,8 @@ the cost model reads) imports without mpi4py.
 
 import importlib
 
+import dtlab.models  # noqa: F401 - first: its BLAS thread setting must precede NumPy's import
+
 _WHERE = {
     "MismatchError": "transport.agree",
     "BucketReducer": "reducers.buckets", "ReduceTiming": "reducers.buckets",

@@ -22,11 +22,13 @@
  *   gelu_y:    y <- ((t + 1) x) 0.5
  *   gelu_dx:   d <- ((x x) 3ck + c) x;  dx <- ((((d - (t t) d) + t) + 1) 0.5) dy
  *
- * and LayerNorm's elementwise passes (models/layers.py), its row reductions left to NumPy:
+ * and LayerNorm's rows (models/layers.py), their means and sums as NumPy's pairwise summation
+ * adds them (pairwise_f32/f64 below):
  *
- *   norm_y:    xhat <- xhat r;  y <- xhat g + b                          (r per row)
- *   norm_dy:   gx <- dy xhat;  dxhat <- dy g
- *   norm_dx:   dx <- (dxhat - (xhat m2 + m1)) r                          (m1, m2, r per row)
+ *   norm_forward:   mu <- sum(x) / d;  xhat <- x - mu;  var <- sum(xhat xhat) / d + eps;
+ *                   r <- 1 / sqrt(var);  xhat <- xhat r;  y <- xhat g + b       (per row)
+ *   norm_backward:  gx <- dy xhat;  dx <- dy g;  m1 <- sum(dx) / d;  m2 <- sum(dx xhat) / d;
+ *                   dx <- (dx - (xhat m2 + m1)) r                                (per row)
  *
  * and the embedding's gradient scatter (models/layers.py), in the order np.add.at adds:
  *
@@ -37,8 +39,11 @@
 #include <Python.h>
 #include <math.h>
 
+/* Each loop built for AVX-512, AVX2 and the baseline, the CPU's best picked at load: with no
+ * multiply-add fused (-ffp-contract=off) and IEEE sqrt and division in every one, they give
+ * the same bits. */
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
-#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#define VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define VECTOR_CLONES
 #endif
@@ -124,50 +129,87 @@ DEFINE_KERNELS(double, f64, sqrt)
 DEFINE_GELU(float, f32)
 DEFINE_GELU(double, f64)
 
-#define DEFINE_NORM(T, S)                                                                       \
-    VECTOR_CLONES static void norm_y_##S(T *restrict y, T *restrict xhat, const T *restrict r,  \
-                                         const T *restrict g, const T *restrict b,              \
-                                         Py_ssize_t rows, Py_ssize_t d) {                       \
+/* NumPy's pairwise summation of a[0..n-1] (numpy/_core/src/umath/loops_utils.h.src), the sum
+ * a float add.reduce along a contiguous axis computes: blocks of up to 128 summed in 8 running
+ * partial sums, longer runs split in two halves of multiples of 8. A row's np.sum is (0 + this). */
+#define DEFINE_PAIRWISE(T, S)                                                                   \
+    static T pairwise_##S(const T *a, Py_ssize_t n) {                                           \
+        if (n < 8) {                                                                            \
+            T res = -(T)0;                                                                      \
+            for (Py_ssize_t i = 0; i < n; i++) res = res + a[i];                                \
+            return res;                                                                         \
+        }                                                                                       \
+        if (n <= 128) {                                                                         \
+            T r[8];                                                                             \
+            Py_ssize_t i;                                                                       \
+            for (int j = 0; j < 8; j++) r[j] = a[j];                                            \
+            for (i = 8; i < n - (n % 8); i += 8)                                                \
+                for (int j = 0; j < 8; j++) r[j] = r[j] + a[i + j];                             \
+            T res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));          \
+            for (; i < n; i++) res = res + a[i];                                                \
+            return res;                                                                         \
+        }                                                                                       \
+        Py_ssize_t n2 = n / 2;                                                                  \
+        n2 -= n2 % 8;                                                                           \
+        return pairwise_##S(a, n2) + pairwise_##S(a + n2, n - n2);                              \
+    }
+
+DEFINE_PAIRWISE(float, f32)
+DEFINE_PAIRWISE(double, f64)
+
+#define DEFINE_NORM(T, S, SQRT)                                                                 \
+    VECTOR_CLONES static void norm_forward_##S(T *restrict y, T *restrict xhat,                 \
+                                               T *restrict rstd, const T *restrict x,           \
+                                               const T *restrict g, const T *restrict b,        \
+                                               Py_ssize_t rows, Py_ssize_t d, T eps) {          \
         for (Py_ssize_t i = 0; i < rows; i++) {                                                 \
-            T ri = r[i];                                                                        \
-            T *xr = xhat + i * d, *yr = y + i * d;                                              \
+            const T *xr = x + i * d;                                                            \
+            T *hr = xhat + i * d, *yr = y + i * d; /* yr holds the squares until y is made */   \
+            T mean = ((T)0 + pairwise_##S(xr, d)) / (T)d;                                       \
             for (Py_ssize_t j = 0; j < d; j++) {                                                \
-                T xh = xr[j] * ri;                                                              \
-                xr[j] = xh;                                                                     \
-                T s = xh * g[j];                                                                \
+                T c = xr[j] - mean;                                                             \
+                hr[j] = c;                                                                      \
+                yr[j] = c * c;                                                                  \
+            }                                                                                   \
+            T var = ((T)0 + pairwise_##S(yr, d)) / (T)d;                                        \
+            var = var + eps;                                                                    \
+            T r = (T)1 / SQRT(var);                                                             \
+            rstd[i] = r;                                                                        \
+            for (Py_ssize_t j = 0; j < d; j++) {                                                \
+                T h = hr[j] * r;                                                                \
+                hr[j] = h;                                                                      \
+                T s = h * g[j];                                                                 \
                 yr[j] = s + b[j];                                                               \
             }                                                                                   \
         }                                                                                       \
     }                                                                                           \
-    VECTOR_CLONES static void norm_dy_##S(T *restrict gx, T *restrict dxhat,                    \
-                                          const T *restrict dy, const T *restrict xhat,         \
-                                          const T *restrict g, Py_ssize_t rows, Py_ssize_t d) { \
+    VECTOR_CLONES static void norm_backward_##S(T *restrict gx, T *restrict dx,                 \
+                                                T *restrict scratch, const T *restrict dy,      \
+                                                const T *restrict xhat, const T *restrict rstd, \
+                                                const T *restrict g, Py_ssize_t rows,           \
+                                                Py_ssize_t d) {                                 \
         for (Py_ssize_t i = 0; i < rows; i++) {                                                 \
-            Py_ssize_t o = i * d;                                                               \
+            const T *dyr = dy + i * d, *hr = xhat + i * d;                                      \
+            T *gr = gx + i * d, *dr = dx + i * d;                                               \
             for (Py_ssize_t j = 0; j < d; j++) {                                                \
-                gx[o + j] = dy[o + j] * xhat[o + j];                                            \
-                dxhat[o + j] = dy[o + j] * g[j];                                                \
+                gr[j] = dyr[j] * hr[j];                                                         \
+                dr[j] = dyr[j] * g[j];                                                          \
             }                                                                                   \
-        }                                                                                       \
-    }                                                                                           \
-    VECTOR_CLONES static void norm_dx_##S(T *restrict dx, const T *restrict xhat,               \
-                                          const T *restrict m1, const T *restrict m2,           \
-                                          const T *restrict r, Py_ssize_t rows, Py_ssize_t d) { \
-        for (Py_ssize_t i = 0; i < rows; i++) {                                                 \
-            T a = m1[i], c = m2[i], ri = r[i];                                                  \
-            T *dr = dx + i * d;                                                                 \
-            const T *xr = xhat + i * d;                                                         \
+            T m1 = ((T)0 + pairwise_##S(dr, d)) / (T)d;                                         \
+            for (Py_ssize_t j = 0; j < d; j++) scratch[j] = dr[j] * hr[j];                      \
+            T m2 = ((T)0 + pairwise_##S(scratch, d)) / (T)d;                                    \
+            T r = rstd[i];                                                                      \
             for (Py_ssize_t j = 0; j < d; j++) {                                                \
-                T t = xr[j] * c;                                                                \
-                t = t + a;                                                                      \
+                T t = hr[j] * m2;                                                               \
+                t = t + m1;                                                                     \
                 T v = dr[j] - t;                                                                \
-                dr[j] = v * ri;                                                                 \
+                dr[j] = v * r;                                                                  \
             }                                                                                   \
         }                                                                                       \
     }
 
-DEFINE_NORM(float, f32)
-DEFINE_NORM(double, f64)
+DEFINE_NORM(float, f32, sqrtf)
+DEFINE_NORM(double, f64, sqrt)
 
 #define DEFINE_ROWS_ADD(T, S)                                                                   \
     VECTOR_CLONES static void rows_add_##S(T *restrict t, const Py_ssize_t *restrict index,     \
@@ -361,54 +403,52 @@ static PyObject *gelu_dx(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *norm_y(PyObject *self, PyObject *args) {
-    PyObject *o[5];
-    Py_buffer b[5];
-    const char *kinds[5] = {"mw", "mw", "r", "c", "c"};
+static PyObject *norm_forward(PyObject *self, PyObject *args) {
+    PyObject *o[6];
+    Py_buffer b[6];
+    const char *kinds[6] = {"mw", "mw", "rw", "m", "c", "c"};
     Py_ssize_t rows, d;
+    double eps;
     int size;
-    if (!PyArg_ParseTuple(args, "OOOOO", &o[0], &o[1], &o[2], &o[3], &o[4])
-        || !(size = open_norm_views(o, b, 5, kinds, &rows, &d)))
+    if (!PyArg_ParseTuple(args, "OOOOOOd", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &eps)
+        || !(size = open_norm_views(o, b, 6, kinds, &rows, &d)))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    if (size == 4) norm_y_f32(b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, rows, d);
-    else norm_y_f64(b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, rows, d);
+    if (size == 4)
+        norm_forward_f32(b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, b[5].buf, rows, d,
+                         (float)eps);
+    else
+        norm_forward_f64(b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, b[5].buf, rows, d,
+                         eps);
     Py_END_ALLOW_THREADS
-    release(b, 5);
+    release(b, 6);
     Py_RETURN_NONE;
 }
 
-static PyObject *norm_dy(PyObject *self, PyObject *args) {
-    PyObject *o[5];
-    Py_buffer b[5];
-    const char *kinds[5] = {"mw", "mw", "m", "m", "c"};
+static PyObject *norm_backward(PyObject *self, PyObject *args) {
+    PyObject *o[6];
+    Py_buffer b[6];
+    const char *kinds[6] = {"mw", "mw", "m", "m", "r", "c"};
     Py_ssize_t rows, d;
     int size;
-    if (!PyArg_ParseTuple(args, "OOOOO", &o[0], &o[1], &o[2], &o[3], &o[4])
-        || !(size = open_norm_views(o, b, 5, kinds, &rows, &d)))
+    if (!PyArg_ParseTuple(args, "OOOOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5])
+        || !(size = open_norm_views(o, b, 6, kinds, &rows, &d)))
         return NULL;
+    void *scratch = PyMem_Malloc(d > 0 ? (size_t)d * size : 1);  /* one row of dxhat xhat */
+    if (scratch == NULL) {
+        release(b, 6);
+        return PyErr_NoMemory();
+    }
     Py_BEGIN_ALLOW_THREADS
-    if (size == 4) norm_dy_f32(b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, rows, d);
-    else norm_dy_f64(b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, rows, d);
+    if (size == 4)
+        norm_backward_f32(b[0].buf, b[1].buf, scratch, b[2].buf, b[3].buf, b[4].buf, b[5].buf,
+                          rows, d);
+    else
+        norm_backward_f64(b[0].buf, b[1].buf, scratch, b[2].buf, b[3].buf, b[4].buf, b[5].buf,
+                          rows, d);
     Py_END_ALLOW_THREADS
-    release(b, 5);
-    Py_RETURN_NONE;
-}
-
-static PyObject *norm_dx(PyObject *self, PyObject *args) {
-    PyObject *o[5];
-    Py_buffer b[5];
-    const char *kinds[5] = {"mw", "m", "r", "r", "r"};
-    Py_ssize_t rows, d;
-    int size;
-    if (!PyArg_ParseTuple(args, "OOOOO", &o[0], &o[1], &o[2], &o[3], &o[4])
-        || !(size = open_norm_views(o, b, 5, kinds, &rows, &d)))
-        return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    if (size == 4) norm_dx_f32(b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, rows, d);
-    else norm_dx_f64(b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, rows, d);
-    Py_END_ALLOW_THREADS
-    release(b, 5);
+    PyMem_Free(scratch);
+    release(b, 6);
     Py_RETURN_NONE;
 }
 
@@ -475,10 +515,10 @@ static PyMethodDef methods[] = {
     {"gelu_y", gelu_y, METH_VARARGS, "gelu_y(y, x, t): y = ((t + 1) x) 0.5"},
     {"gelu_dx", gelu_dx, METH_VARARGS,
      "gelu_dx(dx, dy, x, t, 3ck, c): GELU's input gradient from x and t = tanh(u)"},
-    {"norm_y", norm_y, METH_VARARGS, "norm_y(y, xhat, r, g, b): xhat *= r; y = xhat g + b"},
-    {"norm_dy", norm_dy, METH_VARARGS, "norm_dy(gx, dxhat, dy, xhat, g): dy xhat, dy g"},
-    {"norm_dx", norm_dx, METH_VARARGS,
-     "norm_dx(dx, xhat, m1, m2, r): dx = (dx - (xhat m2 + m1)) r"},
+    {"norm_forward", norm_forward, METH_VARARGS,
+     "norm_forward(y, xhat, rstd, x, g, b, eps): LayerNorm's rows, mean and variance included"},
+    {"norm_backward", norm_backward, METH_VARARGS,
+     "norm_backward(gx, dx, dy, xhat, rstd, g): gx = dy xhat; dx: LayerNorm's input gradient"},
     {"rows_add", rows_add, METH_VARARGS,
      "rows_add(t, index, rows): t[index[i]] += rows[i] for each i in order"},
     {NULL, NULL, 0, NULL},

@@ -70,7 +70,10 @@ def thread_pool(workers: int) -> ThreadPoolExecutor:
 
 _THREADS: dict = {}
 _SPREADING = threading.Lock()  # held by the one caller whose blocks run on the pool
-THREAD_BLOCK = 1 << 16  # elements a thread's block of a layer's pass has at least
+# elements a thread's block of a layer's pass has at least: handing a block to the pool
+# thread and waiting for it costs some 40 us; on 2 cores a pass of 256K elements (a bias add
+# or GELU backward at 512 x 512) ran up to 2x slower on two threads, one of 1M up to 1.6x faster
+THREAD_BLOCK = 1 << 18
 
 
 def in_blocks(fn, n: int, min_block: int) -> None:
@@ -80,6 +83,9 @@ def in_blocks(fn, n: int, min_block: int) -> None:
     thread is already spreading its blocks. For elementwise and row-wise passes in C or
     NumPy, which release the GIL: each element is computed as in one call, so the results
     are bit-identical (as PyTorch's CPU kernels split their loops over its threads)."""
+    if n < 2 * max(1, min_block):  # one block: no need to ask the BLAS its threads
+        fn(0, n)
+        return
     blas = numpy_blas()
     threads = min(1 if blas is None else blas.num_threads, n // max(1, min_block))
     if threads <= 1 or not _SPREADING.acquire(blocking=False):
@@ -110,6 +116,11 @@ class Module:
     def backward(self, P: FlatParams, ctx, dy):
         raise NotImplementedError
 
+    def context(self, P: FlatParams, x):
+        """forward(P, x)'s context alone, for a backward that rebuilds it (Recompute): the
+        same arrays; a module whose context does not need its output skips making it."""
+        return self.forward(P, x)[1]
+
 
 class Linear(Module):
     """y = x @ W + b, with W of shape (d_in, d_out).
@@ -139,6 +150,9 @@ class Linear(Module):
             else:
                 y += b
         return y.reshape(*x.shape[:-1], self.d_out), x
+
+    def context(self, P, x):
+        return x  # forward's context is its input: no product to make
 
     def backward(self, P, x, dy):
         x2 = x.reshape(-1, self.d_in)  # (N, d_in)
@@ -201,11 +215,13 @@ class LayerNorm(Module):
 
     Backward, with xhat = (x - mean) * rstd and dxhat = dy * g:
         dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
-    Row sums of products go through einsum, which needs no (..., d) temporary. On NumPy
-    the elementwise passes between the row reductions run in C (models/_fused.c: the same
-    operations in the same order, bit-identical): 4 passes forward instead of 6, 6
-    backward instead of 10. Those row passes run in blocks of rows spread over the compute
-    threads (in_blocks); the column sums of the gain's and bias's gradients stay whole.
+    Every row sum is a `sum` over the last axis (NumPy's pairwise summation). On NumPy a
+    row's whole forward, and its whole input gradient, run in one call of C each
+    (models/_fused.c: the same operations in the same order, its sums added as NumPy's
+    pairwise summation adds them, bit-identical): one pass over the rows forward instead
+    of 7 NumPy passes, one and the two column sums of the gain's and bias's gradients
+    backward instead of 11; the row passes run in blocks of rows spread over the compute
+    threads (in_blocks), the column sums whole.
     """
 
     def __init__(self, name: str, d: int, eps: float = 1e-5):
@@ -223,12 +239,13 @@ class LayerNorm(Module):
         if _one_pass(x, g, b):
             xhat, y = np.empty_like(x), np.empty_like(x)  # (..., d)
             rstd = np.empty((*x.shape[:-1], 1), dtype=x.dtype)  # (..., 1)
-            rows = [a.reshape(-1, a.shape[-1]) for a in (x, xhat, rstd, y)]
-            in_blocks(lambda lo, hi: self._forward_rows(*(a[lo:hi] for a in rows), g, b),
+            rows = [a.reshape(-1, a.shape[-1]) for a in (y, xhat, rstd, x)]
+            in_blocks(lambda lo, hi: _fused.norm_forward(*(a[lo:hi] for a in rows), g, b,
+                                                         self.eps),
                       rows[0].shape[0], max(1, THREAD_BLOCK // self.d))
             return y, (xhat, rstd)
         xhat = x - x.mean(axis=-1, keepdims=True)  # (..., d) centred
-        var = xp.einsum("...i,...i->...", xhat, xhat)[..., None]  # (..., 1) sum of squares
+        var = (xhat * xhat).sum(axis=-1, keepdims=True)  # (..., 1) sum of squares
         var /= self.d
         var += self.eps
         rstd = 1.0 / xp.sqrt(var)  # (..., 1)
@@ -237,24 +254,6 @@ class LayerNorm(Module):
         y += b
         return y, (xhat, rstd)
 
-    def _forward_rows(self, x, xhat, rstd, y, g, b):
-        """The forward's NumPy and C passes on rows (n, d) of x, into those of xhat, rstd
-        (n, 1) and y: the array lines' operations, row by row the same."""
-        np.subtract(x, x.mean(axis=-1, keepdims=True), out=xhat)  # centred
-        var = np.einsum("...i,...i->...", xhat, xhat)[..., None]  # (n, 1) sum of squares
-        var /= self.d
-        var += self.eps
-        np.divide(1.0, np.sqrt(var), out=rstd)
-        _fused.norm_y(y, xhat, rstd, g, b)  # xhat *= rstd; y = xhat g + b
-
-    def _backward_rows(self, dx, xhat, rstd):
-        """dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)) on rows (n, d), in place
-        of dxhat in dx."""
-        m1 = dx.mean(axis=-1, keepdims=True)  # (n, 1)
-        m2 = np.einsum("...i,...i->...", dx, xhat)[..., None]  # (n, 1)
-        m2 /= self.d
-        _fused.norm_dx(dx, xhat, m1, m2, rstd)  # (dx - (xhat m2 + m1)) rstd
-
     def backward(self, P, ctx, dy):
         xp = array_module(dy)
         xhat, rstd = ctx
@@ -262,23 +261,19 @@ class LayerNorm(Module):
         if _one_pass(dy, xhat, rstd, g):
             tmp, dx = np.empty_like(dy), np.empty_like(dy)  # (..., d)
             rows = [a.reshape(-1, a.shape[-1]) for a in (tmp, dx, dy, xhat, rstd)]
-            per_thread = max(1, THREAD_BLOCK // self.d)
-            # dy xhat and dxhat = dy g; the column sums below stay whole (their order)
-            in_blocks(lambda lo, hi: _fused.norm_dy(*(a[lo:hi] for a in rows[:4]), g),
-                      rows[0].shape[0], per_thread)
+            # tmp = dy xhat and dx; the column sums below stay whole (their order)
+            in_blocks(lambda lo, hi: _fused.norm_backward(*(a[lo:hi] for a in rows), g),
+                      rows[0].shape[0], max(1, THREAD_BLOCK // self.d))
             P.grads[f"{self.name}.g"] += tmp.reshape(-1, self.d).sum(axis=0)
             P.grads[f"{self.name}.b"] += dy.reshape(-1, self.d).sum(axis=0)
-            dx_rows, xhat_rows, rstd_rows = rows[1], rows[3], rows[4]
-            in_blocks(lambda lo, hi: self._backward_rows(dx_rows[lo:hi], xhat_rows[lo:hi],
-                                                         rstd_rows[lo:hi]),
-                      rows[0].shape[0], per_thread)
             return dx
         tmp = dy * xhat  # (..., d)
         P.grads[f"{self.name}.g"] += tmp.reshape(-1, self.d).sum(axis=0)
         P.grads[f"{self.name}.b"] += dy.reshape(-1, self.d).sum(axis=0)
         dx = dy * g  # dxhat, (..., d)
         m1 = dx.mean(axis=-1, keepdims=True)  # (..., 1)
-        m2 = xp.einsum("...i,...i->...", dx, xhat)[..., None]  # (..., 1)
+        xp.multiply(dx, xhat, out=tmp)
+        m2 = tmp.sum(axis=-1, keepdims=True)  # (..., 1)
         m2 /= self.d
         xp.multiply(xhat, m2, out=tmp)
         tmp += m1
@@ -470,6 +465,17 @@ class Sequential(Module):
             ctxs.append(ctx)
         return x, ctxs
 
+    def context(self, P, x):
+        """The modules' contexts: every module's forward but the last one's, whose own
+        context is all that is needed of it (its output is not)."""
+        if P.cast is not None or not self.modules:
+            return super().context(P, x)
+        ctxs = []
+        for m in self.modules[:-1]:
+            x, ctx = m.forward(P, x)
+            ctxs.append(ctx)
+        return [*ctxs, self.modules[-1].context(P, x)]
+
     def backward(self, P, ctxs, dy, grad_ready=None):
         for m, names, ctx in zip(self.modules[::-1], self._names[::-1], ctxs[::-1], strict=True):
             dy = m.backward(P, ctx, dy) if P.cast is None else P.cast.backward(m, P, ctx, dy)
@@ -482,7 +488,10 @@ class Recompute(Module):
     """Activation recomputation (Chen et al. 2016, "gradient checkpointing").
 
     Keeps only the module's input; backward runs forward again to rebuild
-    the context. Costs one extra forward, saves the module's activations.
+    the context (`context`: the last matmul and residual sum, whose outputs no
+    gradient needs, are skipped, as PyTorch's non-reentrant checkpoint stops its
+    recomputation once the saved tensors are rebuilt). Costs about one extra
+    forward, saves the module's activations.
     """
 
     def __init__(self, module: Module):
@@ -496,8 +505,7 @@ class Recompute(Module):
         return y, x
 
     def backward(self, P, x, dy):
-        _, ctx = self.module.forward(P, x)
-        return self.module.backward(P, ctx, dy)
+        return self.module.backward(P, self.module.context(P, x), dy)
 
 
 class Residual(Module):
@@ -512,6 +520,9 @@ class Residual(Module):
     def forward(self, P, x):
         y, ctx = self.branch.forward(P, x)
         return x + y, ctx
+
+    def context(self, P, x):
+        return self.branch.context(P, x)  # the sum x + f(x) is not needed
 
     def backward(self, P, ctx, dy):
         return dy + self.branch.backward(P, ctx, dy)

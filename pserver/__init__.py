@@ -14,3 +14,5 @@ replication), `worker/` the clients and training loops, `common/` what both
 speak (codec, ranges, shared memory, configs, auth). ARCHITECTURE.md maps
 every module.
 """
+
+import dtlab.models  # noqa: F401 - first: its BLAS thread setting must precede NumPy's import

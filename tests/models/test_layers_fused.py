@@ -66,10 +66,10 @@ def test_layernorm_kernels_are_bit_identical_to_the_array_lines(dtype, shape, mo
 def test_norm_kernels_refuse_mismatched_buffers():
     m, r, c = np.zeros((4, 3), np.float32), np.zeros((4, 1), np.float32), np.zeros(3, np.float32)
     with pytest.raises(ValueError, match="rows x columns"):
-        fused.norm_y(m, m.copy(), np.zeros(5, np.float32), c, c)
+        fused.norm_forward(m, m.copy(), np.zeros(5, np.float32), m.copy(), c, c, 1e-5)
     with pytest.raises(ValueError, match="float32 or float64"):
-        fused.norm_dx(m, m, r, r, r.astype(np.float64))
-    fused.norm_dx(m, m, r, r, r)
+        fused.norm_backward(m, m.copy(), m, m, r, c.astype(np.float64))
+    fused.norm_backward(m, m.copy(), m, m, r, c)
 
 
 def test_gelu_takes_the_array_lines_for_strided_input(monkeypatch):

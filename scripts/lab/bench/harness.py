@@ -118,12 +118,14 @@ def cpu_name() -> str:
 
 def blas_record() -> dict:
     """The BLAS NumPy runs (threadpoolctl) and the OpenBLAS variables that would change
-    which kernels it picks: recorded, never set."""
+    which kernels it picks and how long its idle threads spin: recorded, never set here
+    (models/__init__.py sets the spin's default before NumPy loads)."""
     libs = [{key: lib.get(key) for key in ("internal_api", "version", "architecture",
                                           "num_threads", "threading_layer", "filepath")}
             for lib in threadpool_info() if lib.get("user_api") == "blas"]
     env = {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
-                                      "OPENBLAS_VERBOSE") if k in os.environ}
+                                      "OPENBLAS_VERBOSE", "OPENBLAS_THREAD_TIMEOUT")
+           if k in os.environ}
     return {"libraries": libs, "environment": env}
 
 

@@ -51,14 +51,28 @@ messages`, and whether m falls in a step t < N - 1 chooses between adding
 and overwriting, row for row as in the table.
 
 Pipelining. Each segment is cut into C sub-chunks of about `chunk_bytes`, and
-chunk j of step t + 1 (the same memory as chunk j of step t, just completed)
-is sent on as soon as chunk j of step t has arrived and been added, while
+chunk j of step t + 1 (the same chunk of the segment just completed) is
+sent on as soon as chunk j of step t has arrived and been added, while
 chunks j + 1.. of step t are still arriving. Receives are posted a window of
-C + 1 messages ahead (receive before send), into as many scratch slots of
-the communicator's pool (reduce steps) or straight into the buffer
-(all-gather steps; such a receive waits until our earlier send of the same
-memory has completed). A chunk received and added at once is still in
-cache. The requests are persistent (collective/transport/bindings.py), so a message
+C + 1 messages ahead (receive before send), into scratch slots of the
+communicator's pool (reduce steps; C + 2 slots when partial sums are kept
+there, below) or straight into the buffer (all-gather steps; such a
+receive waits until our earlier send of the same memory has completed). A
+chunk received and added at once is still in cache.
+
+Where the sums are written. Within a node the neighbour reads what we send
+with a copy on its own core, and a store to memory another core has read
+must first invalidate that core's copy of each line: an add into such
+memory ran several times slower than the same add into memory only we
+touched (a 64 KB add at 4 ranks: about 6 us against 2.5; figures from
+`dtlab-bench ring_steps`). So the partial sums of the reduce steps before
+the last, which are only passed on (the all-gather overwrites that segment
+of buf later), are added into the scratch slot that received them (slot +=
+buf, the same two operands, so the same bits) and sent on from there; only
+the last reduce step adds into buf. At two ranks that step is the only one,
+and ring_allreduce swaps the ranks' segments every call instead.
+
+The requests are persistent (collective/transport/bindings.py), so a message
 costs one Start and one Wait from Python.
 
 How small a chunk pays off depends on who copies the bytes. Over a network
@@ -124,7 +138,16 @@ class _Plan:
     (lo, hi, slot): it receives buf[lo:hi], into scratch slot number `slot`
     (a reduce step, added afterwards) or straight into buf (slot -1);
     after_send[m] is the send that must finish before that receive is posted
-    (-1: none); send[m] is the (lo, hi) of buf it sends.
+    (-1: none); send[m] is the (lo, hi) of buf it sends, read from buf or,
+    for messages [C, n_partial + C), from the slot of message m - C.
+
+    Messages [0, n_partial), those of the reduce steps before the last one
+    (t < N - 2), hold partial sums that are only passed on: their sum stays in
+    the scratch slot (slot += buf[lo:hi]) and the next step sends it from
+    there, so a slot is taken again only once that send is done (one slot more
+    than the window keeps the send started before that receive is posted).
+    buf itself is written by the last reduce step and the gather steps only,
+    and a gather receive waits only for a send that read buf.
     """
 
     def __init__(self, order: list[int], p: int, bounds: list[int], first: int, last: int,
@@ -143,14 +166,21 @@ class _Plan:
         self.window = window = min(total, c + 1, (n - 1) * c)
         self.n_chunks = c
         self.n_reduce = max(0, n - 1 - first) * c  # messages [0, n_reduce) are added
+        self.n_partial = max(0, n - 2 - first) * c  # [0, n_partial): sums kept in scratch
+        self.n_slots = slots = window + 1 if self.n_partial else window
         self.recv, self.after_send, self.send = [], [], []
         for t in range(first, last):
             got, sent = order[received_segment(p, t, n)], order[sent_segment(p, t, n)]
             for j in range(c):
                 m = (t - first) * c + j
-                reduce = t < n - 1
-                self.recv.append((cuts[got][j], cuts[got][j + 1], m % window if reduce else -1))
-                self.after_send.append(-1 if reduce else m - (n - 1) * c)
+                if t < n - 1:  # reduce: into a slot, once the send from its last sum is done
+                    self.recv.append((cuts[got][j], cuts[got][j + 1], m % slots))
+                    held = m - slots  # the slot's previous message
+                    self.after_send.append(held + c if 0 <= held < self.n_partial else -1)
+                else:  # gather: into buf, once our send of that memory is done
+                    self.recv.append((cuts[got][j], cuts[got][j + 1], -1))
+                    old = m - (n - 1) * c  # that send, unless it sent a partial sum
+                    self.after_send.append(-1 if c <= old < self.n_partial + c else old)
                 self.send.append((cuts[sent][j], cuts[sent][j + 1]))
 
 
@@ -161,7 +191,9 @@ class _Bound:
 
     Each scratch slot is a page-aligned region with a page of slack, and the
     view a reduce step receives into starts at the page offset of the chunk
-    of buf it is added to (collective/transport/pages.py).
+    of buf it is added to (collective/transport/pages.py). adds[m] is the
+    (destination, other operand) of message m's add: (slot, buf chunk) for a
+    partial sum, (buf chunk, slot) for the last reduce step.
     """
 
     def __init__(self, link: Link, plan: _Plan, buf, xp, operation: str):
@@ -173,35 +205,54 @@ class _Bound:
         self.wait_all_sent = waiter.waitall_for(operation, right)  # wait_all_sent(reqs)
         item, base = buf.itemsize, address(buf)
         stride = -(-plan.chunk_max * item // PAGE) * PAGE + PAGE  # bytes per slot
-        slots = link.ws.pages("ring", plan.window * stride, xp) if plan.n_reduce else None
+        slots = link.ws.pages("ring", plan.n_slots * stride, xp) if plan.n_reduce else None
+        c, n_partial = plan.n_chunks, plan.n_partial
         self.recv, self.send, self.adds = [], [], []
-        for lo, hi, slot in plan.recv:
+        for m, (lo, hi, slot) in enumerate(plan.recv):
             if slot >= 0:
                 into = mirror(slots, slot * stride, base + lo * item, (hi - lo) * item)
                 into = into.view(buf.dtype)  # (chunk,)
-                self.adds.append((buf[lo:hi], into))
+                self.adds.append((into, buf[lo:hi]) if m < n_partial else (buf[lo:hi], into))
             else:
                 into = buf[lo:hi]
             self.recv.append(comm.Recv_init(byte_view(into), left, TAG_RING))
-        for lo, hi in plan.send:
-            self.send.append(comm.Send_init(byte_view(buf[lo:hi]), right, TAG_RING))
+        for m, (lo, hi) in enumerate(plan.send):
+            source = self.adds[m - c][0] if c <= m < n_partial + c else buf[lo:hi]  # (chunk,)
+            self.send.append(comm.Send_init(byte_view(source), right, TAG_RING))
 
     def free(self) -> None:
         free_requests(self.recv + self.send)
 
 
+class _Turns:
+    """The bindings of one buffer, one per turn (see ring_allreduce)."""
+
+    def __init__(self, bindings: list[_Bound]):
+        self.bindings = bindings
+
+    def free(self) -> None:
+        for bound in self.bindings:
+            bound.free()
+
+
 def _bind(link: Link, buf, bounds: tuple[int, ...], first: int, last: int, chunk_bytes: int,
-          xp, operation: str) -> _Bound:
-    """The binding of this shape's plan to `buf`, from the link's caches."""
-    key = ("ring", bounds, first, last, buf.dtype.char, chunk_bytes, operation)
+          xp, operation: str, turns: int) -> list[_Bound]:
+    """The bindings of this shape's plans to `buf`, one per turn, from the link's caches.
+    Turn k runs the ring as if every rank stood k positions further on."""
+    key = ("ring", bounds, first, last, buf.dtype.char, chunk_bytes, operation, turns)
 
-    def make() -> _Bound:
+    def make() -> _Turns:
         order, position = link.ring()
-        plan = link.cache.plan(key, lambda: _Plan(order, position, list(bounds), first, last,
-                                                  buf.itemsize, chunk_bytes))
-        return _Bound(link, plan, buf, xp, operation)
+        n = len(order)
 
-    return link.cache.bound(key, buf, make)
+        def bound(k: int) -> _Bound:
+            plan = link.cache.plan(key + (k,), lambda: _Plan(
+                order, (position + k) % n, list(bounds), first, last, buf.itemsize, chunk_bytes))
+            return _Bound(link, plan, buf, xp, operation)
+
+        return _Turns([bound(k) for k in range(turns)])
+
+    return link.cache.bound(key, buf, make).bindings
 
 
 def _post(plan: _Plan, bound: _Bound, posted: int, upto: int, now: bool) -> int:
@@ -236,6 +287,7 @@ def ring(
     chunk_bytes: int,
     divide: int | None = None,
     operation: str = "allreduce(ring)",
+    turns: int = 1,
 ) -> None:
     """Run steps [first, last) of the 2(N - 1)-step ring over `buf`, in place.
 
@@ -244,13 +296,15 @@ def ring(
     divide: after the last reduce step divide the finished segment by this
         (averaging costs 1/N of a full pass).
     sync: called before a device buffer is handed to MPI (GPU stream sync).
+    turns: the calls cycle through this many segment assignments (ring_allreduce).
 
     Message m is chunk m % C of step first + m // C; the loop runs them in
     order, and a message's work is its Wait, the add of a reduce step and the
     Start of the same chunk's next step: what the plan and the binding hold is
     only indexed here, Python's share of a step is kept to those calls.
     """
-    bound = _bind(link, buf, bounds, first, last, chunk_bytes, xp, operation)
+    every_turn = _bind(link, buf, bounds, first, last, chunk_bytes, xp, operation, turns)
+    bound = every_turn[link.cache.turn(operation, turns) if turns > 1 else 0]
     plan = bound.plan
     total, window, c, n_reduce = plan.total, plan.window, plan.n_chunks, plan.n_reduce
     recvs, sends, adds = bound.recv, bound.send, bound.adds
@@ -270,7 +324,7 @@ def ring(
         if posted <= m:
             posted = post(plan, bound, posted, m + 1, True)
         wait(recvs[m])
-        if m < n_reduce:  # reduce-scatter: add what arrived into our own
+        if m < n_reduce:  # reduce-scatter: add what arrived and our own (_Bound.adds)
             dst, got = adds[m]  # (chunk,), (chunk,)
             add(dst, got, out=dst)
             if m >= final:  # the segment is final
@@ -290,18 +344,34 @@ def even_bounds(length: int, parts: int) -> tuple[int, ...]:
     return tuple(segment_bounds(length, parts))
 
 
-def ring_allreduce(link: Link, buf, *, xp, sync, chunk_bytes: int, divide: int | None) -> None:
-    """Sum (or average, divide=N) `buf` (L,) over the ring, in place."""
+def ring_allreduce(link: Link, buf, *, xp, sync, chunk_bytes: int, divide: int | None,
+                   turns: int | None = None) -> None:
+    """Sum (or average, divide=N) `buf` (L,) over the ring, in place; turns: None
+    for the default below, 1 to keep every rank on its segment (ring_steps compares).
+
+    At two ranks the ranks swap segments every call (two turns): each then adds
+    into the segment it received last, which only its own copy has written
+    since, never into the one its neighbour has just read. A store to memory
+    another core has read must first invalidate that core's copy of the line,
+    which made the add of a 128 KB segment about 4x slower than the add alone
+    (`mpiexec -n 2 dtlab-bench ring_steps`: rows ring and ring1). MPICH's
+    reduce-scatter + allgather, the same two messages, adds into the half its
+    peer has just read. a + b == b + a exactly, so the sum keeps every bit; at
+    N > 2 a turn would change the order of the sums and only one of the N - 1
+    adds would gain, so the ring keeps one turn there.
+    """
     n = link.size
-    ring(link, buf, even_bounds(buf.size, n), 0, 2 * n - 2,
-         xp=xp, sync=sync, chunk_bytes=chunk_bytes, divide=divide)
+    if turns is None:
+        turns = 2 if n == 2 else 1
+    ring(link, buf, even_bounds(buf.size, n), 0, 2 * n - 2, xp=xp, sync=sync,
+         chunk_bytes=chunk_bytes, divide=divide, turns=turns)
 
 
 def ring_reduce_scatter(
     link: Link, buf, bounds: list[int], *, xp, sync, chunk_bytes: int, divide: int | None
 ) -> None:
     """Reduce `buf` (L,) so that rank r's segment buf[bounds[r]:bounds[r+1]]
-    holds the sum; the other segments are left holding partial sums."""
+    holds the sum; the other segments are left holding inputs or partial sums."""
     n = link.size
     ring(link, buf, tuple(bounds), 0, n - 1, xp=xp, sync=sync, chunk_bytes=chunk_bytes,
          divide=divide, operation="reduce_scatter(ring)")

@@ -14,10 +14,13 @@ recognised by identity alone (`buf is last`): the same array object passed
 again skips the lookup by address, which matters at a few KB where a whole
 all-reduce takes a few microseconds. At most `limit` bindings are
 kept (least recently used are freed first), which bounds the memory they
-pin. Persistent requests must be freed before MPI_Finalize (MPICH lists
-leftovers on stderr): `free_all` runs when the communicator's Link is
-collected, or at exit (the finalizer's exit hook is registered after
-mpi4py's, so runs first).
+pin. `turn` counts calls by name, for an algorithm that alternates between
+bindings (the ring at two ranks, collective/algorithms/ring.py): every rank
+makes the same calls in the same order, so the counts agree on all ranks,
+whatever each rank's cache kept. Persistent requests must be freed before
+MPI_Finalize (MPICH lists leftovers on stderr): `free_all` runs when the
+communicator's Link is collected, or at exit (the finalizer's exit hook is
+registered after mpi4py's, so runs first).
 """
 
 from __future__ import annotations
@@ -52,6 +55,13 @@ class RequestCache:
         self._bound: dict[Hashable, Binding] = {}
         self._last: tuple | None = None  # (buffer, key, binding) of the last call
         self.evictions = 0  # bindings freed so far: a runner kept elsewhere checks it
+        self._turns: dict[str, int] = {}
+
+    def turn(self, name: str, turns: int) -> int:
+        """This call's turn, 0 .. turns - 1: the calls named `name` so far, modulo `turns`."""
+        count = self._turns.get(name, 0)
+        self._turns[name] = count + 1
+        return count % turns
 
     def plan(self, key: Hashable, make: Callable[[], object]):
         plan = self._plans.get(key)

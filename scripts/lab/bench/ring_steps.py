@@ -15,6 +15,9 @@ the heap did) each of --reps repetitions times, in rotated order,
          (about 64 MB moved, 3 to 1000), slowest rank;
   ring   ring_allreduce (collective/algorithms/ring.py) alone, on a Link of its
          own, the same way: `ours` less the Communicator's call layers;
+  ring1  the same with turns=1: every rank reduces the same segment every call
+         (at two ranks ring_allreduce swaps them each call; above two ranks ring1
+         is ring, not timed again);
   mpi    MPI_Allreduce (MPI.IN_PLACE) on the same buffer, the same way;
 
 and then runs the ring with `Link.stamps` set (collective/transport/stamps.py),
@@ -255,19 +258,24 @@ def measure_size(comm, link, size: int, args) -> list[dict]:
     ours = functools.partial(comm.allreduce, buf)
     ring = functools.partial(ring_allreduce, link, buf, xp=np, sync=None,
                              chunk_bytes=comm.chunk_bytes, divide=None)
+    ring1 = functools.partial(ring, turns=1)
     theirs = functools.partial(mpi.Allreduce, MPI.IN_PLACE, buf, op=MPI.SUM)
     steps = 2 * (n - 1)
     seg_bytes = -(-buf.size // n) * 4  # the largest segment
     calls = iterations(buf.nbytes, args.tiny)
-    for fn in (ours, ring, theirs):
+    runs = {"ours": ours, "ring": ring, "mpi": theirs}
+    if n == 2:  # above two ranks ring1 is ring
+        runs["ring1"] = ring1
+    for fn in runs.values():
         for _ in range(args.warmup):
             fn()
-    timed: dict[str, list[float]] = {"ours": [], "ring": [], "mpi": []}
+    timed: dict[str, list[float]] = {name: [] for name in runs}
     split: list[dict[str, list]] = []
     for k in range(args.reps):
         order = list(timed.items())
-        for name, out in order[k % 3:] + order[:k % 3]:  # rotated: no fixed predecessor
-            out.append(mean_s({"ours": ours, "ring": ring, "mpi": theirs}[name], calls, mpi))
+        shift = k % len(order)
+        for name, out in order[shift:] + order[:shift]:  # rotated: no fixed predecessor
+            out.append(mean_s(runs[name], calls, mpi))
         split += stamped(link, ring, min(calls, STAMPED_CALLS), steps, mpi)
     wrong = count_wrong(ring, buf, comm.rank, n, mpi) + count_wrong(ours, buf, comm.rank, n, mpi)
     link.stamps = Stamps()  # the stamped ring's sum too
@@ -296,11 +304,13 @@ def measure_size(comm, link, size: int, args) -> list[dict]:
         rows.append({**base, "table": "steps", "step": part, "phase": "-",
                      **{f"{k}_us": None for k in (*KINDS, "py")},
                      "step_us": mean[part][0] * 1e6})
-    t_ours, t_ring, t_mpi = (statistics.median(timed[k]) for k in ("ours", "ring", "mpi"))
+    t_ours, t_ring, t_ring1, t_mpi = (statistics.median(timed.get(k, timed["ring"]))
+                                      for k in ("ours", "ring", "ring1", "mpi"))
     stamped_total = sum(mean["step"]) + mean["lead"][0] + mean["tail"][0]
     per = {k: statistics.fmean(mean[k]) for k in (*KINDS, "py", "records")}
     rows.append({**base, "table": "totals", "ours_us": t_ours * 1e6, "ring_us": t_ring * 1e6,
-                 "mpi_us": t_mpi * 1e6, "stamped_us": stamped_total * 1e6,
+                 "ring1_us": t_ring1 * 1e6, "mpi_us": t_mpi * 1e6,
+                 "stamped_us": stamped_total * 1e6,
                  "gap_per_step_us": (t_ours - t_mpi) / steps * 1e6,
                  "call_us": call * 1e6, "copy_us": copy * 1e6, "stamp_us": stamp * 1e6,
                  "peer_us": (per["wait"] + per["post"] - call - copy) * 1e6,
@@ -325,7 +335,8 @@ STEP_TABLE = Table(
 
 TOTALS = Table(
     "per size, us: ours = Communicator.allreduce(ours=ring), ring = ring_allreduce alone, "
-    "mpi = MPI_Allreduce (medians of each repetition's mean, slowest rank); stamped = the "
+    "ring1 = the same with turns=1 (no swap of segments at two ranks), mpi = MPI_Allreduce "
+    "(medians of each repetition's mean, slowest rank); stamped = the "
     "stamped call's steps + lead + tail; gap/step = (ours - mpi) / 2(N-1); call = a Wait "
     "with nothing to move; copy = np.copyto of a step's bytes; stamp = one record's cost; "
     "peer/step = wait + post - call - copy (the neighbours and the transfer beyond a copy); "
@@ -334,6 +345,7 @@ TOTALS = Table(
     [Column("size", 9, lambda r: r["bytes"]), Column("n", 2, lambda r: r["n"]),
      Column("ours", 8, lambda r: r["ours_us"], ".1f"),
      Column("ring", 8, lambda r: r["ring_us"], ".1f"),
+     Column("ring1", 8, lambda r: r["ring1_us"], ".1f"),
      Column("mpi", 8, lambda r: r["mpi_us"], ".1f"),
      Column("ours/mpi", 8, lambda r: r["ours_us"] / r["mpi_us"], ".2f"),
      Column("stamped", 8, lambda r: r["stamped_us"], ".1f"),

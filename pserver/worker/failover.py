@@ -153,11 +153,15 @@ class ReplicatedShard:
         return self.replicas[self.current].shared_memory
 
     def wait_ready(self) -> None:
-        """Until one replica's health says SERVING (bounded): that one is the primary."""
+        """Until one replica's health says SERVING (bounded): that one is the primary. Where
+        none does, one that says UNKNOWN while the other gives no answer (an orphaned
+        backup, its primary silent to it and to this worker) is taken: the worker's first
+        call asks it to take over."""
         start, delay = time.monotonic(), self.cfg.backoff_s
         request = health_pb2.HealthCheckRequest(service=SERVICE)
         seen: dict[str, str] = {}
         while time.monotonic() - start < self.cfg.connect_timeout_s:
+            orphan, silent = None, 0
             for i, r in enumerate(self.replicas):
                 try:
                     reply = health_pb2_grpc.HealthStub(r.channel).Check(
@@ -165,9 +169,15 @@ class ReplicatedShard:
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
                         self.current = i
                         return
+                    if reply.status == health_pb2.HealthCheckResponse.UNKNOWN:
+                        orphan = i
                     seen[r.address] = "not serving (a backup, or a primary without one yet)"
                 except grpc.RpcError as e:
+                    silent += 1
                     seen[r.address] = e.code().name
+            if orphan is not None and silent:
+                self.current = orphan
+                return
             time.sleep(delay)
             delay = min(_MAX_BACKOFF_S, delay * 2)
         found = "; ".join(f"{a}: {why}" for a, why in seen.items())

@@ -471,6 +471,34 @@ def test_a_backup_whose_primary_went_on_without_it_never_takes_over_for_a_worker
         chain.close()
 
 
+def test_a_worker_that_connects_while_the_primary_is_paused_makes_the_backup_take_over(
+        tmp_path):
+    """SIGSTOP the primary with no worker about: its backup hears nothing, gets no answer
+    and waits for a worker to ask it (health UNKNOWN). A worker that connects now finds no
+    replica serving and the primary silent, takes the orphan, and its Register makes it
+    take over: the worker trains on it while the old primary is still paused."""
+    chain = Chain(tmp_path, 1, [])
+    client = None
+    try:
+        (primary, backup), = chain.pairs
+        os.kill(primary.proc.pid, signal.SIGSTOP)
+        with grpc.insecure_channel(backup.address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            wait_for("the backup waits for a worker", lambda: health.Check(
+                health_pb2.HealthCheckRequest(), timeout=1).status ==
+                health_pb2.HealthCheckResponse.UNKNOWN, 10)
+        client = connect(chain.servers, params=INIT, shm=False, rpc_timeout_s=2.0)
+        assert status(backup.address).role == "primary"
+        buf = np.empty(N, np.float32)
+        client.pull(buf)
+        client.push(np.ones(N, np.float32), 0)
+        assert status(backup.address).version == 1 and primary.proc.poll() is None
+    finally:
+        if client is not None:
+            client.close()
+        chain.close()
+
+
 def test_a_replaced_primary_acknowledges_nothing():
     """A primary whose backup (a Replicate stream of this test's, which takes the whole
     snapshot) breaks off, and answers, asked, that it took over (its address is another

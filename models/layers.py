@@ -116,11 +116,6 @@ class Module:
     def backward(self, P: FlatParams, ctx, dy):
         raise NotImplementedError
 
-    def context(self, P: FlatParams, x):
-        """forward(P, x)'s context alone, for a backward that rebuilds it (Recompute): the
-        same arrays; a module whose context does not need its output skips making it."""
-        return self.forward(P, x)[1]
-
 
 class Linear(Module):
     """y = x @ W + b, with W of shape (d_in, d_out).
@@ -150,9 +145,6 @@ class Linear(Module):
             else:
                 y += b
         return y.reshape(*x.shape[:-1], self.d_out), x
-
-    def context(self, P, x):
-        return x  # forward's context is its input: no product to make
 
     def backward(self, P, x, dy):
         x2 = x.reshape(-1, self.d_in)  # (N, d_in)
@@ -465,17 +457,6 @@ class Sequential(Module):
             ctxs.append(ctx)
         return x, ctxs
 
-    def context(self, P, x):
-        """The modules' contexts: every module's forward but the last one's, whose own
-        context is all that is needed of it (its output is not)."""
-        if P.cast is not None or not self.modules:
-            return super().context(P, x)
-        ctxs = []
-        for m in self.modules[:-1]:
-            x, ctx = m.forward(P, x)
-            ctxs.append(ctx)
-        return [*ctxs, self.modules[-1].context(P, x)]
-
     def backward(self, P, ctxs, dy, grad_ready=None):
         for m, names, ctx in zip(self.modules[::-1], self._names[::-1], ctxs[::-1], strict=True):
             dy = m.backward(P, ctx, dy) if P.cast is None else P.cast.backward(m, P, ctx, dy)
@@ -488,10 +469,7 @@ class Recompute(Module):
     """Activation recomputation (Chen et al. 2016, "gradient checkpointing").
 
     Keeps only the module's input; backward runs forward again to rebuild
-    the context (`context`: the last matmul and residual sum, whose outputs no
-    gradient needs, are skipped, as PyTorch's non-reentrant checkpoint stops its
-    recomputation once the saved tensors are rebuilt). Costs about one extra
-    forward, saves the module's activations.
+    the context. Costs one extra forward, saves the module's activations.
     """
 
     def __init__(self, module: Module):
@@ -505,7 +483,8 @@ class Recompute(Module):
         return y, x
 
     def backward(self, P, x, dy):
-        return self.module.backward(P, self.module.context(P, x), dy)
+        _, ctx = self.module.forward(P, x)
+        return self.module.backward(P, ctx, dy)
 
 
 class Residual(Module):
@@ -520,9 +499,6 @@ class Residual(Module):
     def forward(self, P, x):
         y, ctx = self.branch.forward(P, x)
         return x + y, ctx
-
-    def context(self, P, x):
-        return self.branch.context(P, x)  # the sum x + f(x) is not needed
 
     def backward(self, P, ctx, dy):
         return dy + self.branch.backward(P, ctx, dy)

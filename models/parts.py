@@ -36,7 +36,6 @@ class Part:
     flops_forward: int = 0
     flops_backward: int = 0
     flops_recompute: int = 0
-    flops_output: int = 0  # its last matmul's forward, which a recomputation skips
     act_floats: int = 0
     act_other_bytes: int = 0
 
@@ -83,7 +82,7 @@ def gelu_ffn(name: str, N: int, d: int, d_ff: int) -> Part:
     return Part(name, params=fc.params + proj.params,
                 flops_forward=fc.flops_forward + proj.flops_forward,
                 flops_backward=fc.flops_backward + proj.flops_backward,
-                flops_output=proj.flops_forward, act_floats=N * d + 3 * N * d_ff)
+                act_floats=N * d + 3 * N * d_ff)
 
 
 def swiglu_ffn(name: str, N: int, d: int, d_ff: int) -> Part:
@@ -125,11 +124,9 @@ def moe_blocks(c: TransformerConfig) -> int:
 
 
 def recomputed(p: Part) -> Part:
-    """Under Recompute the part keeps nothing and runs its forward again in backward, all
-    but the last matmul of the block's last part (its output is not needed: Sequential.context
-    in models/layers.py); only the GELU FFN's flops_output is set, the block's last part."""
-    return dataclasses.replace(p, flops_recompute=p.flops_forward - p.flops_output,
-                               act_floats=0, act_other_bytes=0)
+    """Under Recompute the part keeps nothing and runs its forward again in backward."""
+    return dataclasses.replace(p, flops_recompute=p.flops_forward, act_floats=0,
+                               act_other_bytes=0)
 
 
 def transformer_parts(c: TransformerConfig, B: int) -> list[Part]:

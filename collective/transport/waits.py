@@ -66,58 +66,37 @@ class Waiter:
         for many messages of one operation and peer, the ring's, where each layer costs
         a fraction of a microsecond per message (on 2 cores shared by 4 ranks every
         rank's Python shares a core with another rank's)."""
-        watch, timeout, monotonic = self.watch, self.watch.timeout, time.monotonic
-        if self.yield_waits:
-            test, yield_core = MPI.Request.Test, os.sched_yield
-
-            def wait_yielding(req: MPI.Request) -> None:
-                if test(req):
-                    return
-                if timeout:
-                    watch.state = (monotonic() + timeout, operation, peer)
-                try:
-                    while not test(req):
-                        yield_core()
-                finally:
-                    watch.state = None
-
-            return wait_yielding
-
-        def wait(req: MPI.Request) -> None:
-            if timeout:
-                watch.state = (monotonic() + timeout, operation, peer)
-            try:
-                req.Wait()
-            finally:
-                watch.state = None
-
-        return wait
+        return self._waiting(MPI.Request.Test, MPI.Request.Wait, operation, peer)
 
     def waitall_for(self, operation: str, peer: int | None) -> Callable[[list], None]:
         """`waitall(reqs, operation, peer)` as a one-argument function, as `waits_for`."""
-        watch, timeout, monotonic, waitall = (self.watch, self.watch.timeout, time.monotonic,
-                                              MPI.Request.Waitall)
-        if self.yield_waits:
-            testall, yield_core = MPI.Request.Testall, os.sched_yield
+        return self._waiting(MPI.Request.Testall, MPI.Request.Waitall, operation, peer)
 
-            def wait_yielding(reqs: list) -> None:
-                if testall(reqs):
+    def _waiting(self, test, block, operation: str, peer: int | None) -> Callable:
+        """A one-argument wait for a request or a list of them: `test` polled, the core
+        yielded between polls, where waits yield; else `block`."""
+        watch, timeout, monotonic = self.watch, self.watch.timeout, time.monotonic
+        if self.yield_waits:
+            yield_core = os.sched_yield
+
+            def wait_yielding(reqs) -> None:
+                if test(reqs):
                     return
                 if timeout:
                     watch.state = (monotonic() + timeout, operation, peer)
                 try:
-                    while not testall(reqs):
+                    while not test(reqs):
                         yield_core()
                 finally:
                     watch.state = None
 
             return wait_yielding
 
-        def wait(reqs: list) -> None:
+        def wait(reqs) -> None:
             if timeout:
                 watch.state = (monotonic() + timeout, operation, peer)
             try:
-                waitall(reqs)
+                block(reqs)
             finally:
                 watch.state = None
 

@@ -188,11 +188,9 @@ class Follower:
             quiet = time.monotonic() - self._heard
             if answer == peer.SILENT and quiet < r.cfg.replica_timeout_s:
                 return f"it heard its primary {quiet:.2f} s ago, within the primary's lease"
-            if not self._act(answer, "a worker asks it to take over", takes_gone=False):
-                found = ("it gives no answer" if answer == peer.SILENT
-                         else "nothing listens on its port")
-                r.promote(f"no word from it for {quiet:.1f} s, {found}, and a worker asks "
-                          "this backup to take over")
+            if not self._act(answer, "a worker asks this backup to take over", takes_gone=True):
+                r.promote(f"no word from it for {quiet:.1f} s, it gives no answer, and a "
+                          "worker asks this backup to take over")
             return ""
         finally:
             self._asking.release()

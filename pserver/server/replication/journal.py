@@ -277,9 +277,9 @@ class Journal:
                     finally:
                         self._cond.acquire()
                     continue
-                left = self._lease - time.monotonic() if self.attached(link) else 0.0
-                self._cond.wait(max(1e-3, min(self.timeout / 4, left + 1e-3)) if left > 0
-                                else self.timeout / 4)
+                left = self._lease - time.monotonic()  # > 0 while attached (else expired)
+                self._cond.wait(min(self.timeout / 4, left + 1e-3) if self.attached(link)
+                                else self.timeout / 4)  # deciding: until drop or refuse
             return False
 
     @property

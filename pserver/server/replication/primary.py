@@ -235,13 +235,14 @@ class Replication:
             return "isolated"
         return role
 
-    def refusal(self, worker_term: int = 0) -> str:
+    def refusal(self, context=None) -> str:
         """Why this daemon answers no worker now ("" if it does); an orphaned backup takes
-        over first where the worker (which saw at most `worker_term`) asks it to."""
+        over first where the worker calling (`context`: the highest term it saw, read only
+        here) asks it to."""
         shard = self.store.layout.shard
         follower = self.follower
         if self.role == "backup" and follower is not None and follower.orphaned:
-            why = follower.take_over(worker_term)
+            why = follower.take_over(0 if context is None else worker_term(context))
             if why:
                 return (f"shard {shard} at {self.address} is the backup of {self.primary}, "
                         f"which gives it no answer, and does not take over now: {why}")
@@ -532,7 +533,7 @@ class Gate(grpc.ServerInterceptor):
             self._stream(h.stream_stream), h.request_deserializer, h.response_serializer)
 
     def _admit(self, context) -> None:
-        why = self.r.refusal(worker_term(context))
+        why = self.r.refusal(context)
         if why:
             context.abort(grpc.StatusCode.UNAVAILABLE, why)
 

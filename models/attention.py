@@ -159,7 +159,10 @@ def _causal_mask(xp, T: int, dtype):
 
 
 SCORES_PER_CHUNK = 1 << 18  # (T, T) score floats a chunk aims at: 1 MB, about an L2 cache
-SCORES_PER_THREAD = 1 << 17  # fewer score floats a thread are not worth waking it for
+# fewer score floats a thread are not worth waking it for: at 2^17 in all (the benchmark's
+# small transformer, 8 rows x 4 heads x 64^2) two threads make its step 5% shorter
+# (scripts/RESULTS.md, stop 45)
+SCORES_PER_THREAD = 1 << 16
 
 
 def head_chunks(B: int, nh: int, T: int, n: int) -> list[tuple[slice, slice]]:

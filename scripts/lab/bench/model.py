@@ -282,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     if torch_version:
         print(f"# PyTorch {torch_version} eager on {threads.threads} thread(s), steps taken in "
               "turn with dtlab's, each timed after an untimed one of its own: torch(ms) = its "
-              "median step; torch/dtlab > 1: dtlab faster")
+              "median step; torch/dtlab > 1: dtlab faster; a recomputed block runs its whole "
+              "forward again in both (torch's checkpoint early stop off)")
     else:
         print(f"# {why_not}: no comparison with PyTorch, the matmul baseline only")
     print(TABLE.head())

@@ -4,7 +4,10 @@ A twin is the same function with the same parameter values, written as a
 PyTorch user would: F.linear with nn.Linear's (out, in) weights,
 F.layer_norm / F.rms_norm, F.gelu(approximate="tanh"), F.scaled_dot_product_attention
 (is_causal=True; on the CPU its flash kernel skips the masked blocks),
-F.cross_entropy, torch.utils.checkpoint for a recomputed block, and
+F.cross_entropy, torch.utils.checkpoint for a recomputed block (its early stop
+off, so that both recompute the whole block: Megatron's full recomputation, which
+dtlab's Recompute runs and models/cost.py counts; the default stops once the saved
+tensors are rebuilt and skips the block's last matmul, 7% of medium-full's FLOPs), and
 torch.optim.AdamW fused (its one-pass CPU kernel) where the build has it. It is
 built by walking the dtlab module tree (models/layers.py), so every size
 the benchmark runs has one; its first loss must equal dtlab's to 1e-4.
@@ -88,9 +91,10 @@ class Twin:
         if isinstance(m, Residual):
             return x + self.forward(m.branch, x)
         if isinstance(m, Recompute):
-            from torch.utils.checkpoint import checkpoint
+            from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-            return checkpoint(lambda v: self.forward(m.module, v), x, use_reentrant=False)
+            with set_checkpoint_early_stop(False):  # the whole block again, as dtlab's
+                return checkpoint(lambda v: self.forward(m.module, v), x, use_reentrant=False)
         if isinstance(m, Linear):
             return F.linear(x, T[f"{m.name}.W"], T[f"{m.name}.b"] if m.bias else None)
         if isinstance(m, Embedding):

@@ -25,6 +25,7 @@ applied, never two primaries.
 from __future__ import annotations
 
 import random
+import signal
 import time
 
 import numpy as np
@@ -88,4 +89,33 @@ def test_acknowledgements_resume_within_the_lease_and_replicas_rejoin_by_themsel
         watch.stop()
         if pushers is not None and not pushers.stopped:
             pushers.stop()
+        pair.close()
+
+
+def test_a_dropped_backup_rejoins_where_new_connections_to_its_primary_are_slow(tmp_path):
+    """The backup's link opens each new connection 0.4 s late (a proxy, a loaded host:
+    longer than a question to the primary waits) and the backup is paused for 1.5 s: the
+    primary goes on alone, and the backup learns it on the connection it followed on, so
+    the shard is two replicas again within seconds (asked on a new connection each time,
+    every question went unanswered: an orphan for good, or a dropped backup that rejoined
+    only at its 10 s bound)."""
+    pair = faults.Pair(tmp_path, 0, 1, random.Random(0))
+    try:
+        p, b = pair.heal()
+        link = pair.slots[b].link
+        opens = link._far
+
+        def slow_open(near):
+            time.sleep(0.4)
+            return opens(near)
+
+        link._far = slow_open  # the daemon's env names this link: patch it, not replace it
+        pair.slots[b].signal(signal.SIGSTOP)
+        time.sleep(1.5)
+        pair.slots[b].signal(signal.SIGCONT)
+        assert pair.heal(timeout=8.0) == (p, b)  # raises TimeoutError past 8 s
+        assert faults.status(pair.addresses[p]).term == 2  # it went on alone once
+        assert pair.restarted == 0
+        assert "rejoining it as its backup" in pair.slots[b].daemon.output()
+    finally:
         pair.close()

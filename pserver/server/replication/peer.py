@@ -20,18 +20,27 @@ from dtlab.pserver.server.replication.journal import REPLICATION
 SILENT, GONE = "silent", "gone"  # no answer; nothing listens at the address
 
 
-def ask(address: str, metadata, timeout: float, term: int = 0) -> pb.ReplicaStatusReply | str:
+def status_call(channel: grpc.Channel):
+    """The ReplicaStatus method on `channel`."""
+    return channel.unary_unary(f"/{REPLICATION}/ReplicaStatus",
+                               request_serializer=pb.ReplicaStatusRequest.SerializeToString,
+                               response_deserializer=pb.ReplicaStatusReply.FromString)
+
+
+def ask(address: str, metadata, timeout: float, term: int = 0,
+        status=None) -> pb.ReplicaStatusReply | str:
     """The replica at `address`'s ReplicaStatus (term: the asking primary's, dropping it as
-    its backup), or SILENT, or GONE."""
-    with grpc.insecure_channel(address) as ch:
-        status = ch.unary_unary(f"/{REPLICATION}/ReplicaStatus",
-                                request_serializer=pb.ReplicaStatusRequest.SerializeToString,
-                                response_deserializer=pb.ReplicaStatusReply.FromString)
-        try:
-            return status(pb.ReplicaStatusRequest(term=term), timeout=timeout,
-                          metadata=metadata)
-        except grpc.RpcError:
-            pass
+    its backup), or SILENT, or GONE; asked on a new connection, or with `status`
+    (status_call) on one already open to `address` (a follower's own)."""
+    if status is None:
+        with grpc.insecure_channel(address) as ch:
+            return ask(address, metadata, timeout, term, status_call(ch))
+    try:
+        return status(pb.ReplicaStatusRequest(term=term), timeout=timeout, metadata=metadata)
+    except grpc.RpcError:
+        pass
+    except ValueError:  # that connection is closed: its owner stopped
+        return SILENT
     return GONE if refused(address, timeout) else SILENT
 
 

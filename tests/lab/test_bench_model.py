@@ -46,6 +46,7 @@ def check_rows(lines: list[str], rows: list[dict]) -> None:
         assert row["wrong"] == 0
         assert row["act_bytes_measured"] == row["act_bytes_estimated"] > 0
         assert 0 < row["step_s_best"] <= row["step_s_median"] and row["matmul_gflops"] > 0
+        assert min(row["step_s_each"]) == row["step_s_best"]  # every timed step, in order
         assert row["gflops"] == row["flops_step"] / row["step_s_best"] / 1e9
         assert row["ratio"] == row["gflops"] / row["matmul_gflops"]
         assert len(row["matmul_shape"]) == 3
@@ -77,6 +78,7 @@ def test_tiny_run_prints_table_and_writes_json(tiny_bench):
         # the twin computes the same loss from the same parameters
         assert abs(row["torch_first_loss"] - row["first_loss"]) <= 1e-4 * row["first_loss"]
         assert row["torch_over_dtlab"] == row["torch_step_s_median"] / row["step_s_median"]
+        assert len(row["torch_step_s_each"]) == len(row["step_s_each"])
         layers = [x["layer"] for x in layers_of(row)]
         assert layers[0].startswith("Linear 8->" if row["model"] == "mlp" else "Embedding")
         assert layers[-2] == "cross-entropy" and layers[-1].startswith("AdamW")

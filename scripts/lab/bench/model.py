@@ -37,7 +37,9 @@ NumPy runs (threadpoolctl: library, kernel architecture, threads) and any
 OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE that would change it.
 
 Best-of-N beside the medians because the machine is shared: other processes only ever
-add time. Activation bytes are measured on the forward context
+add time; the JSON keeps every timed step of both (step_s_each, torch_step_s_each), so a
+median moved by a few slow steps (a woken thread that waits for its core) shows as such.
+Activation bytes are measured on the forward context
 (models/memory.py) and compared with models/cost.py; a mismatch counts in #wrong,
 as does a non-finite loss or a PyTorch twin whose first loss differs from
 dtlab's by more than 1e-4 (relative), and makes the exit status 1.
@@ -176,6 +178,7 @@ def bench_one(name: str, size: str, cfg, batch: int, reps: int, warmup: int,
         "batch_size": batch,
         "params": cost.params_total, "tokens_per_step": cost.tokens_per_step,
         "flops_step": cost.flops_step, "step_s_best": best, "step_s_median": median,
+        "step_s_each": times[0],
         "gflops": gflops, "matmul_shape": [m, k, n], "matmul_gflops": mm,
         "ratio": gflops / mm, "act_bytes_measured": measured,
         "act_bytes_estimated": cost.activation_bytes, "loss": losses[-1], "wrong": wrong,
@@ -184,6 +187,7 @@ def bench_one(name: str, size: str, cfg, batch: int, reps: int, warmup: int,
         return row, []
     torch_median = statistics.median(times[1])
     row.update(torch_step_s_median=torch_median, torch_step_s_best=min(times[1]),
+               torch_step_s_each=times[1],
                torch_over_dtlab=torch_median / median, first_loss=first_loss,
                torch_first_loss=twin_loss)
     return row, layer_rows(twin, P, host_batch, opt, reps, warmup, name, size)

@@ -21,11 +21,8 @@ and is reported as such. The limit is applied through threadpoolctl, which
 works after NumPy has loaded its BLAS.
 
 How long an idle BLAS thread spins before it sleeps is read when the BLAS
-loads, so it is set before that, by the package (models/__init__.py, which
-collective/, pserver/ and the lab import first): OPENBLAS_THREAD_TIMEOUT=18,
-about 0.1 ms, instead of OpenBLAS's 0.1 s, during which a spinning thread held
-the core that the layers' second block and other processes need. A value the
-user set is kept.
+loads, so models/__init__.py (which collective/, pserver/ and the lab import
+first) sets it, and says why.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ change with the same store code in the same order, acknowledges each (and each h
 with its beat: the primary's lease), and when the primary's stream ends, breaks or goes
 silent asks the primary and takes over or, dropped, rejoins it
 (pserver.server.replication.primary describes the protocol, its rule of one primary and
-the rejoin). It asks over the connection it follows on (`_question`), never a new one:
+the rejoin). It asks over the connection it follows on (`_ask`), never a new one:
 where a new connection to the primary takes longer to open than a question may wait (a
 proxy between the replicas, a loaded host), a question on a new connection each time goes
 unanswered every time, and the backup would learn nothing: an orphan for good, or a
@@ -128,16 +128,13 @@ class Follower:
             self._leave(why)
 
     def _ask(self) -> pb.ReplicaStatusReply | str:
-        answer = self._question()
+        """The primary's ReplicaStatus (or peer.SILENT, peer.GONE), asked on this follower's
+        channel (its connection, open since the join or opened again at its reconnect
+        pace) and kept with its time for `take_over`."""
+        r = self.r
+        answer = peer.ask(r.cfg.replica_of, self._metadata, r.ask_timeout, status=self._status)
         self._asked = (time.monotonic(), answer)
         return answer
-
-    def _question(self) -> pb.ReplicaStatusReply | str:
-        """The primary's ReplicaStatus (or peer.SILENT, peer.GONE), asked on this follower's
-        channel: its connection, open since the join or opened again at its reconnect
-        pace."""
-        r = self.r
-        return peer.ask(r.cfg.replica_of, self._metadata, r.ask_timeout, status=self._status)
 
     def _act(self, answer: pb.ReplicaStatusReply | str, why: str, takes_gone: bool) -> bool:
         """On the primary's answer: one that is primary (or isolated) drops this backup; one
@@ -216,12 +213,12 @@ class Follower:
         It waits so that the primary, deciding about it, hears "dropped" in its term here,
         not a fresh daemon on this port (which it could not tell from a backup that took
         over and restarted: it would stop). The primary answers on the follower's channel
-        (`_question`) within milliseconds, so the bound is reached only if it gives no
+        (`_ask`) within milliseconds, so the bound is reached only if it gives no
         answer all along (paused or cut off, a second fault)."""
         r, primary = self.r, self.r.cfg.replica_of
         limit = time.monotonic() + max(10.0, 10 * r.cfg.replica_timeout_s)
         while not self._stopped.is_set() and time.monotonic() < limit:
-            answer = self._question()
+            answer = self._ask()
             if answer == peer.GONE or (isinstance(answer, pb.ReplicaStatusReply) and (
                     answer.term > r.journal.term or answer.role not in ("primary",
                                                                         "isolated"))):

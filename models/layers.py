@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from dtlab.models import placement
 from dtlab.models.backend import array_module
 from dtlab.models.params import FlatParams, ParamSpec
 
@@ -61,10 +62,13 @@ def numpy_blas():
 
 
 def thread_pool(workers: int) -> ThreadPoolExecutor:
-    """A pool of `workers` threads of this process (a forked child makes its own)."""
+    """A pool of `workers` threads of this process (a forked child makes its own), each
+    started on its helper's core (models/placement.py)."""
     key = (os.getpid(), workers)
     if key not in _THREADS:
-        _THREADS[key] = ThreadPoolExecutor(workers, thread_name_prefix="dtlab-passes")
+        _THREADS[key] = ThreadPoolExecutor(workers, thread_name_prefix="dtlab-passes",
+                                           initializer=placement.bind_pool_thread,
+                                           initargs=(workers,))
     return _THREADS[key]
 
 

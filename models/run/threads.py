@@ -20,6 +20,12 @@ the user set (OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS) wins
 and is reported as such. The limit is applied through threadpoolctl, which
 works after NumPy has loaded its BLAS.
 
+Where the process owns its cores (alone on its host by the launcher's count, or
+given a mask by the launcher) and runs T > 1 threads, its T - 1 helper threads (the
+BLAS's workers and the passes' pool) are bound to the cores after the first
+(models/placement.py says why); DTLAB_BIND_HELPERS=0 leaves them to the scheduler.
+A process with a thread variable the user set is not bound: it may share its host.
+
 How long an idle BLAS thread spins before it sleeps is read when the BLAS
 loads, so models/__init__.py (which collective/, pserver/ and the lab import
 first) sets it, and says why.
@@ -28,14 +34,17 @@ first) sets it, and says why.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy  # noqa: F401 - loads the BLAS whose thread pool is limited here
 from threadpoolctl import threadpool_info, threadpool_limits
 
+from dtlab.models import placement
+from dtlab.models.layers import numpy_blas
 from dtlab.models.run.launcher_env import LOCAL_SIZE_VARS, first_int
 
 USER_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+BIND_VAR = "DTLAB_BIND_HELPERS"  # "0": the helper threads are left to the scheduler
 
 
 @dataclass(frozen=True)
@@ -46,13 +55,15 @@ class ThreadChoice:
     cores: int  # cores in this process's affinity mask
     processes: int  # processes sharing them (1 when the mask is already per process)
     source: str  # where `processes` or the count came from
+    placement: str = ""  # where the helper threads run (placement.bind_helpers), if T > 1
 
     def describe(self) -> str:
         noun = "thread" if self.threads == 1 else "threads"
+        placed = f"; {self.placement}" if self.placement else ""
         if self.source.startswith("user"):
-            return f"{self.threads} BLAS/OpenMP {noun} ({self.source})"
+            return f"{self.threads} BLAS/OpenMP {noun} ({self.source}){placed}"
         return (f"{self.threads} BLAS/OpenMP {noun}: {self.cores} core(s) / {self.processes} "
-                f"process(es) on this host ({self.source})")
+                f"process(es) on this host ({self.source}){placed}")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -62,11 +73,15 @@ def _cpu_count() -> int:
     return os.cpu_count() or 1
 
 
-def _affinity() -> int:
+def _mask() -> set[int]:
     try:
-        return len(os.sched_getaffinity(0))
+        return os.sched_getaffinity(0)
     except AttributeError:  # not Linux
-        return _cpu_count()
+        return set(range(_cpu_count()))
+
+
+def _affinity() -> int:
+    return len(_mask())
 
 
 def local_processes() -> tuple[int, str]:
@@ -109,7 +124,17 @@ def share_cores(processes: int | None = None, threads: int | None = None) -> Thr
     if threads is not None and not choice.source.startswith("user"):
         choice = ThreadChoice(threads, choice.cores, 1, "fixed by this program")
     threadpool_limits(limits=choice.threads)
-    return choice
+    placed = placement.bind_helpers(helper_cores(choice), numpy_blas())
+    return replace(choice, placement=placed if choice.threads > 1 else "")
+
+
+def helper_cores(choice: ThreadChoice) -> tuple[int, ...]:
+    """The cores for the choice's T - 1 helper threads: this process's after the first,
+    where it owns them (module doc); () leaves the helpers to the scheduler."""
+    owned = choice.processes == 1 and not choice.source.startswith(("user", "fixed"))
+    if choice.threads < 2 or not owned or os.environ.get(BIND_VAR) == "0":
+        return ()
+    return tuple(sorted(_mask())[1:choice.threads])
 
 
 def threads_in_use() -> dict[str, int]:

@@ -284,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     print("# GFLOP = dtlab.models.cost matmul FLOPs per step; ratio = GFLOP/s (from the best "
           "step) / same-run float32 matmul GFLOP/s")
     if torch_version:
-        print(f"# PyTorch {torch_version} eager on {threads.threads} thread(s), steps taken in "
+        print(f"# PyTorch {torch_version} eager on {threads.threads} thread(s) placed as torch "
+              "places them (its OpenMP threads unbound), steps taken in "
               "turn with dtlab's, each timed after an untimed one of its own: torch(ms) = its "
               "median step; torch/dtlab > 1: dtlab faster; a recomputed block runs its whole "
               "forward again in both (torch's checkpoint early stop off)")

@@ -77,3 +77,62 @@ def test_sync_trainer_records_its_threads(tmp_path):
     assert header["threads"]["threads"] == max(1, CORES // 2)
     assert header["threads"]["processes"] == 2
     assert "BLAS/OpenMP thread" in r.stderr, r
+
+
+def _blas_worker_masks() -> list[set[int]]:
+    """Each OpenBLAS worker's cores, as openblas_getaffinity reads them back."""
+    import ctypes
+
+    from dtlab.models import layers, placement
+    blas = layers.numpy_blas()
+    getaffinity = placement._symbol(blas.dynlib, "openblas_getaffinity")
+    masks = []
+    for worker in range(blas.num_threads - 1):
+        bits = (ctypes.c_uint64 * 16)()
+        assert getaffinity(ctypes.c_int(worker), ctypes.c_size_t(ctypes.sizeof(bits)), bits) == 0
+        masks.append({core for core in range(1024) if bits[core // 64] >> (core % 64) & 1})
+    return masks
+
+
+def _pool_thread_masks() -> list[set[int]]:
+    from dtlab.models import layers, placement
+    layers.in_blocks(lambda lo, hi: None, 64, 16)  # starts the pool's threads
+    return [os.sched_getaffinity(t) for t in placement._POOL_THREADS[os.getpid(), CORES - 1]]
+
+
+needs_two_cores = pytest.mark.skipif(CORES < 2, reason="one core: no helper thread to place")
+
+
+@needs_two_cores
+def test_a_process_alone_binds_each_helper_to_a_core_after_the_first(clean_env):
+    """The BLAS's workers and the passes' pool thread run on cores 1.. (placement.py);
+    the calling thread keeps the process's whole mask."""
+    mask = sorted(os.sched_getaffinity(0))
+    choice = threads.share_cores()
+    assert "bound to core(s)" in choice.describe(), choice
+    helpers = [{mask[1 + i % (CORES - 1)]} for i in range(CORES - 1)]
+    assert _pool_thread_masks() == helpers
+    if threads.numpy_blas().internal_api == "openblas":
+        assert _blas_worker_masks() == helpers
+    assert os.sched_getaffinity(0) == set(mask)
+
+
+@needs_two_cores
+@pytest.mark.parametrize("why", ["opted out", "user's thread count", "ranks share the host"])
+def test_helpers_stay_unbound_where_the_process_may_share_its_cores(clean_env, why):
+    clean_env.setenv(*{"opted out": (threads.BIND_VAR, "0"),
+                       "user's thread count": ("OMP_NUM_THREADS", str(CORES)),
+                       "ranks share the host": ("MPI_LOCALNRANKS", "2")}[why])
+    try:
+        choice = threads.share_cores()
+        if choice.threads > 1:
+            assert "placed by the scheduler" in choice.describe(), choice
+        whole = os.sched_getaffinity(0)
+        assert all(m == whole for m in _pool_thread_masks())
+        if threads.numpy_blas().internal_api == "openblas":
+            assert all(m == whole for m in _blas_worker_masks())
+    finally:
+        clean_env.delenv(threads.BIND_VAR, raising=False)
+        clean_env.delenv("OMP_NUM_THREADS", raising=False)
+        clean_env.delenv("MPI_LOCALNRANKS", raising=False)
+        threads.share_cores()

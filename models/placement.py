@@ -21,6 +21,7 @@ helpers onto the same cores.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
@@ -29,20 +30,21 @@ import threading
 _CORES: list[tuple[int, ...]] = [()]  # the helpers' cores; () leaves them to the scheduler
 _POOL_THREADS: dict[tuple, list[int]] = {}  # (process id, pool): its threads' ids, in start order
 _STARTING = threading.Lock()
+_CAN_BIND = hasattr(os, "sched_setaffinity")  # Linux
 
 
 def bind_helpers(cores: tuple[int, ...], blas) -> str:
     """Bind the BLAS's worker i and every pool's thread i (now, or when it starts) to
-    cores[i % len]; () unbinds them. `blas` is threadpoolctl's controller of NumPy's BLAS (or None).
-    Returns what was bound, for the run's header."""
-    _CORES[0] = tuple(cores)
+    cores[i % len]; () unbinds them. `blas`: threadpoolctl's controller of NumPy's BLAS,
+    or None. Returns what was done, for the run's header."""
+    _CORES[0] = tuple(cores) if _CAN_BIND else ()
     for (pid, _), started in _POOL_THREADS.items():
         for index, thread in enumerate(started if pid == os.getpid() else []):
-            os.sched_setaffinity(thread, _core_of(index))
+            _bind(thread, index)
     bound = _bind_blas_workers(blas)
-    if not cores:
+    if not _CORES[0]:
         return "helper threads placed by the scheduler"
-    where = ",".join(map(str, cores))
+    where = ",".join(map(str, _CORES[0]))
     return f"helper threads bound to core(s) {where}" + ("" if bound else
                                                           " (the BLAS's own threads not)")
 
@@ -52,7 +54,15 @@ def bind_pool_thread(pool) -> None:
     with _STARTING:
         started = _POOL_THREADS.setdefault((os.getpid(), pool), [])  # a forked child anew
         started.append(threading.get_native_id())
-        os.sched_setaffinity(0, _core_of(len(started) - 1))
+        _bind(0, len(started) - 1)
+
+
+def _bind(thread: int, helper: int) -> None:
+    """Bind `thread` (0: the calling one) to `helper`'s core; one the system refuses (a
+    cpuset narrowed since, a thread gone) stays where it runs."""
+    if _CAN_BIND:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(thread, _core_of(helper))
 
 
 def _core_of(helper: int) -> set[int]:
@@ -67,7 +77,8 @@ def _process_mask() -> set[int]:
 def _bind_blas_workers(blas) -> bool:
     """OpenBLAS (pthreads build): openblas_setaffinity(i, size, set) binds worker i, for
     i below its thread count less one (the last index is the caller). Other BLAS: False."""
-    if blas is None or blas.internal_api != "openblas" or blas.threading_layer != "pthreads":
+    if not _CAN_BIND or blas is None or blas.internal_api != "openblas" \
+            or blas.threading_layer != "pthreads":
         return False
     setaffinity = _symbol(blas.dynlib, "openblas_setaffinity")
     if setaffinity is None:  # OpenBLAS before 0.3.12

@@ -31,6 +31,7 @@ _CORES: list[tuple[int, ...]] = [()]  # the helpers' cores; () leaves them to th
 _POOL_THREADS: dict[tuple, list[int]] = {}  # (process id, pool): its threads' ids, in start order
 _STARTING = threading.Lock()
 _CAN_BIND = hasattr(os, "sched_setaffinity")  # Linux
+_BLAS_BOUND = [0]  # the BLAS's workers the last call bound (unbound again when () comes)
 
 
 def bind_helpers(cores: tuple[int, ...], blas) -> str:
@@ -83,14 +84,24 @@ def _bind_blas_workers(blas) -> bool:
     setaffinity = _symbol(blas.dynlib, "openblas_setaffinity")
     if setaffinity is None:  # OpenBLAS before 0.3.12
         return False
-    mask = ctypes.c_uint64 * 16  # a cpu_set_t: 1024 cores
-    for worker in range(blas.num_threads - 1):
-        bits = mask()
-        for core in _core_of(worker):
-            bits[core // 64] |= 1 << (core % 64)
-        if setaffinity(ctypes.c_int(worker), ctypes.c_size_t(ctypes.sizeof(bits)), bits) != 0:
-            return False
-    return True
+    workers = blas.num_threads - 1
+    reach = max(workers, _BLAS_BOUND[0])  # also those bound before, idle at this count
+    if reach > workers:
+        blas.set_num_threads(reach + 1)  # OpenBLAS only reaches workers within its count
+    try:
+        done = all(_bind_blas_worker(setaffinity, worker) for worker in range(reach))
+    finally:
+        if reach > workers:
+            blas.set_num_threads(workers + 1)
+    _BLAS_BOUND[0] = reach if _CORES[0] else 0
+    return done
+
+
+def _bind_blas_worker(setaffinity, worker: int) -> bool:
+    bits = (ctypes.c_uint64 * 16)()  # a cpu_set_t: 1024 cores
+    for core in _core_of(worker):
+        bits[core // 64] |= 1 << (core % 64)
+    return setaffinity(ctypes.c_int(worker), ctypes.c_size_t(ctypes.sizeof(bits)), bits) == 0
 
 
 def _symbol(dynlib, name: str):

@@ -80,23 +80,29 @@ def test_sync_trainer_records_its_threads(tmp_path):
 
 
 def _blas_worker_masks() -> list[set[int]]:
-    """Each OpenBLAS worker's cores, as openblas_getaffinity reads them back."""
+    """Each of OpenBLAS's CORES - 1 workers' cores, read back by openblas_getaffinity (which
+    reaches only the workers within the BLAS's thread count: raised to CORES for it)."""
     import ctypes
 
     from dtlab.models import layers, placement
     blas = layers.numpy_blas()
     getaffinity = placement._symbol(blas.dynlib, "openblas_getaffinity")
-    masks = []
-    for worker in range(blas.num_threads - 1):
-        bits = (ctypes.c_uint64 * 16)()
-        assert getaffinity(ctypes.c_int(worker), ctypes.c_size_t(ctypes.sizeof(bits)), bits) == 0
-        masks.append({core for core in range(1024) if bits[core // 64] >> (core % 64) & 1})
+    count, masks = blas.num_threads, []
+    blas.set_num_threads(CORES)
+    try:
+        for worker in range(CORES - 1):
+            bits = (ctypes.c_uint64 * 16)()
+            size = ctypes.c_size_t(ctypes.sizeof(bits))
+            assert getaffinity(ctypes.c_int(worker), size, bits) == 0
+            masks.append({core for core in range(1024) if bits[core // 64] >> (core % 64) & 1})
+    finally:
+        blas.set_num_threads(count)
     return masks
 
 
 def _pool_thread_masks() -> list[set[int]]:
     from dtlab.models import layers, placement
-    layers.in_blocks(lambda lo, hi: None, 64, 16)  # starts the pool's threads
+    layers.in_blocks(lambda lo, hi: None, 32 * CORES, 16)  # starts the pool's threads
     return [os.sched_getaffinity(t) for t in placement._POOL_THREADS[os.getpid(), CORES - 1]]
 
 
@@ -120,17 +126,21 @@ def test_a_process_alone_binds_each_helper_to_a_core_after_the_first(clean_env):
 @needs_two_cores
 @pytest.mark.parametrize("why", ["opted out", "user's thread count", "ranks share the host"])
 def test_helpers_stay_unbound_where_the_process_may_share_its_cores(clean_env, why):
+    """...and helpers bound before (the pool's threads, the BLAS's workers, even those idle
+    at a lower thread count) are unbound again."""
+    whole = os.sched_getaffinity(0)
+    threads.share_cores()
+    assert _pool_thread_masks() != [whole] * (CORES - 1)  # bound, to be unbound below
     clean_env.setenv(*{"opted out": (threads.BIND_VAR, "0"),
                        "user's thread count": ("OMP_NUM_THREADS", str(CORES)),
-                       "ranks share the host": ("MPI_LOCALNRANKS", "2")}[why])
+                       "ranks share the host": ("MPI_LOCALNRANKS", str(CORES))}[why])
     try:
         choice = threads.share_cores()
         if choice.threads > 1:
             assert "placed by the scheduler" in choice.describe(), choice
-        whole = os.sched_getaffinity(0)
-        assert all(m == whole for m in _pool_thread_masks())
+        assert _pool_thread_masks() == [whole] * (CORES - 1)
         if threads.numpy_blas().internal_api == "openblas":
-            assert all(m == whole for m in _blas_worker_masks())
+            assert _blas_worker_masks() == [whole] * (CORES - 1)
     finally:
         clean_env.delenv(threads.BIND_VAR, raising=False)
         clean_env.delenv("OMP_NUM_THREADS", raising=False)

@@ -263,12 +263,20 @@ def closing(rows: list[dict]) -> int:
 # -- timing -----------------------------------------------------------------------------------
 
 
+# how long the untimed calls before a settled timed call last at least: PyTorch's OpenMP
+# worker spins about 11 ms after its last parallel region (torch 2.13 on the 2-vCPU AMD
+# EPYC: its run time while the caller slept, /proc/<tid>/schedstat), and a call of the other
+# library in that time competes with it for a core (a 3.4 ms dtlab Linear ran 9-11 ms)
+SETTLE_S = 0.03
+
+
 def alternate_times(fns, reps: int, warmup: int, settle: bool = False) -> list[list[float]]:
     """Seconds of each of `fns` over `reps` rounds after `warmup`, the functions taking
     turns within a round, so that a slow spell of the machine falls on all of them. With
-    `settle` each timed call follows an untimed one of the same function: the threads of
-    the library that ran before (OpenBLAS's, PyTorch's OpenMP pool) have gone idle and
-    its own are awake, as in a process that runs only one of them."""
+    `settle` each timed call follows untimed ones of the same function for at least
+    SETTLE_S: the threads of the library that ran before (OpenBLAS's, PyTorch's OpenMP
+    pool) have stopped spinning and its own are awake, as in a process that runs only one
+    of them."""
     for _ in range(warmup):
         for fn in fns:
             fn()
@@ -277,8 +285,12 @@ def alternate_times(fns, reps: int, warmup: int, settle: bool = False) -> list[l
     for _ in range(reps):
         for fn, out in zip(fns, times, strict=True):
             if settle:
-                fn()
-                backend.synchronize()
+                began = time.perf_counter()
+                while True:
+                    fn()
+                    backend.synchronize()
+                    if time.perf_counter() - began >= SETTLE_S:
+                        break
             t0 = time.perf_counter()
             fn()
             backend.synchronize()

@@ -23,9 +23,10 @@ Where PyTorch is installed (it is not a dependency), every size is also run
 by its PyTorch eager twin (scripts/lab/bench/model_torch.py: the same function
 and parameter values, torch's own kernels: SDPA, fused AdamW, ...), its step
 timed alternately with dtlab's in the same process on the same threads, each
-timed call after an untimed one of its own (a call right after the other library's
-meets its thread pool still spinning or asleep, and is slower by a large factor on a
-busy host; figures: scripts/RESULTS.md):
+timed call after at least 30 ms of untimed ones of its own (harness.SETTLE_S: a call
+right after the other library's meets its thread pool still spinning, PyTorch's for about
+11 ms, or asleep, and is slower by a large factor on a busy host; figures:
+scripts/RESULTS.md):
 
     torch/dtlab = median torch step / median dtlab step     (> 1: dtlab is faster)
 
@@ -56,7 +57,7 @@ import sys
 import numpy as np
 
 from dtlab.lab.bench import harness, model_torch
-from dtlab.lab.bench.harness import alternate_times, describe_blas, start
+from dtlab.lab.bench.harness import SETTLE_S, alternate_times, describe_blas, start
 from dtlab.models import backend
 from dtlab.models.cost import estimate
 from dtlab.models.memory import context_bytes
@@ -286,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     if torch_version:
         print(f"# PyTorch {torch_version} eager on {threads.threads} thread(s) placed as torch "
               "places them (its OpenMP threads unbound), steps taken in "
-              "turn with dtlab's, each timed after an untimed one of its own: torch(ms) = its "
+              f"turn with dtlab's, each timed after {SETTLE_S * 1e3:g} ms or more of untimed "
+              "ones of its own: torch(ms) = its "
               "median step; torch/dtlab > 1: dtlab faster; a recomputed block runs its whole "
               "forward again in both (torch's checkpoint early stop off)")
     else:

@@ -21,7 +21,14 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 from prometheus_client.parser import text_string_to_metric_families
-from support.pserver_util import ROOT, TINY_MLP_FLAGS, DaemonProcess, connect, initial_params
+from support.pserver_util import (
+    ROOT,
+    TINY_MLP_FLAGS,
+    DaemonProcess,
+    connect,
+    initial_params,
+    wait_stopped,
+)
 
 from dtlab.protos import dtlab_ps_pb2 as pb
 from dtlab.pserver.common import codec as wire
@@ -256,17 +263,6 @@ def frozen_at(tmp: Path, event: str, pattern: str, nth: int) -> dict:
     (hook / "sitecustomize.py").write_text(FREEZE.format(event=event, pattern=pattern, nth=nth))
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(hook),
                                                         os.environ.get("PYTHONPATH")]))}
-
-
-def wait_stopped(proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        pid, status = os.waitpid(proc.pid, os.WNOHANG | os.WUNTRACED)
-        if pid:
-            assert os.WIFSTOPPED(status), f"the daemon ended ({status:#x}) before the point"
-            return
-        time.sleep(0.01)
-    raise TimeoutError("the daemon never reached the point")
 
 
 def save_failing(shard) -> None:

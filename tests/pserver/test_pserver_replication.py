@@ -30,6 +30,7 @@ from support.pserver_util import (
     initial_params,
     run_workers,
     serve,
+    wait_stopped,
 )
 from support.waiting import wait_for
 
@@ -446,6 +447,7 @@ def test_a_backup_whose_primary_went_on_without_it_never_takes_over_for_a_worker
         client.push(np.ones(N, np.float32), 0)  # held by both
         term = status(primary.address).term
         os.kill(backup.proc.pid, signal.SIGSTOP)
+        wait_stopped(backup.proc, 10)  # or push 1 may still reach it
         client.push(np.ones(N, np.float32), 1)  # acknowledged by the primary alone, and
         client.pull(np.empty(N, np.float32))  # a reply of its new term (the push's was
         assert status(primary.address).term == term + 1  # made in the old one)

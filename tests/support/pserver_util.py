@@ -176,3 +176,17 @@ def make_cert(tmp: Path, name: str) -> tuple[Path, Path]:
                     "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key),
                     "-out", str(cert)], check=True, capture_output=True, timeout=60)
     return cert, key
+
+
+def wait_stopped(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Until the child `proc` has stopped, every thread of it (SIGSTOP, sent by us or by
+    itself): kill() returns before the stop takes effect, and a thread still running on
+    another core meanwhile can take a message meant to find the process paused."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid, status = os.waitpid(proc.pid, os.WNOHANG | os.WUNTRACED)
+        if pid:
+            assert os.WIFSTOPPED(status), f"the daemon ended ({status:#x}) before it stopped"
+            return
+        time.sleep(0.01)
+    raise TimeoutError("the daemon never stopped")

@@ -40,8 +40,9 @@ def bind_helpers(cores: tuple[int, ...], blas) -> str:
     or None. Returns what was done, for the run's header."""
     _CORES[0] = tuple(cores) if _CAN_BIND else ()
     for (pid, _), started in _POOL_THREADS.items():
-        for index, thread in enumerate(started if pid == os.getpid() else []):
-            _bind(thread, index)
+        if pid == os.getpid():  # a forked child's table still lists its parent's threads
+            for index, thread in enumerate(started):
+                _bind(thread, index)
     bound = _bind_blas_workers(blas)
     if not _CORES[0]:
         return "helper threads placed by the scheduler"

@@ -28,9 +28,9 @@ from support.pserver_util import (
     DaemonProcess,
     connect,
     initial_params,
+    pause,
     run_workers,
     serve,
-    wait_stopped,
 )
 from support.waiting import wait_for
 
@@ -391,7 +391,7 @@ def test_a_push_waits_for_the_backup_and_a_paused_backup_is_dropped_at_the_lease
         client.push(np.ones(N, np.float32), 0)  # held by both before it is acknowledged:
         assert status(backup.address).version == status(primary.address).version == 1
         term = status(primary.address).term
-        os.kill(backup.proc.pid, signal.SIGSTOP)
+        pause(backup.proc)  # stopped before the push below starts
         done: list[float] = []
         pusher = threading.Thread(target=lambda: done.append(
             (client.push(np.ones(N, np.float32), 1), time.monotonic())[1]))
@@ -446,8 +446,7 @@ def test_a_backup_whose_primary_went_on_without_it_never_takes_over_for_a_worker
         client.pull(np.empty(N, np.float32))
         client.push(np.ones(N, np.float32), 0)  # held by both
         term = status(primary.address).term
-        os.kill(backup.proc.pid, signal.SIGSTOP)
-        wait_stopped(backup.proc, 10)  # or push 1 may still reach it
+        pause(backup.proc)  # stopped, or push 1 may still reach it
         client.push(np.ones(N, np.float32), 1)  # acknowledged by the primary alone, and
         client.pull(np.empty(N, np.float32))  # a reply of its new term (the push's was
         assert status(primary.address).term == term + 1  # made in the old one)

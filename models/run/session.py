@@ -325,6 +325,8 @@ def build_session(setup: Setup, rank: int = 0, world: int = 1, tp: Comm | None =
     holds this rank's experts of every MoE layer. Expert-parallel ranks read their own
     data: for a dp x ep grid, `rank` is dp_rank * ep + ep_rank of `world` dp * ep."""
     backend.xp()  # the device the caller chose (grid.select_device: by node rank), or the default
+    # held-out first: real data has none, refused before its loader imports scikit-learn
+    heldout = heldout_batches(setup) if setup.run.eval_every else []
     dataset, model_cfg = make_dataset(setup.data, setup.model_name, setup.model)
     setup.model = model_cfg
     model = build_model(setup.model_name, model_cfg, tp=tp, ep=ep)
@@ -345,8 +347,7 @@ def build_session(setup: Setup, rank: int = 0, world: int = 1, tp: Comm | None =
     loader = ShardedLoader(dataset, setup.run.batch_size, rank=rank, world=world,
                            seed=setup.run.seed, micro_batches=setup.run.grad_accum)
     return Session(setup, dataset, model, params, replica, optimizer,
-                   Schedule(setup.optim, setup.run.steps), loader, rank, world,
-                   heldout_batches(setup) if setup.run.eval_every else [])
+                   Schedule(setup.optim, setup.run.steps), loader, rank, world, heldout)
 
 
 def heldout_batches(setup: Setup) -> list:

@@ -28,7 +28,7 @@ import os
 import threading
 
 _CORES: list[tuple[int, ...]] = [()]  # the helpers' cores; () leaves them to the scheduler
-_POOL_THREADS: dict[tuple, list[int]] = {}  # (process id, pool): its threads' ids, in start order
+_POOL_THREADS: dict[tuple, list[int]] = {}  # (process id, pool's workers): ids, in start order
 _STARTING = threading.Lock()
 _CAN_BIND = hasattr(os, "sched_setaffinity")  # Linux
 _BLAS_BOUND = [0]  # the BLAS's workers the last call bound (unbound again when () comes)
@@ -51,10 +51,11 @@ def bind_helpers(cores: tuple[int, ...], blas) -> str:
                                                           " (the BLAS's own threads not)")
 
 
-def bind_pool_thread(pool) -> None:
-    """A pool's initializer: bind its starting thread j to helper j's core."""
+def bind_pool_thread(workers: int) -> None:
+    """The initializer of the pool of `workers` threads (layers.thread_pool): bind its
+    starting thread j to helper j's core."""
     with _STARTING:
-        started = _POOL_THREADS.setdefault((os.getpid(), pool), [])  # a forked child anew
+        started = _POOL_THREADS.setdefault((os.getpid(), workers), [])  # a forked child anew
         started.append(threading.get_native_id())
         _bind(0, len(started) - 1)
 

@@ -293,8 +293,9 @@ def test_tiny_validation_against_real_runs(tmp_path):
     assert simulate("--calibrate", "--bench", *synthetic_bench(tmp_path),
                     "--calibration", str(cal)).returncode == 0
 
-    def within_2x(rows: list[dict]) -> bool:
-        return all(0.5 <= r["pred_step_s"] / r["meas_step_s"] <= 2.0 for r in rows)
+    def outside_2x(rows: list[dict]) -> list[tuple]:
+        return [(r["run"], r["rel_err"]) for r in rows
+                if not 0.5 <= r["pred_step_s"] / r["meas_step_s"] <= 2.0]
 
     # the compute is this host's own, measured in the same launch, the links synthetic
     # constants of this host's order: each prediction within a factor of 2 of its run.
@@ -309,11 +310,10 @@ def test_tiny_validation_against_real_runs(tmp_path):
                         "--json", str(report), timeout=180)
         assert done.returncode in (0, 1), done.stderr  # 1: a row off by more than 25%
         rows = json.loads(report.read_text())["rows"]
-        if within_2x(rows):
+        if not outside_2x(rows):
             break
     assert "# legend:" in done.stdout and "sync-ring" in done.stdout
-    for r in rows:
-        assert 0.5 <= r["pred_step_s"] / r["meas_step_s"] <= 2.0, (r["run"], r["rel_err"])
+    assert not outside_2x(rows)
     assert [r["run"] for r in rows] == ["sync-ring", "async-bsp"]
     for r in rows:
         assert r["n"] == 2 and r["meas_step_s"] > 0 and r["pred_step_s"] > 0
